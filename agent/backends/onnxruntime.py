@@ -1,0 +1,199 @@
+"""The ONNX Runtime backend: execution providers picked from config, with a logged fallback.
+
+``onnxruntime`` is imported inside :meth:`OnnxRuntimeBackend.load`, so the agent (and a
+TensorRT-only install) imports without it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from agent.backends.base import BackendOptions, Dim, InferenceError, ModelLoadError, TensorSpec
+
+__all__ = ["CPU_PROVIDER", "ORT_DTYPES", "OnnxRuntimeBackend", "OnnxSession", "select_providers"]
+
+log = logging.getLogger(__name__)
+
+CPU_PROVIDER = "CPUExecutionProvider"
+
+# ONNX Runtime's type strings for the tensor types the wire format can carry.
+ORT_DTYPES: dict[str, np.dtype[Any]] = {
+    f"tensor({ort_name})": np.dtype(np_name)
+    for ort_name, np_name in [
+        ("float", "float32"),
+        ("double", "float64"),
+        ("float16", "float16"),
+        ("int8", "int8"),
+        ("int16", "int16"),
+        ("int32", "int32"),
+        ("int64", "int64"),
+        ("uint8", "uint8"),
+        ("uint16", "uint16"),
+        ("uint32", "uint32"),
+        ("uint64", "uint64"),
+        ("bool", "bool"),
+    ]
+}
+
+
+def _one_line(exc: BaseException) -> str:
+    """ORT messages span lines and carry stack-ish prefixes; events and logs want one line."""
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+def select_providers(requested: Sequence[str], available: Sequence[str]) -> list[str]:
+    """Keep the requested providers this build has, in order, with CPU always last.
+
+    Each requested provider that is missing gets one warning line, so a Jetson that lost its
+    TensorRT libraries says so instead of silently running on the CPU.
+    """
+    chosen: list[str] = []
+    for name in requested:
+        if name == CPU_PROVIDER or name in chosen:
+            continue
+        if name in available:
+            chosen.append(name)
+        else:
+            log.warning(
+                "execution provider %s is not available (available: %s); falling back",
+                name,
+                ", ".join(available) or "none",
+            )
+    chosen.append(CPU_PROVIDER)
+    return chosen
+
+
+def _spec(node_arg: Any, role: str) -> TensorSpec:
+    """One ORT NodeArg as a TensorSpec; types the wire format cannot carry fail the load."""
+    dtype = ORT_DTYPES.get(node_arg.type)
+    if dtype is None:
+        raise ModelLoadError(
+            f"{role} {node_arg.name!r} has type {node_arg.type}, which the agent cannot carry"
+        )
+    shape: tuple[Dim, ...] = tuple(_dim(d) for d in (node_arg.shape or ()))
+    return TensorSpec(name=node_arg.name, dtype=dtype, shape=shape)
+
+
+def _dim(d: object) -> Dim:
+    if isinstance(d, int) and not isinstance(d, bool):
+        return d if d >= 0 else None
+    if isinstance(d, str) and d:
+        return d
+    return None
+
+
+def _provider_options(names: Sequence[str], extra: Mapping[str, object]) -> list[dict[str, str]]:
+    """Per-provider options from ``options.extra["provider_options"]`` ({provider: {k: v}})."""
+    raw = extra.get("provider_options", {})
+    if not isinstance(raw, Mapping):
+        raise ModelLoadError("provider_options must map a provider name to a table of options")
+    result: list[dict[str, str]] = []
+    for name in names:
+        opts = raw.get(name, {})
+        if not isinstance(opts, Mapping):
+            raise ModelLoadError(f"provider_options for {name} must be a table")
+        result.append({str(k): str(v) for k, v in opts.items()})
+    return result
+
+
+class OnnxSession:
+    """A loaded ONNX model. ``run`` may be called from several threads at once."""
+
+    def __init__(self, session: Any, model_file: Path) -> None:
+        self._session: Any = session
+        self.model_file = model_file
+        self._inputs = tuple(_spec(a, "input") for a in session.get_inputs())
+        self._outputs = tuple(_spec(a, "output") for a in session.get_outputs())
+        self._output_names = tuple(spec.name for spec in self._outputs)
+        self._providers = tuple(str(p) for p in session.get_providers())
+
+    @property
+    def inputs(self) -> Sequence[TensorSpec]:
+        return self._inputs
+
+    @property
+    def outputs(self) -> Sequence[TensorSpec]:
+        return self._outputs
+
+    @property
+    def providers(self) -> Sequence[str]:
+        return self._providers
+
+    @property
+    def closed(self) -> bool:
+        return self._session is None
+
+    def run(self, inputs: Mapping[str, npt.NDArray[Any]]) -> dict[str, npt.NDArray[Any]]:
+        """Run once and return every output by name; any ORT failure is an InferenceError."""
+        session = self._session  # one read: a concurrent close() cannot pull it out mid-run
+        if session is None:
+            raise InferenceError("session closed")
+        try:
+            values = session.run(None, dict(inputs))
+        except Exception as exc:
+            raise InferenceError(_one_line(exc)) from exc
+        return dict(zip(self._output_names, values, strict=True))
+
+    def close(self) -> None:
+        """Drop the ORT session now; its memory goes when the last running call returns."""
+        self._session = None
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else ",".join(self._providers)
+        return f"<OnnxSession {self.model_file} {state}>"
+
+
+class OnnxRuntimeBackend:
+    """Loads ``.onnx`` files with ONNX Runtime."""
+
+    name: str = "onnxruntime"
+
+    def load(self, model_file: Path, options: BackendOptions) -> OnnxSession:
+        """Create a session with the configured threads and providers; raise ModelLoadError."""
+        try:
+            import onnxruntime as ort
+        except ImportError as exc:
+            raise ModelLoadError(
+                "onnxruntime is not installed: pip install 'edge-stream-agent[cpu]'"
+            ) from exc
+        if options.intra_op_threads < 0:
+            raise ModelLoadError(f"intra_op_threads must be >= 0, got {options.intra_op_threads}")
+        providers = select_providers(options.providers, ort.get_available_providers())
+        provider_options = _provider_options(providers, options.extra)
+        try:
+            session = ort.InferenceSession(
+                str(model_file),
+                sess_options=self._session_options(ort, options),
+                providers=providers,
+                provider_options=provider_options,
+            )
+        except Exception as exc:
+            raise ModelLoadError(f"cannot load {model_file}: {_one_line(exc)}") from exc
+        result = OnnxSession(session, Path(model_file))
+        dropped = [p for p in providers if p not in result.providers]
+        if dropped:
+            log.warning(
+                "%s: provider(s) %s failed to start; running on %s",
+                model_file,
+                ", ".join(dropped),
+                ", ".join(result.providers),
+            )
+        return result
+
+    @staticmethod
+    def _session_options(ort: Any, options: BackendOptions) -> Any:
+        """One request at a time per call, its ops in order: workers supply the parallelism."""
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = options.intra_op_threads
+        so.inter_op_num_threads = 1
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.log_severity_level = 3  # errors only: the agent logs fallbacks itself
+        return so

@@ -1,0 +1,86 @@
+"""Backends by type key, imported only when first asked for, plus the shared warm-up.
+
+A runtime that is not installed (TensorRT on a laptop, ONNX Runtime on a TensorRT-only box)
+costs a :class:`ModelLoadError` for the versions that need it, never an import error at start.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from agent.backends.base import Backend, InferenceError, ModelLoadError, Session
+
+__all__ = ["BACKENDS", "SUFFIXES", "backend_for_file", "get_backend", "warm_up", "zero_inputs"]
+
+# Model file suffix -> backend name. Which files a version folder may hold is the
+# repository's business (agent.repository); this maps the ones it accepts.
+SUFFIXES: dict[str, str] = {".onnx": "onnxruntime", ".plan": "tensorrt", ".engine": "tensorrt"}
+
+
+def _onnxruntime() -> Backend:
+    from agent.backends.onnxruntime import OnnxRuntimeBackend
+
+    return OnnxRuntimeBackend()
+
+
+def _tensorrt() -> Backend:
+    """agent.backends.tensorrt is optional (and needs tensorrt + pycuda); import it late."""
+    try:
+        module = importlib.import_module("agent.backends.tensorrt")
+        factory: Callable[[], Any] = module.TensorRTBackend
+    except (ImportError, AttributeError) as exc:
+        raise ModelLoadError(f"backend 'tensorrt' is not available in this build ({exc})") from exc
+    backend: Backend = factory()
+    return backend
+
+
+BACKENDS: dict[str, Callable[[], Backend]] = {
+    "onnxruntime": _onnxruntime,
+    "tensorrt": _tensorrt,
+}
+
+
+def get_backend(name: str) -> Backend:
+    """A fresh backend for ``name``; ModelLoadError if unknown or not installed."""
+    factory = BACKENDS.get(name)
+    if factory is None:
+        known = ", ".join(sorted(BACKENDS))
+        raise ModelLoadError(f"unknown backend {name!r} (known: {known})")
+    return factory()
+
+
+def backend_for_file(path: Path | str) -> str:
+    """The backend a model file's suffix implies (``.onnx``, ``.plan`` or ``.engine``)."""
+    suffix = Path(path).suffix.lower()
+    try:
+        return SUFFIXES[suffix]
+    except KeyError:
+        raise ModelLoadError(
+            f"{Path(path).name}: no backend for files ending in {suffix or '(no suffix)'!r}"
+        ) from None
+
+
+def zero_inputs(session: Session) -> dict[str, npt.NDArray[Any]]:
+    """Zeros for every declared input, symbolic or unknown dims set to 1."""
+    return {
+        spec.name: np.zeros(
+            tuple(d if isinstance(d, int) else 1 for d in spec.shape), dtype=spec.dtype
+        )
+        for spec in session.inputs
+    }
+
+
+def warm_up(session: Session) -> None:
+    """Run once on zeros before a version goes live, so a model that loads but cannot run
+    fails here (and is marked ``failed``) instead of on the first request; it also pays
+    the first-run allocation cost up front. Raises :class:`InferenceError`."""
+    outputs = session.run(zero_inputs(session))
+    missing = [spec.name for spec in session.outputs if spec.name not in outputs]
+    if missing:
+        raise InferenceError(f"warm-up returned no {', '.join(missing)}")

@@ -1,0 +1,294 @@
+"""Typed configuration: a TOML file, environment overrides, validation, masked printing.
+
+Every key has a default, so an empty file is a valid configuration. Unknown keys are an error
+that names the key and the file, because a typo in a config that silently falls back to a
+default is the worst kind of edge-box bug: it only shows up in the field.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 (JetPack 6)
+    import tomli as tomllib
+
+ENV_PREFIX = "EDGE_AGENT__"
+SECRET_MASK = "***"
+
+
+class ConfigError(Exception):
+    """One or more problems with the configuration; each line of `problems` names a key."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class QosConfig(_Section):
+    """QoS per message class; a request's own `qos` overrides `reply`."""
+
+    reply: Literal[0, 1, 2] = 1
+    event: Literal[0, 1, 2] = 1
+    status: Literal[0, 1, 2] = 1
+    telemetry: Literal[0, 1, 2] = 0
+    request_subscription: Literal[0, 1, 2] = 1
+
+
+class TlsConfig(_Section):
+    enabled: bool = False
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None  # a secret: masked when printed
+    check_hostname: bool = True
+
+
+class MqttConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=1883, ge=1, le=65535)
+    protocol: Literal["5", "3.1.1"] = "5"
+    topic_prefix: str = "edge"
+    client_id: str = ""  # default: "edge-agent-{device_id}"
+    keepalive_s: int = Field(default=30, ge=5, le=3600)
+    username: str | None = None
+    password_file: Path | None = None  # read at connect time, never printed
+    session_expiry_s: int = Field(default=3600, ge=0)
+    reconnect_min_s: float = Field(default=0.5, gt=0)
+    reconnect_max_s: float = Field(default=30.0, gt=0)
+    max_inflight: int = Field(default=64, ge=1, le=65535)
+    allowed_reply_prefixes: list[str] = Field(default_factory=list)  # default: ["{prefix}/"]
+    tcp_nodelay: bool = True
+    qos: QosConfig = QosConfig()
+    tls: TlsConfig = TlsConfig()
+
+    @field_validator("topic_prefix")
+    @classmethod
+    def _topic_prefix_is_plain(cls, value: str) -> str:
+        if not value or any(c in value for c in "+#\0") or value.startswith("/"):
+            raise ValueError("must be a non-empty topic level without wildcards or a leading '/'")
+        return value.rstrip("/")
+
+
+class ModelsConfig(_Section):
+    repository: Path = Path("models")
+    providers: list[str] = Field(
+        default_factory=lambda: ["CPUExecutionProvider"],
+        description="ONNX Runtime execution providers in order of preference",
+    )
+    intra_op_threads: int = Field(default=0, ge=0)  # 0: cores // workers
+    warmup: bool = True
+
+
+class SchedulerConfig(_Section):
+    workers: int = Field(default=2, ge=1, le=64)
+    queue_size: int = Field(default=256, ge=1)
+    drain_timeout_s: float = Field(default=10.0, ge=0)
+
+
+class LimitsConfig(_Section):
+    """Limits on outside input, applied before decoding (see agent.wire.Limits)."""
+
+    max_payload_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    max_decompressed_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    max_depth: int = Field(default=8, ge=2, le=64)
+    max_map_keys: int = Field(default=64, ge=4)
+    max_tensor_elements: int = Field(default=16 * 1024 * 1024, ge=1)
+    max_tensor_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
+    max_rank: int = Field(default=8, ge=1)
+    max_tensors: int = Field(default=32, ge=1)
+    # Every reply message stays under 128 KB, the AWS IoT Core limit, with room for headers.
+    max_chunk_bytes: int = Field(default=120 * 1024, ge=1024, le=256 * 1024 * 1024)
+
+
+class OutboxConfig(_Section):
+    max_messages: int = Field(default=4096, ge=16)
+    error_reserve: int = Field(default=1024, ge=0)  # room kept for error replies from ingress
+
+
+class TelemetryConfig(_Section):
+    interval_s: float = Field(default=30.0, ge=0)  # 0 disables the telemetry topic
+
+
+class AgentConfig(_Section):
+    device_id: str = Field(default_factory=socket.gethostname)
+    state_dir: Path = Path("var")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["text", "json"] = "text"
+    mqtt: MqttConfig = MqttConfig()
+    models: ModelsConfig = ModelsConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    limits: LimitsConfig = LimitsConfig()
+    outbox: OutboxConfig = OutboxConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
+
+    @field_validator("device_id")
+    @classmethod
+    def _device_id_is_a_topic_level(cls, value: str) -> str:
+        if not value or len(value) > 64 or any(c in value for c in "/+#\0 "):
+            raise ValueError("must be 1-64 characters without '/', '+', '#', spaces")
+        return value
+
+    @property
+    def root_topic(self) -> str:
+        return f"{self.mqtt.topic_prefix}/{self.device_id}"
+
+    @property
+    def reply_prefixes(self) -> list[str]:
+        return self.mqtt.allowed_reply_prefixes or [f"{self.mqtt.topic_prefix}/"]
+
+    @property
+    def client_id(self) -> str:
+        return self.mqtt.client_id or f"edge-agent-{self.device_id}"
+
+
+SECRET_KEYS = frozenset({"password", "password_file", "key_file", "token"})
+
+
+def load_config(path: Path | None, environ: Mapping[str, str] | None = None) -> AgentConfig:
+    """Read `path` (None: defaults only), apply `EDGE_AGENT__...` overrides, validate.
+
+    Relative paths in the file resolve against the file's folder, so a service started from
+    any working directory finds the same models.
+    """
+    environ = os.environ if environ is None else environ
+    source = str(path) if path is not None else "<defaults>"
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError([f"{source}: file not found"]) from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError([f"{source}: invalid TOML: {e}"]) from None
+        except OSError as e:
+            raise ConfigError([f"{source}: cannot read: {e.strerror}"]) from None
+    problems = _apply_environment(data, environ)
+    if problems:
+        raise ConfigError(problems)
+    try:
+        config = AgentConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError([_describe(err, source, environ) for err in e.errors()]) from None
+    base = path.parent.resolve() if path is not None else Path.cwd()
+    return _resolve_paths(config, base)
+
+
+def _apply_environment(data: dict[str, Any], environ: Mapping[str, str]) -> list[str]:
+    """`EDGE_AGENT__MQTT__PORT=1884` sets `[mqtt] port`; values parse as TOML when they can."""
+    problems = []
+    for name, raw in sorted(environ.items()):
+        if not name.startswith(ENV_PREFIX):
+            continue
+        keys = [k.lower() for k in name[len(ENV_PREFIX) :].split("__")]
+        if not all(keys):
+            problems.append(f"environment {name}: empty key level")
+            continue
+        target = data
+        for key in keys[:-1]:
+            child = target.setdefault(key, {})
+            if not isinstance(child, dict):
+                problems.append(f"environment {name}: '{key}' is not a section")
+                break
+            target = child
+        else:
+            target[keys[-1]] = _parse_env_value(raw)
+    return problems
+
+
+def _parse_env_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _describe(err: Any, source: str, environ: Mapping[str, str]) -> str:
+    key = ".".join(str(p) for p in err["loc"])
+    env_name = ENV_PREFIX + "__".join(str(p).upper() for p in err["loc"])
+    origin = f"environment {env_name}" if env_name in environ else source
+    if err["type"] == "extra_forbidden":
+        return f"{origin}: unknown key '{key}'"
+    return f"{origin}: {key}: {err['msg']}"
+
+
+def _resolve_paths(config: AgentConfig, base: Path) -> AgentConfig:
+    def resolve(p: Path | None) -> Path | None:
+        if p is None:
+            return None
+        p = p.expanduser()
+        return p if p.is_absolute() else (base / p)
+
+    tls = config.mqtt.tls.model_copy(
+        update={
+            "ca_file": resolve(config.mqtt.tls.ca_file),
+            "cert_file": resolve(config.mqtt.tls.cert_file),
+            "key_file": resolve(config.mqtt.tls.key_file),
+        }
+    )
+    mqtt = config.mqtt.model_copy(
+        update={"tls": tls, "password_file": resolve(config.mqtt.password_file)}
+    )
+    models = config.models.model_copy(update={"repository": resolve(config.models.repository)})
+    return config.model_copy(
+        update={"mqtt": mqtt, "models": models, "state_dir": resolve(config.state_dir)}
+    )
+
+
+def masked_dict(config: AgentConfig) -> dict[str, Any]:
+    """The effective configuration as plain data, with every secret replaced by a mask."""
+
+    def mask(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {
+                k: (SECRET_MASK if k in SECRET_KEYS and v is not None else mask(v))
+                for k, v in node.items()
+            }
+        if isinstance(node, list):
+            return [mask(v) for v in node]
+        return node
+
+    result: dict[str, Any] = mask(config.model_dump(mode="json"))
+    return result
+
+
+def to_toml(data: Mapping[str, Any], _prefix: str = "") -> str:
+    """Render plain config data as TOML (scalars first, then sections) for check-config."""
+    lines: list[str] = []
+    tables = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            tables.append((key, value))
+        elif value is not None:
+            lines.append(f"{key} = {_toml_value(value)}")
+    out = "\n".join(lines)
+    for key, value in tables:
+        name = f"{_prefix}{key}"
+        body = to_toml(value, f"{name}.")
+        out += (
+            f"\n\n[{name}]\n{body}" if body and not body.startswith("\n") else f"\n\n[{name}]{body}"
+        )
+    return out.strip("\n") if not _prefix else out
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    text = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{text}"'

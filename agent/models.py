@@ -1,0 +1,488 @@
+"""Loaded model versions: loading, leases, the serving version, drain and unload.
+
+Invariants this module keeps:
+
+1. A version is never closed while a request holds a lease on it: retiring a version only
+   marks it; the last lease to end closes it (or the drain timeout does, at shutdown).
+2. A broken version never replaces a working one: a new version is loaded, checked and
+   warmed up before the serving pointer moves, and a failure leaves the old one serving.
+
+`sync()` makes the loaded state match the repository on disk. It is idempotent, so the
+watcher (or a timer) may call it as often as it likes; loading happens outside the state
+lock, so requests keep leasing the serving version while a new one warms up.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+from agent import wire
+from agent.backends.base import BackendOptions, ModelLoadError, Session, TensorSpec
+from agent.backends.registry import get_backend, warm_up
+from agent.repository import (
+    ModelConfig,
+    ModelInfo,
+    StreamConfig,
+    VersionInfo,
+    check_signature,
+    file_fingerprint,
+    scan_repository,
+    verify_checksum,
+)
+
+log = logging.getLogger(__name__)
+
+State = Literal["loading", "ready", "failed", "draining", "unloaded"]
+Fingerprint = tuple[int, int]
+
+
+@dataclass
+class LoadedVersion:
+    """A ready session plus what requests need to run it."""
+
+    model: str
+    version: int
+    session: Session
+    config: ModelConfig
+    backend: str
+    leases: int = 0
+    retired: bool = False
+    closed: bool = False
+
+
+@dataclass
+class VersionRecord:
+    """What the inventory says about one version folder."""
+
+    state: State
+    backend: str | None
+    error: str | None = None
+    fingerprint: Fingerprint | None = None
+    loaded: LoadedVersion | None = None
+
+
+@dataclass
+class ModelRecord:
+    name: str
+    config: ModelConfig = field(default_factory=ModelConfig)
+    serving: LoadedVersion | None = None
+    versions: dict[int, VersionRecord] = field(default_factory=dict)
+
+
+class Lease:
+    """Holds one version open for the length of a request (a context manager)."""
+
+    def __init__(self, manager: ModelManager, loaded: LoadedVersion) -> None:
+        self._manager = manager
+        self.loaded = loaded
+        self._released = False
+
+    @property
+    def session(self) -> Session:
+        return self.loaded.session
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._manager._release(self.loaded)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+Event = dict[str, Any]
+
+
+class ModelManager:
+    def __init__(
+        self,
+        repository: Path,
+        options: BackendOptions,
+        *,
+        warmup: bool = True,
+        on_event: Callable[[Event], None] = lambda event: None,
+        on_inventory: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._root = repository
+        self._options = options
+        self._warmup = warmup
+        self._on_event = on_event
+        self._on_inventory = on_inventory
+        self._lock = threading.Lock()  # guards the records; held only briefly
+        self._sync_lock = threading.Lock()  # one sync at a time; held while loading
+        self._idle = threading.Condition(self._lock)
+        self._models: dict[str, ModelRecord] = {}
+        self._closed = False
+
+    # -- requests --------------------------------------------------------------------------
+
+    def lease(self, model: str, version: int | None = None) -> Lease:
+        """Lease the serving version, or a pinned loaded one; raise a WireError otherwise."""
+        with self._lock:
+            record = self._models.get(model)
+            if record is None or (record.serving is None and not record.versions):
+                raise wire.WireError("unknown_model", f"no model named '{model}'")
+            if version is None:
+                loaded = record.serving
+                if loaded is None:
+                    raise wire.WireError("unknown_model", f"model '{model}' has no ready version")
+            else:
+                entry = record.versions.get(version)
+                loaded = entry.loaded if entry is not None else None
+                if loaded is None or loaded.retired:
+                    ready = sorted(v for v, r in record.versions.items() if r.state == "ready")
+                    raise wire.WireError(
+                        "unknown_version",
+                        f"version {version} of '{model}' is not loaded (loaded: {ready})",
+                    )
+            loaded.leases += 1
+            return Lease(self, loaded)
+
+    def _release(self, loaded: LoadedVersion) -> None:
+        close = False
+        with self._lock:
+            loaded.leases -= 1
+            if loaded.retired and loaded.leases == 0 and not loaded.closed:
+                loaded.closed = close = True
+            self._idle.notify_all()
+        if close:
+            self._close_version(loaded)
+
+    def serving_inputs(self, model: str) -> Sequence[TensorSpec] | None:
+        """Inputs of the serving version, to reject bad requests before they queue."""
+        with self._lock:
+            record = self._models.get(model)
+            if record is None or record.serving is None:
+                return None
+            return record.serving.session.inputs
+
+    def stream_config(self, model: str) -> StreamConfig | None:
+        with self._lock:
+            record = self._models.get(model)
+            return record.config.stream if record is not None else None
+
+    def has_model(self, model: str) -> bool:
+        with self._lock:
+            return model in self._models
+
+    def ready(self) -> bool:
+        with self._lock:
+            return all(r.serving is not None for r in self._models.values())
+
+    # -- inventory -------------------------------------------------------------------------
+
+    def inventory(self) -> dict[str, Any]:
+        """The retained `ROOT/models` payload of the contract."""
+        with self._lock:
+            models: dict[str, Any] = {}
+            for name, record in sorted(self._models.items()):
+                versions: dict[str, Any] = {}
+                for number, entry in sorted(record.versions.items()):
+                    item: dict[str, Any] = {"state": entry.state, "backend": entry.backend}
+                    if entry.error:
+                        item["error"] = entry.error
+                    if entry.loaded is not None and entry.state == "ready":
+                        item["providers"] = list(entry.loaded.session.providers)
+                    versions[str(number)] = item
+                models[name] = {
+                    "serving": record.serving.version if record.serving else None,
+                    "versions": versions,
+                }
+            return {"models": models}
+
+    # -- reconciling with the disk -----------------------------------------------------------
+
+    def sync(self) -> None:
+        """Load what is new, retire what is gone; never blocks requests while loading."""
+        with self._sync_lock:
+            if self._closed:
+                return
+            found = scan_repository(self._root)
+            for name in sorted(set(self._models) - set(found)):
+                self._remove_model(name)
+            for _, info in sorted(found.items()):
+                self._sync_model(info)
+
+    def _sync_model(self, info: ModelInfo) -> None:
+        with self._lock:
+            record = self._models.setdefault(info.name, ModelRecord(info.name))
+        changed = False
+        if info.config_error is not None:
+            for version in info.versions.values():
+                changed |= self._mark_failed(record, version, info.config_error, announce=True)
+            if changed:
+                self._on_inventory()
+            return
+        config = info.config or ModelConfig()
+        record.config = config
+        # Versions whose folders are gone: drain and unload.
+        for number in sorted(set(record.versions) - set(info.versions)):
+            self._retire(record, number, removed=True)
+            changed = True
+        for number, version in sorted(info.versions.items()):
+            if number not in record.versions:
+                record.versions[number] = VersionRecord("unloaded", version.backend)
+                changed = True
+        if self._choose_and_load(record, info, config) or changed:
+            self._on_inventory()
+
+    def _choose_and_load(self, record: ModelRecord, info: ModelInfo, config: ModelConfig) -> bool:
+        """Bring the serving version to the policy's choice. True when anything changed."""
+        policy = config.policy
+        if policy.version_policy == "pinned" and policy.pinned is not None:
+            candidates = [policy.pinned] if policy.pinned in info.versions else []
+        else:
+            candidates = sorted(info.versions, reverse=True)
+        changed = False
+        for number in candidates:
+            entry = record.versions[number]
+            if entry.state == "ready" and entry.loaded is not None:
+                if record.serving is not entry.loaded:
+                    self._swap(record, entry.loaded)
+                    changed = True
+                break
+            version = info.versions[number]
+            fingerprint = _fingerprint(version)
+            if entry.state == "failed" and entry.fingerprint == fingerprint:
+                continue  # the same broken files: do not retry until they change
+            loaded = self._load(record, version, fingerprint)
+            changed = True
+            if loaded is not None:
+                self._swap(record, loaded)
+                break
+        changed |= self._trim(record, config.policy.keep_loaded)
+        return changed
+
+    def _load(
+        self, record: ModelRecord, version: VersionInfo, fingerprint: Fingerprint | None
+    ) -> LoadedVersion | None:
+        entry = record.versions[version.version]
+        with self._lock:
+            entry.state, entry.error, entry.fingerprint = "loading", None, fingerprint
+        self._on_inventory()
+        started = time.monotonic()
+        try:
+            session = self._open(record, version)
+        except ModelLoadError as e:
+            self._mark_failed(record, version, str(e), announce=True)
+            return None
+        loaded = LoadedVersion(
+            record.name, version.version, session, record.config, version.backend or "?"
+        )
+        with self._lock:
+            entry.state, entry.loaded, entry.backend = "ready", loaded, loaded.backend
+        seconds = time.monotonic() - started
+        log.info(
+            "model %s v%d ready (%s, providers %s) in %.2f s",
+            record.name,
+            version.version,
+            loaded.backend,
+            ",".join(session.providers),
+            seconds,
+        )
+        self._on_event(
+            {
+                "type": "model_loaded",
+                "model": record.name,
+                "version": version.version,
+                "backend": loaded.backend,
+                "providers": list(session.providers),
+                "load_s": round(seconds, 4),
+            }
+        )
+        return loaded
+
+    def _open(self, record: ModelRecord, version: VersionInfo) -> Session:
+        if version.problem is not None:
+            raise ModelLoadError(version.problem)
+        if version.model_file is None or version.backend is None:
+            raise ModelLoadError("no model file in the version folder")
+        problem = verify_checksum(version)
+        if problem is not None:
+            raise ModelLoadError(problem)
+        backend = get_backend(version.backend)
+        session = backend.load(version.model_file, self._options)
+        try:
+            problems = check_signature(record.config, session)
+            if problems:
+                raise ModelLoadError("; ".join(problems))
+            if self._warmup:
+                warm_up(session)
+        except Exception as e:
+            session.close()
+            if isinstance(e, ModelLoadError):
+                raise
+            raise ModelLoadError(f"warm-up failed: {e}") from e
+        return session
+
+    def _mark_failed(
+        self, record: ModelRecord, version: VersionInfo, error: str, *, announce: bool
+    ) -> bool:
+        fingerprint = _fingerprint(version)
+        with self._lock:
+            entry = record.versions.setdefault(
+                version.version, VersionRecord("unloaded", version.backend)
+            )
+            if (
+                entry.state == "failed"
+                and entry.error == error
+                and entry.fingerprint == fingerprint
+            ):
+                return False
+            if entry.loaded is not None and entry.state == "ready":
+                return False  # a ready version stays ready; a broken config only stops new loads
+            entry.state, entry.error, entry.fingerprint = "failed", error, fingerprint
+        log.error("model %s v%d failed to load: %s", record.name, version.version, error)
+        if announce:
+            self._on_event(
+                {
+                    "type": "model_load_failed",
+                    "model": record.name,
+                    "version": version.version,
+                    "error": error,
+                }
+            )
+        return True
+
+    def _swap(self, record: ModelRecord, loaded: LoadedVersion) -> None:
+        with self._lock:
+            previous, record.serving = record.serving, loaded
+        if previous is not None and previous is not loaded:
+            log.info(
+                "model %s: serving v%d (was v%d)", record.name, loaded.version, previous.version
+            )
+            self._on_event(
+                {
+                    "type": "model_swapped",
+                    "model": record.name,
+                    "from": previous.version,
+                    "to": loaded.version,
+                }
+            )
+
+    def _trim(self, record: ModelRecord, keep_older: int) -> bool:
+        """Keep the serving version and `keep_older` older ready ones loaded; retire the rest."""
+        serving = record.serving.version if record.serving else None
+        ready = sorted(
+            (n for n, e in record.versions.items() if e.state == "ready" and n != serving),
+            reverse=True,
+        )
+        older = [n for n in ready if serving is None or n < serving]
+        keep = set(older[:keep_older])
+        changed = False
+        for number in ready:
+            if number not in keep:
+                self._retire(record, number, removed=False)
+                changed = True
+        return changed
+
+    def _retire(self, record: ModelRecord, number: int, *, removed: bool) -> None:
+        close = None
+        with self._lock:
+            entry = record.versions.get(number)
+            if entry is None:
+                return
+            loaded = entry.loaded
+            if loaded is not None and record.serving is loaded:
+                record.serving = None
+            if loaded is not None:
+                loaded.retired = True
+                entry.state = "draining"
+                if loaded.leases == 0 and not loaded.closed:
+                    loaded.closed = True
+                    close = loaded
+            elif removed:
+                del record.versions[number]
+        if close is not None:
+            self._close_version(close)
+
+    def _close_version(self, loaded: LoadedVersion) -> None:
+        """Free a version's memory now (never left to the garbage collector)."""
+        try:
+            loaded.session.close()
+        except Exception:
+            log.exception("model %s v%d: close failed", loaded.model, loaded.version)
+        with self._lock:
+            record = self._models.get(loaded.model)
+            entry = record.versions.get(loaded.version) if record else None
+            if entry is not None and entry.loaded is loaded:
+                entry.loaded = None
+                entry.state = "unloaded"
+        log.info("model %s v%d unloaded", loaded.model, loaded.version)
+        self._on_event({"type": "model_unloaded", "model": loaded.model, "version": loaded.version})
+        self._on_inventory()
+
+    def _remove_model(self, name: str) -> None:
+        record = self._models[name]
+        for number in list(record.versions):
+            self._retire(record, number, removed=True)
+        with self._lock:
+            if not any(e.loaded for e in record.versions.values()):
+                del self._models[name]
+        self._on_inventory()
+
+    # -- shutdown ----------------------------------------------------------------------------
+
+    def close(self, drain_timeout: float = 10.0) -> None:
+        """Retire everything, wait for leases up to `drain_timeout`, then close all sessions."""
+        with self._sync_lock:
+            self._closed = True
+            deadline = time.monotonic() + drain_timeout
+            with self._lock:
+                while any(
+                    e.loaded and e.loaded.leases
+                    for r in self._models.values()
+                    for e in r.versions.values()
+                ):
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._idle.wait(remaining)
+                loaded = [
+                    e.loaded
+                    for r in self._models.values()
+                    for e in r.versions.values()
+                    if e.loaded is not None and not e.loaded.closed
+                ]
+                for item in loaded:
+                    item.closed = item.retired = True
+                for record in self._models.values():
+                    record.serving = None
+            for item in loaded:
+                try:
+                    item.session.close()
+                except Exception:
+                    log.exception("model %s v%d: close failed", item.model, item.version)
+
+
+def _fingerprint(version: VersionInfo) -> Fingerprint | None:
+    if version.model_file is None:
+        return None
+    try:
+        return file_fingerprint(version.model_file)
+    except OSError:
+        return None
+
+
+def summarize(inventory: Mapping[str, Any]) -> str:
+    """One line per model for logs and the CLI."""
+    lines = []
+    for name, model in inventory.get("models", {}).items():
+        states = ", ".join(f"v{n}:{v['state']}" for n, v in model["versions"].items())
+        lines.append(f"{name}: serving {model['serving']} ({states})")
+    return "\n".join(lines)

@@ -1,0 +1,239 @@
+"""How one request's output becomes a stream of messages: the three modes and byte parts.
+
+* `whole`: one run, one chunk (or one `result`).
+* `batch`: the leading axis `micro_batch` items at a time, one chunk per slice (`index` = the
+  first item of the slice).
+* `steps`: the model is one decode step; outputs are fed back as inputs (`feed`, `state`) and
+  each step's `emit` outputs go out as one chunk the moment the step finishes.
+
+Each chunk is handed to the :class:`ReplyStream`, which numbers it, splits it into `part`
+messages when it would exceed `max_chunk_bytes`, and queues it for the publisher: inference
+never waits on the network.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import cbor2
+import numpy as np
+
+from agent import wire
+from agent.backends.base import Array, InferenceError, Session
+from agent.outbox import OutMessage
+from agent.repository import StreamConfig
+
+Arrays = dict[str, Array]
+
+# Room for the envelope around a part's `data` and for the MQTT header and topic.
+PART_OVERHEAD = 512
+
+
+class Cancelled(Exception):
+    """The agent is stopping and this request could not finish in time."""
+
+
+def encode_with_outputs(fields: Mapping[str, Any], outputs_cbor: bytes) -> bytes:
+    """CBOR of `{**fields, "outputs": <outputs_cbor>}` without decoding or re-encoding outputs.
+
+    The outputs are encoded once (their size decides whether parts are needed), so the
+    envelope is assembled around those bytes instead of encoding the tensors a second time.
+    """
+    count = len(fields) + 1
+    head = bytes([0xA0 + count]) if count < 24 else bytes([0xB8, count])
+    body = b"".join(cbor2.dumps(k) + cbor2.dumps(v) for k, v in fields.items())
+    return head + body + cbor2.dumps("outputs") + outputs_cbor
+
+
+@dataclass
+class ReplyStream:
+    """The reply messages of one request: numbering, parts, exactly one terminal message."""
+
+    request_id: str
+    model: str
+    version: int
+    topic: str
+    qos: int
+    max_chunk_bytes: int
+    send: Callable[[OutMessage], None]
+    properties: Any = None  # MQTT 5 properties (correlation data) carried on every message
+    seq: int = 0
+    chunks: int = 0
+    finished: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def _fields(self, type_: str, **extra: Any) -> dict[str, Any]:
+        fields = wire.reply_envelope(
+            request_id=self.request_id,
+            seq=self.seq,
+            type=type_,
+            model=self.model,
+            version=self.version,
+            **extra,
+        )
+        self.seq += 1
+        return fields
+
+    def _emit(self, payload: bytes) -> None:
+        self.send(OutMessage(self.topic, payload, self.qos, False, self.properties))
+
+    def chunk(self, outputs: Mapping[str, Array], index: int) -> None:
+        outputs_cbor = wire.encode_outputs(outputs)
+        if len(outputs_cbor) + PART_OVERHEAD <= self.max_chunk_bytes:
+            self._emit(encode_with_outputs(self._fields("chunk", index=index), outputs_cbor))
+            self.chunks += 1
+            return
+        pieces = wire.split_parts(outputs_cbor, self.max_chunk_bytes - PART_OVERHEAD)
+        for k, data in enumerate(pieces):
+            fields = self._fields("chunk", index=index, part=[k, len(pieces)], data=data)
+            self._emit(wire.encode_payload(fields))
+            self.chunks += 1
+
+    def _terminal(self, payload_fields: dict[str, Any]) -> bool:
+        with self._lock:
+            if self.finished:
+                return False
+            self.finished = True
+        self._emit(wire.encode_payload(payload_fields))
+        return True
+
+    def end(self, timing: Mapping[str, float]) -> bool:
+        return self._terminal(self._fields("end", chunks=self.chunks, timing=dict(timing)))
+
+    def result(self, outputs: Mapping[str, Array], timing: Mapping[str, float]) -> bool:
+        outputs_cbor = wire.encode_outputs(outputs)
+        if len(outputs_cbor) + PART_OVERHEAD > self.max_chunk_bytes:
+            # One message cannot hold it: stream the parts, then close with `end`.
+            self.chunk(outputs, 0)
+            return self.end(timing)
+        with self._lock:
+            if self.finished:
+                return False
+            self.finished = True
+        fields = self._fields("result", timing=dict(timing))
+        self._emit(encode_with_outputs(fields, outputs_cbor))
+        return True
+
+    def error(self, code: str, message: str) -> bool:
+        return self._terminal(self._fields("error", code=code, message=message[:500]))
+
+
+@dataclass
+class RunStats:
+    infer_s: float = 0.0
+    runs: int = 0
+
+
+@dataclass
+class Execution:
+    """One request run against one leased session. `cancelled` is checked between pieces."""
+
+    session: Session
+    stream_config: StreamConfig
+    inputs: Arrays
+    params: Mapping[str, Any]
+    cancelled: threading.Event
+    stats: RunStats = field(default_factory=RunStats)
+
+    def _run(self, inputs: Mapping[str, Array]) -> Arrays:
+        if self.cancelled.is_set():
+            raise Cancelled
+        started = time.perf_counter()
+        outputs = self.session.run(inputs)
+        self.stats.infer_s += time.perf_counter() - started
+        self.stats.runs += 1
+        return outputs
+
+    def pieces(self) -> Iterator[tuple[int, Arrays]]:
+        """Yield `(index, outputs)` for each chunk, as soon as each exists."""
+        mode = self.stream_config.mode
+        if mode == "whole":
+            yield 0, self._run(self.inputs)
+        elif mode == "batch":
+            yield from self._batch()
+        else:
+            yield from self._steps()
+
+    def _batch(self) -> Iterator[tuple[int, Arrays]]:
+        sizes = {v.shape[0] if v.ndim else None for v in self.inputs.values()}
+        if len(sizes) != 1 or None in sizes:
+            raise wire.WireError(
+                "bad_request", "batch mode needs every input to share the same leading axis"
+            )
+        total = int(next(iter(sizes)) or 0)
+        step = self.stream_config.micro_batch
+        for start in range(0, total, step):
+            part = {k: v[start : start + step] for k, v in self.inputs.items()}
+            yield start, self._run(part)
+
+    def max_steps(self) -> int:
+        limit = self.stream_config.max_steps
+        asked = self.params.get("max_steps")
+        if asked is None:
+            return limit
+        if isinstance(asked, bool) or not isinstance(asked, int) or not 1 <= asked <= limit:
+            raise wire.WireError(
+                "bad_request", f"params.max_steps must be an integer from 1 to {limit}"
+            )
+        return asked
+
+    def _steps(self) -> Iterator[tuple[int, Arrays]]:
+        config = self.stream_config
+        state_outputs = set(config.state.values())
+        emit = config.emit if config.emit is not None else None
+        inputs = dict(self.inputs)
+        for step in range(self.max_steps()):
+            outputs = self._run(inputs)
+            names = emit if emit is not None else [n for n in outputs if n not in state_outputs]
+            yield step, {n: outputs[n] for n in names}
+            if config.stop is not None and _all_equal(
+                outputs[config.stop.output], config.stop.value
+            ):
+                return
+            for target, source in (*config.feed.items(), *config.state.items()):
+                value = outputs[source]
+                expected = inputs[target]
+                if value.dtype != expected.dtype or value.shape != expected.shape:
+                    raise InferenceError(
+                        f"cannot feed output '{source}' {value.dtype}{list(value.shape)} "
+                        f"into input '{target}' {expected.dtype}{list(expected.shape)}"
+                    )
+                inputs[target] = value
+
+
+def _all_equal(array: Array, value: float) -> bool:
+    return bool(np.all(array == value))
+
+
+def initial_state(session: Session, config: StreamConfig, inputs: Arrays) -> Arrays:
+    """Zero-filled state inputs the request did not give (symbolic dims: the batch size)."""
+    if config.mode != "steps":
+        return inputs
+    given = [v for v in inputs.values() if v.ndim]
+    batch = int(given[0].shape[0]) if given else 1
+    full = dict(inputs)
+    for spec in session.inputs:
+        if spec.name in config.state and spec.name not in full:
+            shape = tuple(d if isinstance(d, int) else batch for d in spec.shape)
+            full[spec.name] = np.zeros(shape, dtype=spec.dtype)
+    return full
+
+
+def merge_pieces(mode: str, pieces: list[tuple[int, Arrays]]) -> Arrays:
+    """The whole output for `stream: false`.
+
+    `batch` slices are concatenated back along the leading axis; `steps` outputs are stacked
+    on a new leading axis (one entry per step), so `result` carries exactly what the chunks
+    would have carried.
+    """
+    if not pieces:
+        return {}
+    if mode == "whole":
+        return pieces[0][1]
+    names = list(pieces[0][1])
+    join = np.concatenate if mode == "batch" else np.stack
+    return {n: join([p[1][n] for p in pieces], axis=0) for n in names}

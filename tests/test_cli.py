@@ -1,0 +1,125 @@
+"""The `edge-agent` commands as an operator runs them: real processes, a real broker."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+CLI = [sys.executable, "-m", "agent.cli"]
+ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+
+
+def run_cli(*args: str, timeout: float = 30, **kw) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, *args], capture_output=True, text=True, timeout=timeout, env=ENV, **kw
+    )
+
+
+def test_check_config_prints_masked_config(tmp_path: Path):
+    (tmp_path / "models").mkdir()
+    (tmp_path / "secret.txt").write_text("hunter2\n")
+    path = tmp_path / "agent.toml"
+    path.write_text(
+        'device_id = "box-1"\n[mqtt]\nusername = "agent"\npassword_file = "secret.txt"\n'
+        '[models]\nrepository = "models"\n'
+    )
+    result = run_cli("check-config", "--config", str(path))
+    assert result.returncode == 0, result.stderr
+    assert 'device_id = "box-1"' in result.stdout
+    assert 'password_file = "***"' in result.stdout
+    assert "secret.txt" not in result.stdout and "hunter2" not in result.stdout
+    assert f'repository = "{tmp_path / "models"}"' in result.stdout
+
+
+def test_check_config_one_line_per_problem(tmp_path: Path):
+    path = tmp_path / "agent.toml"
+    path.write_text("[mqtt]\nport = 99999\nbogus = 1\n[scheduler]\nworkers = 0\n")
+    result = run_cli("check-config", "--config", str(path))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 3
+    assert all(line.startswith(f"error: {path}: ") for line in lines)
+    assert any("unknown key 'mqtt.bogus'" in line for line in lines)
+    assert any("mqtt.port" in line for line in lines)
+    assert any("scheduler.workers" in line for line in lines)
+
+
+def test_check_config_reports_missing_repository(tmp_path: Path):
+    path = tmp_path / "agent.toml"
+    path.write_text('[models]\nrepository = "nowhere"\n')
+    result = run_cli("check-config", "--config", str(path))
+    assert result.returncode == 2 and "models.repository: folder not found" in result.stderr
+
+
+def test_run_request_subscribe_models(broker, repository, tmp_path: Path):
+    config = tmp_path / "agent.toml"
+    config.write_text(
+        f'device_id = "cli-box"\nstate_dir = "{tmp_path / "state"}"\n'
+        f'[mqtt]\nhost = "{broker.host}"\nport = {broker.port}\n'
+        f'[models]\nrepository = "{repository}"\n'
+    )
+    agent = subprocess.Popen(
+        [*CLI, "run", "--config", str(config), "--log-format", "json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    try:
+        subscriber = subprocess.Popen(
+            [*CLI, "subscribe", "--config", str(config), "--count", "5", "--duration", "20"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=ENV,
+        )
+        np.save(tmp_path / "token.npy", np.array([[1]], dtype=np.int64))
+        models = run_cli("models", "--config", str(config), "--timeout", "10")
+        assert models.returncode == 0, models.stderr
+        assert '"serving": 1' in models.stdout
+        result = run_cli(
+            "request",
+            "--config",
+            str(config),
+            "decoder",
+            "--input",
+            f"token={tmp_path / 'token.npy'}",
+            "--param",
+            "max_steps=3",
+        )
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.splitlines()
+        assert sum(" chunk seq=" in line for line in lines) == 3
+        assert any("end chunks=3" in line for line in lines)
+        assert "first chunk" in lines[-1]
+        bad = run_cli(
+            "request",
+            "--config",
+            str(config),
+            "nosuch",
+            "--input",
+            f"token={tmp_path / 'token.npy'}",
+            "--timeout",
+            "5",
+        )
+        assert bad.returncode == 1 and "unknown_model" in bad.stderr
+        out, _ = subscriber.communicate(timeout=25)
+        assert "edge/cli-box/status" in out and "online" in out
+    finally:
+        agent.terminate()
+        out, err = agent.communicate(timeout=20)
+    assert agent.returncode == 0, err[-2000:]
+    assert '"msg": "stopped"' in err
+    assert all(line.startswith("{") for line in err.strip().splitlines())
+
+
+def test_local_models_listing(repository, tmp_path: Path):
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[models]\nrepository = "{repository}"\n')
+    result = run_cli("models", "--local", "--config", str(config))
+    assert result.returncode == 0
+    assert "decoder" in result.stdout and "v1  onnxruntime" in result.stdout

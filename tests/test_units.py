@@ -1,0 +1,137 @@
+"""Unit tests of the pieces with no broker: scheduler, outbox, config, backoff, epoch."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from agent.config import ConfigError, load_config, masked_dict, to_toml
+from agent.outbox import Outbox, OutboxClosed, OutMessage
+from agent.scheduler import Scheduler
+from agent.transport import EpochStore, backoff_delays
+
+
+def test_scheduler_priority_then_fifo_and_deadlines():
+    gate = threading.Event()
+    order: list[str] = []
+    expired: list[str] = []
+    done = threading.Event()
+
+    def execute(job: str, queued: float) -> None:
+        if job == "block":
+            gate.wait(5)
+            return
+        order.append(job)
+        if len(order) == 5:
+            done.set()
+
+    scheduler: Scheduler[str] = Scheduler(
+        workers=1, queue_size=10, execute=execute, expire=expired.append, cancel=lambda j: None
+    )
+    scheduler.start()
+    assert scheduler.submit("block", 9)
+    time.sleep(0.05)
+    for job, priority in [("low-a", 1), ("high-a", 8), ("low-b", 1), ("high-b", 8), ("mid", 4)]:
+        assert scheduler.submit(job, priority)
+    assert scheduler.submit("late", 9, deadline_s=0.0)
+    gate.set()
+    assert done.wait(5)
+    assert order == ["high-a", "high-b", "mid", "low-a", "low-b"]
+    assert expired == ["late"]
+    scheduler.stop(1)
+
+
+def test_scheduler_refuses_when_full_and_cancels_on_stop():
+    gate = threading.Event()
+    cancelled: list[str] = []
+    scheduler: Scheduler[str] = Scheduler(
+        workers=1,
+        queue_size=2,
+        execute=lambda j, q: gate.wait(5),
+        expire=lambda j: None,
+        cancel=cancelled.append,
+    )
+    scheduler.start()
+    assert scheduler.submit("running", 4)
+    time.sleep(0.05)
+    assert scheduler.submit("a", 4) and scheduler.submit("b", 4)
+    assert not scheduler.submit("c", 4)  # full: the caller answers `overloaded`
+    gate.set()
+    scheduler.stop(2)
+    assert sorted(cancelled) in (["a", "b"], ["b"], [])
+    assert not scheduler.submit("after", 4)
+
+
+def test_outbox_blocks_when_full_and_keeps_order():
+    box = Outbox(max_messages=2, reserve=1)
+    box.put(OutMessage("t", b"1", 1))
+    box.put(OutMessage("t", b"2", 1))
+    with pytest.raises(TimeoutError):
+        box.put(OutMessage("t", b"3", 1), timeout=0.05)
+    assert box.put_nowait_reserved(OutMessage("t", b"err", 1))
+    assert not box.put_nowait_reserved(OutMessage("t", b"err2", 1))
+    assert box.rejected == 1
+    first = box.get(0.1)
+    assert first is not None and first.payload == b"1"
+    box.unget(first)
+    assert [box.get(0.1).payload for _ in range(3)] == [b"1", b"2", b"err"]  # type: ignore[union-attr]
+    box.close()
+    with pytest.raises(OutboxClosed):
+        box.put(OutMessage("t", b"x", 1))
+    assert box.get(0.1) is None
+
+
+def test_backoff_is_capped_and_jittered():
+    delay = backoff_delays(0.5, 30.0, random.Random(1))
+    samples = [delay(n) for n in range(12)]
+    assert all(0.5 <= s <= 30.0 for s in samples)
+    assert len({round(s, 3) for s in samples}) == len(samples)
+    assert max(delay(40) for _ in range(200)) <= 30.0
+
+
+def test_epoch_grows_and_survives_restart(tmp_path: Path):
+    store = EpochStore(tmp_path / "epoch")
+    assert store.next() == 1
+    store.commit(store.next())
+    store.commit(store.next())
+    assert EpochStore(tmp_path / "epoch").value == 2
+
+
+def test_config_errors_name_key_and_file(tmp_path: Path):
+    path = tmp_path / "agent.toml"
+    path.write_text('[mqtt]\nport = "x"\nhostt = "a"\n[models]\nrepository = "m"\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path, {})
+    problems = info.value.problems
+    assert f"{path}: unknown key 'mqtt.hostt'" in problems
+    assert any(p.startswith(f"{path}: mqtt.port:") for p in problems)
+
+
+def test_config_environment_overrides_and_masking(tmp_path: Path):
+    path = tmp_path / "agent.toml"
+    path.write_text(
+        'device_id = "box"\n[mqtt]\nport = 1883\nusername = "u"\npassword_file = "pw"\n'
+    )
+    config = load_config(
+        path, {"EDGE_AGENT__MQTT__PORT": "1884", "EDGE_AGENT__MQTT__PROTOCOL": "3.1.1"}
+    )
+    assert config.mqtt.port == 1884 and config.mqtt.protocol == "3.1.1"
+    assert config.mqtt.password_file == tmp_path / "pw"
+    text = to_toml(masked_dict(config))
+    assert 'password_file = "***"' in text and "pw" not in text.replace("password_file", "")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, {"EDGE_AGENT__MQTT__NOPE": "1"})
+    assert info.value.problems == ["environment EDGE_AGENT__MQTT__NOPE: unknown key 'mqtt.nope'"]
+
+
+def test_config_rejects_bad_toml_and_missing_file(tmp_path: Path):
+    path = tmp_path / "bad.toml"
+    path.write_text("device_id = \n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(path, {})
+    with pytest.raises(ConfigError, match="file not found"):
+        load_config(tmp_path / "missing.toml", {})
