@@ -1,6 +1,7 @@
 """`edge-agent demo`: the whole path on one box, and the number that matters to a backend.
 
-It builds a GRU decoder step in code, serves it from a temporary model repository, starts a
+It builds a GRU decoder step in code (sized so that a step costs about what a small language
+model's does on an edge CPU), serves it from a temporary model repository, starts a
 private Mosquitto when no broker is given, runs the agent in this process, and sends the
 same 32-step request streamed and with `stream: false`, printing when each chunk arrived.
 """
@@ -20,6 +21,8 @@ from agent.client import AgentClient
 from agent.config import load_config
 from agent.service import Agent
 
+DEMO_VOCAB, DEMO_EMBED, DEMO_HIDDEN = 4096, 256, 1024
+
 DECODER_CONFIG = """\
 [stream]
 mode = "steps"
@@ -33,7 +36,8 @@ emit = ["next_token"]
 def make_demo_repository(root: Path, steps: int) -> Path:
     models = root / "models"
     (models / "decoder" / "1").mkdir(parents=True)
-    demo_models.save(demo_models.gru_decoder(), models / "decoder" / "1" / "model.onnx")
+    model = demo_models.gru_decoder(vocab=DEMO_VOCAB, embed=DEMO_EMBED, hidden=DEMO_HIDDEN)
+    demo_models.save(model, models / "decoder" / "1" / "model.onnx")
     (models / "decoder" / "config.toml").write_text(DECODER_CONFIG.format(steps=steps))
     return models
 
@@ -71,7 +75,8 @@ def run_demo(host: str | None, port: int, steps: int, repeats: int) -> int:
                 return 1
             print(
                 f"agent ready in {(time.perf_counter() - started) * 1000:.0f} ms; "
-                f"model 'decoder' (GRU step, {steps} steps)"
+                f"model 'decoder' (GRU step: vocab {DEMO_VOCAB}, hidden {DEMO_HIDDEN}), "
+                f"{steps} steps"
             )
             with AgentClient(host, port, device_id="demo") as client:
                 return _show(client, steps, repeats)

@@ -1,0 +1,140 @@
+"""Start, stop and the messages around them: events, telemetry, draining, provider fallback."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import numpy as np
+
+from agent import wire
+from agent.config import load_config
+from agent.service import Agent, intra_op_threads
+from tests.conftest import agent_config
+
+
+def _listen(client, topic: str) -> queue.Queue[dict]:
+    messages: queue.Queue[dict] = queue.Queue()
+    client.listen(topic, lambda t, m, raw: messages.put(m))
+    return messages
+
+
+def test_stop_answers_queued_requests_with_shutting_down(broker, repository, make_client, tmp_path):
+    config = agent_config(
+        tmp_path, broker, repository, SCHEDULER__WORKERS="1", SCHEDULER__DRAIN_TIMEOUT_S="5"
+    )
+    agent = Agent(config)
+    agent.start()
+    assert agent.wait_ready(10)
+    client = make_client(broker, agent)
+    replies = _listen(client, f"{agent.root}/result/mlp/+")
+    x = np.random.default_rng(0).standard_normal((512, 16)).astype(np.float32)
+    for i in range(20):
+        body = {"id": f"stop-{i}", "inputs": {"x": x}}
+        client.publish_raw(f"{agent.root}/infer/mlp", wire.encode_payload(body), qos=1)
+    time.sleep(0.05)
+    agent.stop()
+    terminal: dict[str, dict] = {}
+    deadline = time.monotonic() + 5
+    while len(terminal) < 20 and time.monotonic() < deadline:
+        try:
+            message = replies.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if message["type"] != "chunk":
+            assert message["id"] not in terminal
+            terminal[message["id"]] = message
+    # Every request the agent took was answered exactly once; those it never took were
+    # still on the broker (or refused) when it stopped.
+    outcomes = {m.get("code", m["type"]) for m in terminal.values()}
+    assert outcomes <= {"end", "shutting_down"}
+    assert "shutting_down" in outcomes
+
+
+def test_running_request_is_cancelled_after_the_drain_timeout(
+    broker, repository, make_client, tmp_path
+):
+    config = agent_config(tmp_path, broker, repository, SCHEDULER__DRAIN_TIMEOUT_S="0")
+    agent = Agent(config)
+    agent.start()
+    assert agent.wait_ready(10)
+    client = make_client(broker, agent)
+    replies = _listen(client, f"{agent.root}/result/mlp/long-1")
+    x = np.random.default_rng(0).standard_normal((60_000, 16)).astype(np.float32)
+    body = {"id": "long-1", "inputs": {"x": x}}
+    client.publish_raw(f"{agent.root}/infer/mlp", wire.encode_payload(body), qos=1)
+    deadline = time.monotonic() + 5
+    while agent.scheduler.busy == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    agent.stop()
+    messages = []
+    while True:
+        try:
+            messages.append(replies.get(timeout=0.5))
+        except queue.Empty:
+            break
+    assert messages and messages[-1]["type"] == "error"
+    assert messages[-1]["code"] == "shutting_down"
+    assert sum(m["type"] == "error" for m in messages) == 1
+
+
+def test_events_and_telemetry(broker, repository, make_agent, make_client):
+    agent = make_agent(broker, repository, TELEMETRY__INTERVAL_S="0.5")
+    client = make_client(broker, agent)
+    telemetry = _listen(client, f"{agent.root}/telemetry")
+    list(client.request("decoder", {"token": np.array([[1]], dtype=np.int64)}))
+    snapshot = telemetry.get(timeout=3)
+    if snapshot["counters"].get("requests_ok", 0) < 1:
+        snapshot = telemetry.get(timeout=3)
+    assert snapshot["counters"]["requests_ok"] >= 1
+    assert {"queue_depth", "busy_workers", "outbox_depth", "reconnects"} <= set(snapshot["gauges"])
+    assert isinstance(snapshot["ts"], int) and snapshot["epoch"] == agent.epoch
+
+
+def test_load_events_reach_a_subscriber_that_was_waiting(broker, repository, make_client, tmp_path):
+    config = agent_config(tmp_path, broker, repository)
+    from agent.client import AgentClient
+
+    with AgentClient(
+        broker.host, broker.port, device_id=config.device_id, topic_prefix="edge"
+    ) as watcher:
+        events = _listen(watcher, f"edge/{config.device_id}/events")
+        agent = Agent(config)
+        agent.start()
+        try:
+            loaded = set()
+            deadline = time.monotonic() + 5
+            while len(loaded) < 3 and time.monotonic() < deadline:
+                try:
+                    event = events.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                if event["type"] == "model_loaded":
+                    assert event["version"] == 1 and event["backend"] == "onnxruntime"
+                    assert event["providers"] == ["CPUExecutionProvider"]
+                    loaded.add(event["model"])
+            assert loaded == {"decoder", "mlp", "classifier"}
+        finally:
+            agent.stop()
+
+
+def test_missing_provider_falls_back_and_reports_what_runs(
+    broker, repository, make_agent, make_client
+):
+    agent = make_agent(
+        broker, repository, MODELS__PROVIDERS='["CUDAExecutionProvider", "CPUExecutionProvider"]'
+    )
+    inventory = agent.models.inventory()["models"]["decoder"]["versions"]["1"]
+    assert inventory["state"] == "ready"
+    assert inventory["providers"] == ["CPUExecutionProvider"]
+
+
+def test_intra_op_threads_fit_the_cores(tmp_path):
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    config = load_config(None, {"EDGE_AGENT__SCHEDULER__WORKERS": "2"})
+    assert intra_op_threads(config) == max(1, cores // 2)
+    assert intra_op_threads(config) * config.scheduler.workers <= max(cores, 2)
+    pinned = load_config(None, {"EDGE_AGENT__MODELS__INTRA_OP_THREADS": "3"})
+    assert intra_op_threads(pinned) == 3
