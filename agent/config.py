@@ -89,6 +89,13 @@ class ModelsConfig(_Section):
     )
     intra_op_threads: int = Field(default=0, ge=0)  # 0: cores // workers
     warmup: bool = True
+    # Hot swap: how new versions are noticed and when their files count as complete.
+    watch: Literal["auto", "inotify", "poll", "off"] = "auto"
+    settle_s: float = Field(default=1.0, ge=0)  # files written in place: unchanged this long
+    debounce_s: float = Field(default=0.2, ge=0)
+    poll_interval_s: float = Field(default=1.0, gt=0)  # the polling observer's period
+    rescan_s: float = Field(default=30.0, gt=0)  # full rescan, the backstop for lost events
+    drain_timeout_s: float = Field(default=30.0, ge=0)  # a replaced version's leases
 
 
 class SchedulerConfig(_Section):
@@ -108,6 +115,7 @@ class LimitsConfig(_Section):
     max_tensor_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
     max_rank: int = Field(default=8, ge=1)
     max_tensors: int = Field(default=32, ge=1)
+    max_items: int = Field(default=65536, ge=16)  # CBOR items in one payload (arrays, maps, ...)
     # Every reply message stays under 128 KB, the AWS IoT Core limit, with room for headers.
     max_chunk_bytes: int = Field(default=120 * 1024, ge=1024, le=256 * 1024 * 1024)
 

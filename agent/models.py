@@ -54,6 +54,7 @@ class LoadedVersion:
     backend: str
     leases: int = 0
     retired: bool = False
+    retired_at: float = 0.0
     closed: bool = False
 
 
@@ -66,6 +67,7 @@ class VersionRecord:
     error: str | None = None
     fingerprint: Fingerprint | None = None
     loaded: LoadedVersion | None = None
+    removed: bool = False  # the folder is gone: forget the entry once it is closed
 
 
 @dataclass
@@ -117,6 +119,8 @@ class ModelManager:
         warmup: bool = True,
         on_event: Callable[[Event], None] = lambda event: None,
         on_inventory: Callable[[], None] = lambda: None,
+        settle_s: float = 1.0,
+        drain_timeout_s: float = 30.0,
     ) -> None:
         self._root = repository
         self._options = options
@@ -128,6 +132,12 @@ class ModelManager:
         self._idle = threading.Condition(self._lock)
         self._models: dict[str, ModelRecord] = {}
         self._closed = False
+        self._settle_s = settle_s
+        self._drain_timeout_s = drain_timeout_s
+        self._complete: set[Path] = set()  # version folders renamed into place
+        self._seen: dict[tuple[str, int], tuple[Fingerprint | None, float]] = {}
+        self._first_sync = True
+        self._next_check: float | None = None
 
     # -- requests --------------------------------------------------------------------------
 
@@ -207,37 +217,54 @@ class ModelManager:
 
     # -- reconciling with the disk -----------------------------------------------------------
 
-    def sync(self) -> None:
-        """Load what is new, retire what is gone; never blocks requests while loading."""
+    def sync(self) -> float | None:
+        """Load what is new and complete, retire what is gone; never blocks requests.
+
+        Returns the seconds after which another sync is needed because some version's files
+        are still settling (written in place, not yet unchanged for `settle_s`), else None.
+        """
         with self._sync_lock:
             if self._closed:
-                return
-            found = scan_repository(self._root)
+                return None
+            self._next_check = None
+            try:
+                found = scan_repository(self._root)
+            except OSError as e:
+                log.error("cannot scan the model repository %s: %s", self._root, e)
+                return None
             for name in sorted(set(self._models) - set(found)):
                 self._remove_model(name)
             for _, info in sorted(found.items()):
                 self._sync_model(info)
+            self._first_sync = False
+            self._reap()
+            return self._next_check
+
+    def mark_complete(self, version_folder: Path) -> None:
+        """A version folder was renamed into place: its files are complete at once."""
+        with self._lock:
+            self._complete.add(version_folder.resolve())
 
     def _sync_model(self, info: ModelInfo) -> None:
         with self._lock:
             record = self._models.setdefault(info.name, ModelRecord(info.name))
-        changed = False
+            new = [n for n in info.versions if n not in record.versions]
+            for number in new:
+                record.versions[number] = VersionRecord("unloaded", info.versions[number].backend)
+        changed = bool(new)
         if info.config_error is not None:
             for version in info.versions.values():
-                changed |= self._mark_failed(record, version, info.config_error, announce=True)
+                changed |= self._mark_failed(record, version, info.config_error)
             if changed:
                 self._on_inventory()
             return
         config = info.config or ModelConfig()
-        record.config = config
+        with self._lock:
+            record.config = config
         # Versions whose folders are gone: drain and unload.
         for number in sorted(set(record.versions) - set(info.versions)):
             self._retire(record, number, removed=True)
             changed = True
-        for number, version in sorted(info.versions.items()):
-            if number not in record.versions:
-                record.versions[number] = VersionRecord("unloaded", version.backend)
-                changed = True
         if self._choose_and_load(record, info, config) or changed:
             self._on_inventory()
 
@@ -260,6 +287,10 @@ class ModelManager:
             fingerprint = _fingerprint(version)
             if entry.state == "failed" and entry.fingerprint == fingerprint:
                 continue  # the same broken files: do not retry until they change
+            if entry.state == "draining":
+                continue  # retired, still held by a request: not a candidate
+            if not self._settled(version, fingerprint):
+                continue  # still being written: a lower ready version keeps serving meanwhile
             loaded = self._load(record, version, fingerprint)
             changed = True
             if loaded is not None:
@@ -267,6 +298,29 @@ class ModelManager:
                 break
         changed |= self._trim(record, config.policy.keep_loaded)
         return changed
+
+    def _settled(self, version: VersionInfo, fingerprint: Fingerprint | None) -> bool:
+        """Files count as complete once renamed into place, or unchanged for `settle_s`.
+
+        The newest mtime of the version's files must be `settle_s` old, and the fingerprint
+        the same as at the previous look (a write in between restarts the wait).
+        """
+        with self._lock:
+            if version.path.resolve() in self._complete:
+                return True
+        key = (version.model, version.version)
+        stamp = _newest_mtime(version.path)
+        now = time.time()
+        previous = self._seen.get(key)
+        self._seen[key] = (fingerprint, stamp)
+        age = now - stamp
+        if age >= self._settle_s and previous is not None and previous == (fingerprint, stamp):
+            return True
+        if age >= self._settle_s and previous is None and self._first_sync:
+            return True  # present and untouched when the agent started
+        wait = max(self._settle_s - age, 0.05) if age < self._settle_s else 0.05
+        self._next_check = wait if self._next_check is None else min(self._next_check, wait)
+        return False
 
     def _load(
         self, record: ModelRecord, version: VersionInfo, fingerprint: Fingerprint | None
@@ -279,7 +333,7 @@ class ModelManager:
         try:
             session = self._open(record, version)
         except ModelLoadError as e:
-            self._mark_failed(record, version, str(e), announce=True)
+            self._mark_failed(record, version, str(e))
             return None
         loaded = LoadedVersion(
             record.name, version.version, session, record.config, version.backend or "?"
@@ -316,9 +370,14 @@ class ModelManager:
         if problem is not None:
             raise ModelLoadError(problem)
         backend = get_backend(version.backend)
-        session = backend.load(version.model_file, self._options)
+        session = backend.load(
+            version.model_file, record.config.backend_options.apply(self._options)
+        )
         try:
             problems = check_signature(record.config, session)
+            serving = record.serving
+            if serving is not None and record.config.policy.require_compatible:
+                problems += incompatibilities(serving.session, session, serving.version)
             if problems:
                 raise ModelLoadError("; ".join(problems))
             if self._warmup:
@@ -330,9 +389,7 @@ class ModelManager:
             raise ModelLoadError(f"warm-up failed: {e}") from e
         return session
 
-    def _mark_failed(
-        self, record: ModelRecord, version: VersionInfo, error: str, *, announce: bool
-    ) -> bool:
+    def _mark_failed(self, record: ModelRecord, version: VersionInfo, error: str) -> bool:
         fingerprint = _fingerprint(version)
         with self._lock:
             entry = record.versions.setdefault(
@@ -348,15 +405,14 @@ class ModelManager:
                 return False  # a ready version stays ready; a broken config only stops new loads
             entry.state, entry.error, entry.fingerprint = "failed", error, fingerprint
         log.error("model %s v%d failed to load: %s", record.name, version.version, error)
-        if announce:
-            self._on_event(
-                {
-                    "type": "model_load_failed",
-                    "model": record.name,
-                    "version": version.version,
-                    "error": error,
-                }
-            )
+        self._on_event(
+            {
+                "type": "model_load_failed",
+                "model": record.name,
+                "version": version.version,
+                "error": error,
+            }
+        )
         return True
 
     def _swap(self, record: ModelRecord, loaded: LoadedVersion) -> None:
@@ -398,10 +454,12 @@ class ModelManager:
             if entry is None:
                 return
             loaded = entry.loaded
+            entry.removed = entry.removed or removed
             if loaded is not None and record.serving is loaded:
                 record.serving = None
             if loaded is not None:
-                loaded.retired = True
+                if not loaded.retired:
+                    loaded.retired, loaded.retired_at = True, time.monotonic()
                 entry.state = "draining"
                 if loaded.leases == 0 and not loaded.closed:
                     loaded.closed = True
@@ -423,6 +481,8 @@ class ModelManager:
             if entry is not None and entry.loaded is loaded:
                 entry.loaded = None
                 entry.state = "unloaded"
+                if entry.removed and record is not None:
+                    del record.versions[loaded.version]
         log.info("model %s v%d unloaded", loaded.model, loaded.version)
         self._on_event({"type": "model_unloaded", "model": loaded.model, "version": loaded.version})
         self._on_inventory()
@@ -435,6 +495,35 @@ class ModelManager:
             if not any(e.loaded for e in record.versions.values()):
                 del self._models[name]
         self._on_inventory()
+
+    def _reap(self) -> None:
+        """Close retired versions still leased after the drain timeout.
+
+        A request that holds a version that long is stuck; its next run fails with
+        `model_error` rather than keeping the memory of a replaced version forever.
+        """
+        now = time.monotonic()
+        with self._lock:
+            overdue = [
+                e.loaded
+                for r in self._models.values()
+                for e in r.versions.values()
+                if e.loaded is not None
+                and e.loaded.retired
+                and not e.loaded.closed
+                and now - e.loaded.retired_at >= self._drain_timeout_s
+            ]
+            for loaded in overdue:
+                loaded.closed = True
+        for loaded in overdue:
+            log.warning(
+                "model %s v%d: %d request(s) still hold it after the %.0f s drain timeout; closing",
+                loaded.model,
+                loaded.version,
+                loaded.leases,
+                self._drain_timeout_s,
+            )
+            self._close_version(loaded)
 
     # -- shutdown ----------------------------------------------------------------------------
 
@@ -468,6 +557,47 @@ class ModelManager:
                     item.session.close()
                 except Exception:
                     log.exception("model %s v%d: close failed", item.model, item.version)
+
+
+def incompatibilities(old: Session, new: Session, old_version: int) -> list[str]:
+    """How `new` differs from the version it would replace, in what requests and replies see."""
+    problems = []
+    for role, before, after in (
+        ("input", old.inputs, new.inputs),
+        ("output", old.outputs, new.outputs),
+    ):
+        was = {s.name: s for s in before}
+        now = {s.name: s for s in after}
+        if set(was) != set(now):
+            problems.append(f"{role}s {sorted(now)} differ from v{old_version}'s {sorted(was)}")
+            continue
+        for name, spec in now.items():
+            prior = was[name]
+            fixed_differ = any(
+                isinstance(a, int) and isinstance(b, int) and a != b
+                for a, b in zip(prior.shape, spec.shape, strict=False)
+            )
+            if spec.dtype != prior.dtype or spec.rank != prior.rank or fixed_differ:
+                problems.append(
+                    f"{role} {spec.describe()} is incompatible with v{old_version}'s "
+                    f"{prior.describe()}"
+                )
+    return problems
+
+
+def _newest_mtime(folder: Path) -> float:
+    """The latest modification time of a version folder and the files in it."""
+    newest = 0.0
+    try:
+        newest = folder.stat().st_mtime
+        for child in folder.iterdir():
+            try:
+                newest = max(newest, child.stat().st_mtime)
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return newest
 
 
 def _fingerprint(version: VersionInfo) -> Fingerprint | None:

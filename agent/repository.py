@@ -178,6 +178,9 @@ class PolicyConfig(_Strict):
     version_policy: Literal["latest", "pinned"] = "latest"
     pinned: int | None = Field(default=None, ge=1)
     keep_loaded: int = Field(default=1, ge=0)
+    # A new version must have the inputs and outputs of the one it replaces (names, dtypes,
+    # ranks, fixed dims), so subscribers and requesters need no change; false allows any.
+    require_compatible: bool = True
 
     @model_validator(mode="after")
     def _pinned_needs_version(self) -> PolicyConfig:

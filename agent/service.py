@@ -29,6 +29,7 @@ from agent.outbox import Outbox, OutMessage
 from agent.scheduler import Scheduler
 from agent.streaming import Cancelled, Execution, ReplyStream, initial_state, merge_pieces
 from agent.transport import EpochStore, Incoming, Transport
+from agent.watcher import RepositoryWatcher
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class Agent:
             max_tensor_bytes=config.limits.max_tensor_bytes,
             max_rank=config.limits.max_rank,
             max_tensors=config.limits.max_tensors,
+            max_items=config.limits.max_items,
         )
         self.counters: Counter[str] = Counter()
         self._counter_lock = threading.Lock()
@@ -89,6 +91,16 @@ class Agent:
             warmup=config.models.warmup,
             on_event=self.publish_event,
             on_inventory=self._publish_inventory,
+            settle_s=config.models.settle_s,
+            drain_timeout_s=config.models.drain_timeout_s,
+        )
+        self.watcher = RepositoryWatcher(
+            config.models.repository,
+            self.models,
+            mode=config.models.watch,
+            debounce_s=config.models.debounce_s,
+            poll_interval_s=config.models.poll_interval_s,
+            rescan_s=config.models.rescan_s,
         )
         self.scheduler: Scheduler[Job] = Scheduler(
             workers=config.scheduler.workers,
@@ -118,13 +130,27 @@ class Agent:
 
     def start(self) -> None:
         self.config.state_dir.mkdir(parents=True, exist_ok=True)
-        self.models.sync()
+        self._load_models()
         summary = summarize(self.models.inventory())
         log.info("models:\n%s", summary or f"(none found in {self.config.models.repository})")
         self._accepting = True
         self.scheduler.start()
         self.transport.start()
         self._housekeeping.start()
+        if self.config.models.repository.is_dir():
+            self.watcher.start()
+
+    def _load_models(self) -> None:
+        """Load the repository before serving; wait for files still being written.
+
+        A version written just before the start is loaded once it settled, so the first
+        request finds it warm; the wait is bounded, and the watcher takes over after it.
+        """
+        again = self.models.sync()
+        deadline = time.monotonic() + max(5.0, 3 * self.config.models.settle_s)
+        while again is not None and time.monotonic() < deadline:
+            time.sleep(again)
+            again = self.models.sync()
 
     def wait_ready(self, timeout: float) -> bool:
         """True once the broker is connected (models are loaded before `start` returns)."""
@@ -143,6 +169,7 @@ class Agent:
         )
         self._accepting = False
         self._stop.set()
+        self.watcher.close()
         drain = self.config.scheduler.drain_timeout_s
         cancel_timer = threading.Timer(drain, self._cancel_running)
         cancel_timer.name = "drain-timer"
@@ -251,12 +278,13 @@ class Agent:
             candidate = payload.get("reply_to", incoming.response_topic)
             if isinstance(candidate, str) and self._reply_allowed(candidate):
                 reply_to = candidate
+        qos = payload.get("qos") if payload is not None else None
         stream = self._reply_stream(
             request_id,
             model,
             None,
             reply_to,
-            None,
+            qos if qos in (0, 1, 2) and not isinstance(qos, bool) else None,
             incoming.correlation_data,
             self._send_nowait,
         )
@@ -287,7 +315,8 @@ class Agent:
         with self._counter_lock:
             count, self._bad_unreported = self._bad_unreported, 0
             reason = self._bad_last_reason
-            self._bad_last_report = time.monotonic()
+            if count:
+                self._bad_last_report = time.monotonic()
         if count:
             self.publish_event({"type": "bad_request", "count": count, "reason": reason[:300]})
 
@@ -405,7 +434,8 @@ class Agent:
         interval = self.config.telemetry.interval_s
         next_telemetry = time.monotonic() + interval if interval else None
         while not self._stop.wait(0.5):
-            self._report_bad_requests()
+            if time.monotonic() - self._bad_last_report >= BAD_REQUEST_REPORT_S:
+                self._report_bad_requests()
             if next_telemetry is not None and time.monotonic() >= next_telemetry:
                 next_telemetry += interval
                 self._publish_telemetry()

@@ -88,6 +88,7 @@ def agent_config(
         "EDGE_AGENT__MQTT__HOST": f'"{broker.host}"',
         "EDGE_AGENT__MQTT__PORT": str(broker.port),
         "EDGE_AGENT__TELEMETRY__INTERVAL_S": "0",
+        "EDGE_AGENT__MODELS__SETTLE_S": "0.1",
         **{f"EDGE_AGENT__{k.upper()}": v for k, v in env.items()},
     }
     return load_config(path, environ)

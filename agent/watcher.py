@@ -1,0 +1,145 @@
+"""Turns file events in the model repository into `ModelManager.sync()` calls.
+
+A watchdog observer (inotify on Linux) reports changes; they are debounced (a `cp` of an
+engine is hundreds of write events) and a sync runs on this module's own thread, so loading
+and warming up a new version never happens on the network or a worker thread. Where inotify
+does not work (network mounts, some container setups) watchdog's polling observer is used.
+A periodic rescan is the backstop for any event that was lost; syncs are idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from watchdog.events import FileSystemEventHandler
+
+log = logging.getLogger(__name__)
+
+WatchMode = Literal["auto", "inotify", "poll", "off"]
+
+
+class Syncable(Protocol):
+    def sync(self) -> float | None: ...
+
+    def mark_complete(self, version_folder: Path) -> None: ...
+
+
+class RepositoryWatcher:
+    """`start()` then `close()`. Thread `model-watcher` runs every sync after the first."""
+
+    def __init__(
+        self,
+        root: Path,
+        manager: Syncable,
+        *,
+        mode: WatchMode = "auto",
+        debounce_s: float = 0.2,
+        poll_interval_s: float = 1.0,
+        rescan_s: float = 30.0,
+    ) -> None:
+        self._root = root
+        self._manager = manager
+        self._mode = mode
+        self._debounce_s = debounce_s
+        self._poll_interval_s = poll_interval_s
+        self._rescan_s = rescan_s
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._last_event = 0.0
+        self._observer: Any = None
+        self.backend = "off"
+        self.syncs = 0
+        self._thread = threading.Thread(target=self._run, name="model-watcher", daemon=True)
+
+    def start(self) -> None:
+        if self._mode != "off":
+            self._observer = self._start_observer()
+        self._thread.start()
+
+    def _start_observer(self) -> Any:
+        from watchdog.observers import Observer
+        from watchdog.observers.polling import PollingObserver
+
+        handler = _Handler(self)
+        if self._mode in ("auto", "inotify"):
+            try:
+                observer = Observer()
+                observer.schedule(handler, str(self._root), recursive=True)
+                observer.start()
+                self.backend = type(observer).__name__
+                return observer
+            except OSError as e:
+                if self._mode == "inotify":
+                    raise
+                log.warning("watcher: native file events unavailable (%s); polling instead", e)
+        observer = PollingObserver(timeout=self._poll_interval_s)
+        observer.schedule(handler, str(self._root), recursive=True)
+        observer.start()
+        self.backend = "PollingObserver"
+        return observer
+
+    def notify(self, moved_in: Path | None = None) -> None:
+        """A change happened (called from the observer's thread)."""
+        if moved_in is not None:
+            self._manager.mark_complete(moved_in)
+        self._last_event = time.monotonic()
+        self._wake.set()
+
+    def _run(self) -> None:
+        next_due: float | None = time.monotonic() + self._rescan_s
+        while not self._stop.is_set():
+            timeout = None if next_due is None else max(0.0, next_due - time.monotonic())
+            woke = self._wake.wait(timeout)
+            if self._stop.is_set():
+                return
+            if woke:
+                self._debounce()
+                self._wake.clear()
+            try:
+                again = self._manager.sync()
+            except Exception:
+                log.exception("watcher: sync failed")
+                again = None
+            self.syncs += 1
+            rescan = time.monotonic() + self._rescan_s
+            next_due = rescan if again is None else min(rescan, time.monotonic() + again)
+
+    def _debounce(self) -> None:
+        """Wait until no event came for `debounce_s` (at most 10 debounce periods)."""
+        limit = time.monotonic() + 10 * self._debounce_s
+        while not self._stop.is_set():
+            quiet = time.monotonic() - self._last_event
+            if quiet >= self._debounce_s or time.monotonic() >= limit:
+                return
+            self._stop.wait(self._debounce_s - quiet)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._observer is not None:
+            self._observer.stop()
+            self._observer.join(5)
+        if self._thread.is_alive():
+            self._thread.join(5)
+
+
+class _Handler(FileSystemEventHandler):  # type: ignore[misc, unused-ignore]
+    """Every change under the repository wakes the watcher; reads do not."""
+
+    def __init__(self, watcher: RepositoryWatcher) -> None:
+        super().__init__()
+        self._watcher = watcher
+
+    def dispatch(self, event: Any) -> None:
+        moved_in = None
+        if getattr(event, "event_type", "") == "moved" and getattr(event, "is_directory", False):
+            dest = Path(str(event.dest_path))
+            if dest.name.isdigit():
+                moved_in = dest
+        if getattr(event, "event_type", "") in ("opened", "closed_no_write"):
+            return  # reads (our own loads) are not changes
+        self._watcher.notify(moved_in)

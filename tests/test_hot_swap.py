@@ -1,0 +1,312 @@
+"""Hot swap: versions dropped into the watched folder while the agent serves, none dropped."""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from agent import demo_models
+from agent.backends.base import BackendOptions
+from agent.client import AgentError
+from agent.models import ModelManager
+
+BATCH_CONFIG = '[stream]\nmode = "batch"\nmicro_batch = 4\n'
+
+
+def mlp_bytes(seed: int, inputs: int = 16) -> bytes:
+    return demo_models.to_bytes(demo_models.mlp(inputs=inputs, seed=seed))
+
+
+def direct(seed: int, x: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(mlp_bytes(seed), providers=["CPUExecutionProvider"])
+    return session.run(["y"], {"x": x})[0]
+
+
+def make_repo(root: Path, versions: dict[int, int], extra_config: str = "") -> Path:
+    """models/mlp/{version}/model.onnx from mlp(seed=...), batch mode."""
+    (root / "mlp").mkdir(parents=True)
+    (root / "mlp" / "config.toml").write_text(BATCH_CONFIG + extra_config)
+    for version, seed in versions.items():
+        (root / "mlp" / str(version)).mkdir()
+        (root / "mlp" / str(version) / "model.onnx").write_bytes(mlp_bytes(seed))
+    return root
+
+
+def drop_version(root: Path, model: str, version: int, data: bytes, sha256: str | None = None):
+    """What an OTA tool does: write into a hidden staging folder, then rename into place."""
+    staging = root / model / f".{version}.tmp"
+    staging.mkdir()
+    (staging / "model.onnx").write_bytes(data)
+    if sha256 is not None:
+        (staging / "model.sha256").write_text(f"{sha256}  model.onnx\n")
+    os.rename(staging, root / model / str(version))
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
+
+
+def serving(agent, model: str = "mlp"):
+    return agent.models.inventory()["models"].get(model, {}).get("serving")
+
+
+def listen_events(client, agent) -> queue.Queue[dict]:
+    events: queue.Queue[dict] = queue.Queue()
+    client.listen(f"{agent.root}/events", lambda t, m, raw: events.put(m))
+    return events
+
+
+def drain(events: queue.Queue[dict]) -> list[dict]:
+    out = []
+    while True:
+        try:
+            out.append(events.get_nowait())
+        except queue.Empty:
+            return out
+
+
+@pytest.mark.slow
+def test_three_swaps_under_continuous_load(broker, make_agent, make_client, tmp_path):
+    root = make_repo(tmp_path / "models", {1: 101})
+    agent = make_agent(broker, root, MODELS__DEBOUNCE_S="0.05")
+    client = make_client(broker, agent)
+    x = np.random.default_rng(5).standard_normal((6, 16)).astype(np.float32)
+    expected = {v: direct(100 + v, x) for v in (1, 2, 3, 4)}
+    results: list[tuple[int | None, np.ndarray | None, str | None]] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        replies = []
+        while not stop.is_set():
+            replies.append(client.request("mlp", {"x": x}, timeout=20))
+            time.sleep(0.01)
+        for reply in replies:
+            try:
+                chunks = list(reply)
+                assert reply.end is not None and reply.end.chunks == len(chunks) == 2
+                results.append(
+                    (reply.version, np.concatenate([c.outputs["y"] for c in chunks]), None)
+                )
+            except AgentError as e:
+                results.append((None, None, e.code))
+
+    thread = threading.Thread(target=load, name="test-load")
+    thread.start()
+    try:
+        time.sleep(0.5)
+        drop_version(root, "mlp", 2, mlp_bytes(102))
+        assert wait_for(lambda: serving(agent) == 2)
+        time.sleep(0.5)
+        drop_version(root, "mlp", 3, mlp_bytes(103))
+        assert wait_for(lambda: serving(agent) == 3)
+        time.sleep(0.5)
+        # The third arrives by an in-place copy, not a rename.
+        (root / "mlp" / "4").mkdir()
+        shutil.copyfile(
+            _write(tmp_path / "m4.onnx", mlp_bytes(104)), root / "mlp" / "4" / "model.onnx"
+        )
+        assert wait_for(lambda: serving(agent) == 4)
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        thread.join(60)
+    assert len(results) > 100
+    failures = [code for _, _, code in results if code is not None]
+    assert failures == []
+    seen = {version for version, _, _ in results}
+    assert seen == {1, 2, 3, 4}
+    for version, outputs, _ in results:
+        np.testing.assert_allclose(outputs, expected[version], rtol=1e-5)
+    # Only the serving version and one older one stay loaded; the rest were closed.
+    versions = agent.models.inventory()["models"]["mlp"]["versions"]
+    assert versions["4"]["state"] == "ready" and versions["3"]["state"] == "ready"
+    assert versions["1"]["state"] == versions["2"]["state"] == "unloaded"
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def test_garbage_version_fails_and_the_old_one_keeps_serving(
+    broker, make_agent, make_client, tmp_path
+):
+    root = make_repo(tmp_path / "models", {1: 101})
+    agent = make_agent(broker, root, MODELS__DEBOUNCE_S="0.05")
+    client = make_client(broker, agent)
+    events = listen_events(client, agent)
+    drop_version(root, "mlp", 2, os.urandom(5000))
+    assert wait_for(
+        lambda: (
+            agent.models.inventory()["models"]["mlp"]["versions"].get("2", {}).get("state")
+            == "failed"
+        )
+    )
+    entry = agent.models.inventory()["models"]["mlp"]["versions"]["2"]
+    assert "cannot load" in entry["error"]
+    assert serving(agent) == 1
+    x = np.ones((4, 16), dtype=np.float32)
+    reply = client.request("mlp", {"x": x})
+    assert len(list(reply)) == 1 and reply.version == 1
+    assert wait_for(lambda: any(e["type"] == "model_load_failed" for e in list(events.queue)))
+    failed = next(e for e in drain(events) if e["type"] == "model_load_failed")
+    assert failed["model"] == "mlp" and failed["version"] == 2 and failed["error"]
+
+    # A fixed copy of the same version is retried and served.
+    fixed = root / "mlp" / "2" / "model.onnx"
+    _write(tmp_path / "fixed.onnx", mlp_bytes(102))
+    os.replace(tmp_path / "fixed.onnx", fixed)
+    assert wait_for(lambda: serving(agent) == 2)
+    assert wait_for(lambda: any(e["type"] == "model_swapped" for e in list(events.queue)))
+    swapped = next(e for e in drain(events) if e["type"] == "model_swapped")
+    assert swapped["from"] == 1 and swapped["to"] == 2
+
+
+def test_slow_copy_in_place_is_served_once_complete(broker, make_agent, tmp_path):
+    root = make_repo(tmp_path / "models", {1: 101})
+    agent = make_agent(broker, root, MODELS__DEBOUNCE_S="0.05", MODELS__SETTLE_S="0.5")
+    data = mlp_bytes(102)
+    (root / "mlp" / "2").mkdir()
+    target = root / "mlp" / "2" / "model.onnx"
+    states = []
+    pieces = np.array_split(np.frombuffer(data, dtype=np.uint8), 20)
+    with open(target, "wb") as f:
+        for piece in pieces:  # 20 writes over 3 s
+            f.write(piece.tobytes())
+            f.flush()
+            states.append(
+                agent.models.inventory()["models"]["mlp"]["versions"].get("2", {}).get("state")
+            )
+            time.sleep(0.15)
+    assert wait_for(lambda: serving(agent) == 2, timeout=10)
+    assert "failed" not in states and "loading" not in states
+    assert "failed" not in {agent.models.inventory()["models"]["mlp"]["versions"]["2"]["state"]}
+
+
+def test_checksum_mismatch_is_refused(broker, make_agent, tmp_path):
+    root = make_repo(tmp_path / "models", {1: 101})
+    agent = make_agent(broker, root, MODELS__DEBOUNCE_S="0.05")
+    drop_version(root, "mlp", 2, mlp_bytes(102), sha256="0" * 64)
+    assert wait_for(
+        lambda: (
+            agent.models.inventory()["models"]["mlp"]["versions"].get("2", {}).get("state")
+            == "failed"
+        )
+    )
+    assert "checksum mismatch" in agent.models.inventory()["models"]["mlp"]["versions"]["2"]["error"]
+    assert serving(agent) == 1
+    import hashlib
+
+    drop_version(root, "mlp", 3, mlp_bytes(103), sha256=hashlib.sha256(mlp_bytes(103)).hexdigest())
+    assert wait_for(lambda: serving(agent) == 3)
+
+
+def test_incompatible_version_is_refused_unless_allowed(broker, make_agent, tmp_path):
+    root = make_repo(tmp_path / "models", {1: 101})
+    agent = make_agent(broker, root, MODELS__DEBOUNCE_S="0.05")
+    drop_version(root, "mlp", 2, mlp_bytes(102, inputs=8))
+    assert wait_for(
+        lambda: (
+            agent.models.inventory()["models"]["mlp"]["versions"].get("2", {}).get("state")
+            == "failed"
+        )
+    )
+    assert "incompatible" in agent.models.inventory()["models"]["mlp"]["versions"]["2"]["error"]
+    assert serving(agent) == 1
+    (root / "mlp" / "config.toml").write_text(
+        BATCH_CONFIG + "[policy]\nrequire_compatible = false\n"
+    )
+    # A changed config does not change the broken files; a new copy of them is retried.
+    drop_version(root, "mlp", 3, mlp_bytes(103, inputs=8))
+    assert wait_for(lambda: serving(agent) == 3)
+
+
+def test_removing_versions_and_models(broker, make_agent, make_client, tmp_path):
+    root = make_repo(tmp_path / "models", {1: 101, 2: 102})
+    agent = make_agent(broker, root, MODELS__DEBOUNCE_S="0.05")
+    client = make_client(broker, agent)
+    assert serving(agent) == 2
+    shutil.rmtree(root / "mlp" / "2")
+    assert wait_for(lambda: serving(agent) == 1)
+    assert "2" not in agent.models.inventory()["models"]["mlp"]["versions"]
+    reply = client.request("mlp", {"x": np.ones((1, 16), dtype=np.float32)})
+    assert len(list(reply)) == 1 and reply.version == 1
+
+    # A new model folder at run time, then the old model removed.
+    (root / "other" / "1").mkdir(parents=True)
+    (root / "other" / "1" / "model.onnx").write_bytes(mlp_bytes(7))
+    assert wait_for(lambda: serving(agent, "other") == 1)
+    shutil.rmtree(root / "mlp")
+    assert wait_for(lambda: "mlp" not in agent.models.inventory()["models"])
+    with pytest.raises(AgentError) as info:
+        list(client.request("mlp", {"x": np.ones((1, 16), dtype=np.float32)}, timeout=5))
+    assert info.value.code == "unknown_model"
+
+
+def test_polling_observer_fallback(broker, make_agent, tmp_path):
+    root = make_repo(tmp_path / "models", {1: 101})
+    agent = make_agent(
+        broker,
+        root,
+        MODELS__WATCH='"poll"',
+        MODELS__POLL_INTERVAL_S="0.1",
+        MODELS__DEBOUNCE_S="0.05",
+    )
+    assert agent.watcher.backend == "PollingObserver"
+    drop_version(root, "mlp", 2, mlp_bytes(102))
+    assert wait_for(lambda: serving(agent) == 2)
+
+
+def test_a_leased_version_is_closed_only_after_its_last_lease(tmp_path):
+    root = make_repo(tmp_path / "models", {1: 101}, "[policy]\nkeep_loaded = 0\n")
+    events: list[dict] = []
+    manager = ModelManager(
+        root, BackendOptions(), on_event=events.append, settle_s=0.0, drain_timeout_s=60
+    )
+    manager.sync()
+    lease = manager.lease("mlp")
+    assert lease.loaded.version == 1
+    drop_version(root, "mlp", 2, mlp_bytes(102))
+    drop_version(root, "mlp", 3, mlp_bytes(103))
+    for _ in range(3):
+        manager.sync()
+    assert manager.inventory()["models"]["mlp"]["serving"] == 3
+    assert manager.inventory()["models"]["mlp"]["versions"]["1"]["state"] == "draining"
+    # The leased, retired version still runs.
+    out = lease.session.run({"x": np.ones((2, 16), dtype=np.float32)})
+    np.testing.assert_allclose(out["y"], direct(101, np.ones((2, 16), dtype=np.float32)), rtol=1e-5)
+    assert not any(e["type"] == "model_unloaded" and e["version"] == 1 for e in events)
+    lease.release()
+    assert any(e["type"] == "model_unloaded" and e["version"] == 1 for e in events)
+    assert manager.inventory()["models"]["mlp"]["versions"]["1"]["state"] == "unloaded"
+    manager.close()
+
+
+def test_drain_timeout_closes_a_stuck_lease(tmp_path):
+    root = make_repo(tmp_path / "models", {1: 101}, "[policy]\nkeep_loaded = 0\n")
+    manager = ModelManager(root, BackendOptions(), settle_s=0.0, drain_timeout_s=0.0)
+    manager.sync()
+    lease = manager.lease("mlp")
+    drop_version(root, "mlp", 2, mlp_bytes(102))
+    drop_version(root, "mlp", 3, mlp_bytes(103))
+    for _ in range(3):
+        manager.sync()
+    from agent.backends.base import InferenceError
+
+    with pytest.raises(InferenceError):
+        lease.session.run({"x": np.ones((1, 16), dtype=np.float32)})
+    lease.release()
+    manager.close()
