@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 from agent import demo_models  # noqa: E402
 from agent.broker import EmbeddedBroker  # noqa: E402
 from agent.client import AgentClient  # noqa: E402
+from benchmarks import hot_swap  # noqa: E402
 
 STEPS = 32
 DECODERS = {
@@ -67,6 +68,7 @@ class TtfcResult:
 
 
 def build_repository(root: Path) -> Path:
+    hot_swap.add_model(root)
     for name, (vocab, embed, hidden) in DECODERS.items():
         folder = root / f"decoder-{name}"
         (folder / "1").mkdir(parents=True)
@@ -98,7 +100,7 @@ def start_agent(workdir: Path, broker: EmbeddedBroker, repository: Path) -> subp
     config.write_text(
         f'device_id = "bench"\nstate_dir = "{workdir / "state"}"\nlog_level = "warning"\n'
         f'[mqtt]\nhost = "{broker.host}"\nport = {broker.port}\n'
-        f'[models]\nrepository = "{repository}"\n'
+        f'[models]\nrepository = "{repository}"\ndebounce_s = 0.05\n'
         "[telemetry]\ninterval_s = 0\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -117,6 +119,17 @@ def wait_ready(client: AgentClient, model: str, timeout: float = 60) -> None:
         except Exception:
             time.sleep(0.2)
     raise RuntimeError("the agent did not become ready")
+
+
+def wait_ready_model(client: AgentClient, model: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            client.infer(model, {"x": np.zeros((1, 64), dtype=np.float32)}, timeout=2)
+            return
+        except Exception:
+            time.sleep(0.2)
+    raise RuntimeError(f"model {model} did not become ready")
 
 
 def measure_ttfc(client: AgentClient, model: str, repeats: int) -> tuple[float, float, float]:
@@ -158,7 +171,38 @@ def cpu_name() -> str:
     return platform.processor() or "?"
 
 
-def write_report(results: list[TtfcResult], repeats: int, quick: bool, out: Path) -> None:
+def swap_section(swap: hot_swap.SwapResult, memory: hot_swap.MemoryResult) -> list[str]:
+    ratio_ok = "met" if swap.ratio <= 2 else "**missed**"
+    failed_ok = "met" if swap.failed == 0 and swap.wrong_version == 0 else "**missed**"
+    memory_ok = "met" if memory.growth_mb <= 10 else "**missed**"
+    return [
+        "## Hot swap",
+        "",
+        f"One request every 10 ms to an MLP (64-256-16): {swap.requests_base} requests with no "
+        f"swap, then {swap.requests_swap} requests while {swap.swaps} new versions were dropped "
+        "into the watched folder (each loaded, warmed up and swapped in by the agent while "
+        "serving). Memory: the same load / swap / unload cycle run in one process "
+        f"({memory.cycles} cycles after 30 warm-up cycles), resident set size before and after.",
+        "",
+        "| figure | value | target |",
+        "|---|---|---|",
+        f"| p50 latency, no swap / during swaps | {swap.p50_base_ms:.2f} ms / "
+        f"{swap.p50_swap_ms:.2f} ms | report |",
+        f"| p99 latency, no swap / during swaps | {swap.p99_base_ms:.2f} ms / "
+        f"{swap.p99_swap_ms:.2f} ms | report |",
+        f"| p99 during swaps / p99 without | **{swap.ratio:.2f}** | <= 2 {ratio_ok} |",
+        f"| failed requests (errors + wrong replies) | **{swap.failed + swap.wrong_version}** "
+        f"| 0 {failed_ok} |",
+        f"| resident memory growth over {memory.cycles} load/swap/unload cycles | "
+        f"**{memory.growth_mb:+.1f} MB** ({memory.rss_before_mb:.0f} -> "
+        f"{memory.rss_after_mb:.0f} MB) | <= 10 MB {memory_ok} |",
+        "",
+    ]
+
+
+def write_report(
+    results: list[TtfcResult], sections: list[str], repeats: int, quick: bool, out: Path
+) -> None:
     v = versions()
     lines = [
         "# Benchmarks",
@@ -188,10 +232,13 @@ def write_report(results: list[TtfcResult], repeats: int, quick: bool, out: Path
     ]
     for r in results:
         dims = ", ".join(str(d) for d in DECODERS[r.name])
-        verdict = "met" if r.ratio <= 0.5 else "**missed**"
+        if r.name == "tiny":
+            verdict = "reference: overhead-bound"
+        else:
+            verdict = "<= 0.5 " + ("met" if r.ratio <= 0.5 else "**missed**")
         lines.append(
             f"| {r.name} ({dims}) | {r.step_us:.0f} µs | {r.first_ms:.2f} ms | "
-            f"{r.last_ms:.2f} ms | {r.whole_ms:.2f} ms | **{r.ratio:.3f}** | <= 0.5 {verdict} |"
+            f"{r.last_ms:.2f} ms | {r.whole_ms:.2f} ms | **{r.ratio:.3f}** | {verdict} |"
         )
     lines += [
         "",
@@ -202,7 +249,7 @@ def write_report(results: list[TtfcResult], repeats: int, quick: bool, out: Path
         "sees the first token after one step instead of after all of them.",
         "",
     ]
-    out.write_text("\n".join(lines))
+    out.write_text("\n".join(lines + sections))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,12 +278,28 @@ def main(argv: list[str] | None = None) -> int:
                         f"whole {whole:.2f} ms, first/whole {result.ratio:.3f}",
                         flush=True,
                     )
+                wait_ready_model(client, hot_swap.MODEL)
+                swap = hot_swap.measure_swaps(
+                    client,
+                    repository,
+                    seconds=3 if args.quick else 10,
+                    swaps=3 if args.quick else 8,
+                )
+                print(
+                    f"hot swap: p99 {swap.p99_base_ms:.2f} -> {swap.p99_swap_ms:.2f} ms "
+                    f"(x{swap.ratio:.2f}), failed {swap.failed}, wrong {swap.wrong_version}",
+                    flush=True,
+                )
         finally:
             agent.terminate()
             agent.wait(30)
-    write_report(results, repeats, args.quick, args.out)
+        memory = hot_swap.measure_memory(workdir, cycles=50 if args.quick else 200)
+        print(f"memory over {memory.cycles} cycles: {memory.growth_mb:+.1f} MB", flush=True)
+    write_report(results, swap_section(swap, memory), repeats, args.quick, args.out)
     print(f"wrote {args.out}")
-    return 0 if all(r.ratio <= 0.5 for r in results if r.name != "tiny") else 1
+    met = all(r.ratio <= 0.5 for r in results if r.name != "tiny")
+    met = met and swap.ratio <= 2 and swap.failed == 0 and memory.growth_mb <= 10
+    return 0 if met else 1
 
 
 if __name__ == "__main__":
