@@ -16,7 +16,14 @@ import numpy.typing as npt
 
 from agent.backends.base import BackendOptions, Dim, InferenceError, ModelLoadError, TensorSpec
 
-__all__ = ["CPU_PROVIDER", "ORT_DTYPES", "OnnxRuntimeBackend", "OnnxSession", "select_providers"]
+__all__ = [
+    "CPU_PROVIDER",
+    "ORT_DTYPES",
+    "OnnxRuntimeBackend",
+    "OnnxSession",
+    "gpu_provider_options",
+    "select_providers",
+]
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +96,72 @@ def _dim(d: object) -> Dim:
     return None
 
 
+GPU_OPTION_KEYS = ("device_id", "engine_cache_path", "fp16", "timing_cache", "workspace_bytes")
+TENSORRT_PROVIDER = "TensorrtExecutionProvider"
+CUDA_PROVIDER = "CUDAExecutionProvider"
+
+
+def _flag(value: bool) -> str:
+    return "True" if value else "False"
+
+
+def gpu_provider_options(extra: Mapping[str, object]) -> dict[str, dict[str, str]]:
+    """TensorRT / CUDA execution provider options from ``options.extra["gpu"]``.
+
+    The few settings that matter on a Jetson, under agent names, so a config does not need
+    ONNX Runtime's spelling: ``engine_cache_path`` (TensorRT EP engine cache: without it the
+    EP rebuilds its engines, minutes on a Jetson, at every start), ``timing_cache`` (bool,
+    kept beside the engines), ``fp16`` (bool), ``workspace_bytes`` (int), ``device_id``
+    (int, both providers). Validated at once, so a typo fails the load instead of being
+    ignored.
+    """
+    raw = extra.get("gpu", {})
+    if not isinstance(raw, Mapping):
+        raise ModelLoadError("backend option 'gpu' must be a table")
+    unknown = sorted(str(k) for k in raw if k not in GPU_OPTION_KEYS)
+    if unknown:
+        raise ModelLoadError(
+            f"unknown gpu option(s) {', '.join(unknown)} (known: {', '.join(GPU_OPTION_KEYS)})"
+        )
+    trt: dict[str, str] = {}
+    cuda: dict[str, str] = {}
+    if "device_id" in raw:
+        trt["device_id"] = cuda["device_id"] = str(_non_negative(raw["device_id"], "device_id"))
+    cache = raw.get("engine_cache_path")
+    if cache is not None:
+        if not isinstance(cache, str | Path) or not str(cache):
+            raise ModelLoadError("gpu.engine_cache_path must be a folder path")
+        trt["trt_engine_cache_enable"] = "True"
+        trt["trt_engine_cache_path"] = str(cache)
+    timing = raw.get("timing_cache", False)
+    if not isinstance(timing, bool):
+        raise ModelLoadError(f"gpu.timing_cache must be true or false, got {timing!r}")
+    if timing:
+        if cache is None:
+            raise ModelLoadError("gpu.timing_cache needs gpu.engine_cache_path (it is kept there)")
+        trt["trt_timing_cache_enable"] = "True"
+        trt["trt_timing_cache_path"] = str(cache)
+    if "fp16" in raw:
+        if not isinstance(raw["fp16"], bool):
+            raise ModelLoadError(f"gpu.fp16 must be true or false, got {raw['fp16']!r}")
+        trt["trt_fp16_enable"] = _flag(raw["fp16"])
+    if "workspace_bytes" in raw:
+        trt["trt_max_workspace_size"] = str(
+            _non_negative(raw["workspace_bytes"], "workspace_bytes")
+        )
+    return {TENSORRT_PROVIDER: trt, CUDA_PROVIDER: cuda}
+
+
+def _non_negative(value: object, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ModelLoadError(f"gpu.{key} must be an integer >= 0, got {value!r}")
+    return value
+
+
 def _provider_options(names: Sequence[str], extra: Mapping[str, object]) -> list[dict[str, str]]:
-    """Per-provider options from ``options.extra["provider_options"]`` ({provider: {k: v}})."""
+    """Per-provider options: ``extra["gpu"]`` defaults, then ``extra["provider_options"]``
+    ({provider: {k: v}}, ONNX Runtime's own keys), which win key by key."""
+    defaults = gpu_provider_options(extra)
     raw = extra.get("provider_options", {})
     if not isinstance(raw, Mapping):
         raise ModelLoadError("provider_options must map a provider name to a table of options")
@@ -99,7 +170,7 @@ def _provider_options(names: Sequence[str], extra: Mapping[str, object]) -> list
         opts = raw.get(name, {})
         if not isinstance(opts, Mapping):
             raise ModelLoadError(f"provider_options for {name} must be a table")
-        result.append({str(k): str(v) for k, v in opts.items()})
+        result.append({**defaults.get(name, {}), **{str(k): str(v) for k, v in opts.items()}})
     return result
 
 

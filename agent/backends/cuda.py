@@ -1,0 +1,361 @@
+"""CUDA through pycuda: one retained primary context, pushed per thread; streams; buffers.
+
+Why this module exists: pycuda's contexts are a per-thread stack. A context made current on
+the loading thread is *not* current on the ``infer-worker-N`` threads, and every pycuda
+call there fails with ``invalid device context`` — or, worse, a buffer freed on a thread
+where its context is not current is silently leaked (pycuda only warns "could not be
+cleaned up"). So:
+
+* the device's primary context (the one the CUDA runtime, and therefore TensorRT, uses) is
+  retained once per process (:func:`get_device`) and never created per model;
+* every thread that touches CUDA wraps the work in ``with device.activate():`` (push, pop);
+* each thread gets one stream (:meth:`CudaDevice.stream`), reused for its whole life;
+* buffers come from a :class:`BufferPool` that is freed explicitly, while the context is
+  current, at a known moment (never from ``__del__``).
+
+``pycuda`` is imported on first use (never ``pycuda.autoinit``, which makes a context of its
+own on the importing thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import re
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "PYCUDA_HINT",
+    "BufferPool",
+    "CudaDevice",
+    "CudaError",
+    "DeviceIdentity",
+    "HostDeviceBuffer",
+    "get_device",
+    "import_driver",
+    "release_device",
+]
+
+log = logging.getLogger(__name__)
+
+PYCUDA_HINT = (
+    "pycuda is not importable: pip install pycuda (it compiles against the CUDA toolkit: "
+    "on Jetson put /usr/local/cuda/bin on PATH first; see docs/jetson.md)"
+)
+
+# Device allocations are rounded up to this: TensorRT wants 256-byte aligned tensors, and
+# cuMemAlloc refuses 0 bytes.
+ALIGNMENT = 256
+
+
+class CudaError(RuntimeError):
+    """CUDA could not be used (no driver, no device, out of memory); one line."""
+
+
+@dataclass(frozen=True)
+class DeviceIdentity:
+    """What an engine is specific to: a plan built for one GPU does not load on another."""
+
+    name: str
+    compute_capability: tuple[int, int]
+    total_memory: int
+    integrated: bool
+
+    @property
+    def slug(self) -> str:
+        """A file-name-safe token such as ``orin-sm87``."""
+        cleaned = re.sub(r"[^a-z0-9]+", "-", self.name.lower()).strip("-")
+        major, minor = self.compute_capability
+        return f"{cleaned or 'gpu'}-sm{major}{minor}"
+
+
+def import_driver() -> Any:
+    """``pycuda.driver``, or :class:`CudaError` with the install hint."""
+    try:
+        return importlib.import_module("pycuda.driver")
+    except ImportError as exc:
+        raise CudaError(f"{PYCUDA_HINT} ({exc})") from exc
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+def _aligned(nbytes: int) -> int:
+    return max(ALIGNMENT, -(-nbytes // ALIGNMENT) * ALIGNMENT)
+
+
+class HostDeviceBuffer:
+    """One tensor's memory: a page-locked host staging buffer and its device twin.
+
+    With ``mapped`` (zero-copy) the host buffer is mapped into the device address space and
+    there is no device twin: the GPU reads and writes host memory directly. On Jetson,
+    where host and device share the same DRAM, that saves the copies; whether it is faster
+    depends on the access pattern (mapped memory is uncached for the GPU), so it is an
+    option to measure, not the default.
+    """
+
+    def __init__(self, driver: Any, nbytes: int, *, mapped: bool) -> None:
+        self.nbytes = _aligned(nbytes)
+        self.mapped = mapped
+        self._driver = driver
+        flags = driver.host_alloc_flags.DEVICEMAP if mapped else 0
+        self.host: npt.NDArray[np.uint8] = driver.pagelocked_empty(
+            self.nbytes, np.uint8, mem_flags=flags
+        )
+        self._host_allocation: Any = self.host.base  # pycuda's HostAllocation: free() it
+        self._device: Any = None
+        try:
+            if mapped:
+                self.device_ptr = int(self._host_allocation.get_device_pointer())
+            else:
+                self._device = driver.mem_alloc(self.nbytes)
+                self.device_ptr = int(self._device)
+        except BaseException:
+            self._host_allocation.free()
+            raise
+        self._freed = False
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of device memory this buffer holds (0 when mapped)."""
+        return 0 if self.mapped or self._freed else self.nbytes
+
+    @property
+    def host_bytes(self) -> int:
+        return 0 if self._freed else self.nbytes
+
+    def upload(self, array: npt.NDArray[Any], stream: Any) -> None:
+        """Stage ``array`` in page-locked memory and enqueue the copy to the device.
+
+        The staging copy is what makes the transfer truly asynchronous (CUDA copies from
+        pageable memory synchronously) and lets the caller's array go at once.
+        """
+        nbytes = array.nbytes
+        if nbytes > self.nbytes:
+            raise CudaError(f"{nbytes} bytes do not fit a {self.nbytes}-byte buffer")
+        staging = self.host[:nbytes]
+        staging[...] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        if not self.mapped and nbytes:
+            self._driver.memcpy_htod_async(self.device_ptr, staging, stream)
+
+    def download(self, nbytes: int, stream: Any) -> None:
+        """Enqueue the copy of the first ``nbytes`` back to the staging buffer."""
+        if nbytes > self.nbytes:
+            raise CudaError(f"{nbytes} bytes do not fit a {self.nbytes}-byte buffer")
+        if not self.mapped and nbytes:
+            self._driver.memcpy_dtoh_async(self.host[:nbytes], self.device_ptr, stream)
+
+    def read(self, dtype: np.dtype[Any], shape: tuple[int, ...]) -> npt.NDArray[Any]:
+        """A copy of the staged result (the buffer is reused by the next request).
+
+        Call only after the stream was synchronized.
+        """
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        nbytes = count * dtype.itemsize
+        result: npt.NDArray[Any] = self.host[:nbytes].view(dtype).reshape(shape).copy()
+        return result
+
+    def free(self) -> None:
+        """Free both halves now. The caller has the context current (see module doc)."""
+        if self._freed:
+            return
+        self._freed = True
+        try:
+            if self._device is not None:
+                self._device.free()
+        finally:
+            self._device = None
+            self._host_allocation.free()
+
+
+class BufferPool:
+    """The buffers of one execution context, allocated once and reused for every request.
+
+    Sized by the caller to each tensor's largest shape over all optimization profiles, so
+    a request never allocates; freed as a whole by :meth:`free_all`.
+    """
+
+    def __init__(self, driver: Any, *, mapped: bool) -> None:
+        self._driver = driver
+        self.mapped = mapped
+        self._buffers: dict[str, HostDeviceBuffer] = {}
+
+    def allocate(self, name: str, nbytes: int) -> HostDeviceBuffer:
+        if name in self._buffers:
+            raise ValueError(f"buffer {name!r} is already allocated")
+        buffer = HostDeviceBuffer(self._driver, nbytes, mapped=self.mapped)
+        self._buffers[name] = buffer
+        return buffer
+
+    def __getitem__(self, name: str) -> HostDeviceBuffer:
+        return self._buffers[name]
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(b.device_bytes for b in self._buffers.values())
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(b.host_bytes for b in self._buffers.values())
+
+    def free_all(self) -> None:
+        """Free every buffer, even when one of them fails; re-raise the first failure."""
+        buffers, self._buffers = self._buffers, {}
+        first: BaseException | None = None
+        for buffer in buffers.values():
+            try:
+                buffer.free()
+            except Exception as exc:  # keep freeing the others
+                first = first or exc
+        if first is not None:
+            raise first
+
+
+class CudaDevice:
+    """One GPU's retained primary context, shared by the whole process.
+
+    The primary context is the one the CUDA runtime binds by default, so TensorRT (which
+    uses the runtime API) and pycuda (driver API) work on the same context and may pass
+    pointers and streams to each other.
+    """
+
+    def __init__(self, driver: Any, ordinal: int = 0) -> None:
+        self._driver = driver
+        self.ordinal = ordinal
+        try:
+            driver.init()
+            count = int(driver.Device.count())
+            if ordinal >= count:
+                raise CudaError(f"CUDA device {ordinal} does not exist ({count} found)")
+            self._device = driver.Device(ordinal)
+            self._context = self._device.retain_primary_context()
+        except CudaError:
+            raise
+        except Exception as exc:
+            raise CudaError(f"cannot open CUDA device {ordinal}: {_one_line(exc)}") from exc
+        major, minor = self._device.compute_capability()
+        self.identity = DeviceIdentity(
+            name=str(self._device.name()),
+            compute_capability=(int(major), int(minor)),
+            total_memory=int(self._device.total_memory()),
+            integrated=bool(self._device.get_attribute(driver.device_attribute.INTEGRATED)),
+        )
+        self._lock = threading.Lock()
+        # thread ident -> (thread, stream); the thread object tells a dead owner apart.
+        self._streams: dict[int, tuple[threading.Thread, Any]] = {}
+        self._closed = False
+
+    @property
+    def driver(self) -> Any:
+        return self._driver
+
+    @contextlib.contextmanager
+    def activate(self) -> Iterator[None]:
+        """Make the primary context current in this thread for the block (push, then pop).
+
+        Pushing per block, instead of once per thread, keeps the rule simple and local: any
+        code that touches CUDA says so, and a thread never leaves a context behind.
+        """
+        if self._closed:
+            raise CudaError("the CUDA device was released")
+        self._context.push()
+        try:
+            yield
+        finally:
+            self._driver.Context.pop()
+
+    def stream(self) -> Any:
+        """This thread's stream, created on first use and reused for the thread's life.
+
+        Call with the context current. Streams of threads that have ended are destroyed
+        here, on the way, so a pool of short-lived threads does not pile up streams.
+        """
+        ident = threading.get_ident()
+        with self._lock:
+            entry = self._streams.get(ident)
+            if entry is not None and entry[0] is threading.current_thread():
+                return entry[1]
+            dead = [k for k, (t, _) in self._streams.items() if not t.is_alive() or k == ident]
+            stale = [self._streams.pop(k)[1] for k in dead]
+        del stale  # destroyed here, with the context current (pycuda frees on release)
+        stream = self._driver.Stream()
+        with self._lock:
+            self._streams[ident] = (threading.current_thread(), stream)
+        return stream
+
+    def buffer_pool(self, *, mapped: bool = False) -> BufferPool:
+        """An empty pool; ``mapped`` asks for zero-copy host buffers (see HostDeviceBuffer)."""
+        return BufferPool(self._driver, mapped=mapped)
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) bytes of device memory, as the driver reports them."""
+        with self.activate():
+            free, total = self._driver.mem_get_info()
+        return int(free), int(total)
+
+    def close(self) -> None:
+        """Destroy the streams and release the primary context. Idempotent.
+
+        Call when nothing on this device is in use any more (process shutdown, tests).
+        """
+        if self._closed:
+            return
+        with self.activate():
+            with self._lock:
+                streams, self._streams = self._streams, {}
+            streams.clear()  # destroyed here, with the context current
+        self._closed = True
+        try:
+            self._context.detach()
+        except Exception as exc:
+            log.warning(
+                "CUDA device %d: releasing the primary context failed: %s", self.ordinal, exc
+            )
+
+
+_device: CudaDevice | None = None
+_device_driver: Any = None
+_device_lock = threading.Lock()
+
+
+def get_device(ordinal: int = 0) -> CudaDevice:
+    """The process-wide :class:`CudaDevice`; :class:`CudaError` if CUDA is unusable.
+
+    One device per process: an agent that asks for a second ordinal gets an error rather
+    than two primary contexts it would have to juggle per thread.
+    """
+    global _device, _device_driver
+    driver = import_driver()
+    with _device_lock:
+        if _device is not None and _device_driver is not driver:
+            _device = None  # pycuda was replaced (tests install a fake per test)
+        if _device is None:
+            _device = CudaDevice(driver, ordinal)
+            _device_driver = driver
+        elif _device.ordinal != ordinal:
+            raise CudaError(
+                f"this process already uses CUDA device {_device.ordinal}; "
+                f"device {ordinal} would need a process of its own"
+            )
+        return _device
+
+
+def release_device() -> None:
+    """Close the process-wide device (streams, primary context), if one was opened."""
+    global _device, _device_driver
+    with _device_lock:
+        device, _device, _device_driver = _device, None, None
+    if device is not None:
+        device.close()
