@@ -72,6 +72,9 @@ class EmbeddedBroker:
     def _write_config(self) -> Path:
         lines = [
             f"listener {self.port} 127.0.0.1",
+            # Started as root, Mosquitto 2 drops to the `mosquitto` user, which cannot write
+            # the log or the persistence file in this private folder; stay the caller.
+            *(["user root"] if os.geteuid() == 0 else []),
             "allow_anonymous true",
             # Without it Nagle's algorithm holds small packets for the peer's delayed ACK.
             "set_tcp_nodelay true",

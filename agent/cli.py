@@ -1,10 +1,12 @@
-"""`edge-agent`: run | check-config | models | request | subscribe | demo."""
+"""`edge-agent`: run | check-config | health | models | request | subscribe | demo."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import queue
 import signal
 import sys
 import threading
@@ -15,41 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from agent import __version__
+from agent import __version__, logs
 from agent.backends.base import Array
 from agent.config import AgentConfig, ConfigError, load_config, masked_dict, to_toml
+from agent.logs import JsonFormatter, setup_logging
+
+__all__ = ["JsonFormatter", "build_parser", "main", "setup_logging"]
 
 log = logging.getLogger("agent")
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: what journald and log shippers parse best."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {
-            "ts": round(record.created, 6),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "thread": record.threadName,
-            "msg": record.getMessage(),
-        }
-        if record.exc_info:
-            entry["exc"] = self.formatException(record.exc_info)
-        return json.dumps(entry, ensure_ascii=False)
-
-
-def setup_logging(level: str, fmt: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(
-            logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(threadName)s] %(message)s")
-        )
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    logging.getLogger("paho").setLevel(logging.WARNING)
 
 
 def _load(args: argparse.Namespace) -> AgentConfig:
@@ -64,20 +39,29 @@ def _load(args: argparse.Namespace) -> AgentConfig:
 # -- run -----------------------------------------------------------------------------------
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    config = _load(args)
-    setup_logging(args.log_level or config.log_level, args.log_format or config.log_format)
-    from agent.service import Agent
+def _with_overrides(config: AgentConfig, args: argparse.Namespace) -> AgentConfig:
+    """Command-line flags win over the file, on start and on every reload."""
+    update = {"log_level": args.log_level, "log_format": args.log_format}
+    return config.model_copy(update={k: v for k, v in update.items() if v is not None})
 
-    stop = threading.Event()
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """SIGTERM/SIGINT: drain and stop, exit 0. SIGHUP: reload what is safe, report the rest."""
+    config = _with_overrides(_load(args), args)
+    setup_logging(config.log_level, config.log_format, secrets=logs.config_secrets(config))
+    from agent.service import Agent
+    from agent.systemd import Notifier
+
+    # The handler only queues: the main thread does the work, outside the signal context.
+    signals: queue.SimpleQueue[int] = queue.SimpleQueue()
 
     def on_signal(signum: int, frame: Any) -> None:
-        log.info("received %s", signal.Signals(signum).name)
-        stop.set()
+        signals.put(signum)
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    agent = Agent(config)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    # Unset, so that child processes (engine builds) never talk to systemd as us.
+    notifier = Notifier.from_environ(unset=True)
     log.info(
         "edge-agent %s: device %s, broker %s:%d (MQTT %s), models %s",
         __version__,
@@ -87,11 +71,51 @@ def cmd_run(args: argparse.Namespace) -> int:
         config.mqtt.protocol,
         config.models.repository,
     )
-    agent.run_forever(stop)
+    agent = None
+    try:
+        agent = Agent(config, notifier=notifier)
+        agent.start()
+    except Exception as e:
+        # Logged (so redacted), not raised: a raw traceback could carry a secret's path.
+        if isinstance(e, OSError | ConnectionError):
+            log.error("cannot start: %s", e)  # an operator's problem: no traceback
+        else:
+            log.exception("cannot start")
+        if agent is not None:
+            with contextlib.suppress(Exception):
+                agent.stop()
+        return 1
+    try:
+        while True:
+            try:
+                signum = signals.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            log.info("received %s", signal.Signals(signum).name)
+            if signum != signal.SIGHUP:
+                break
+            _reload(agent, args)
+    finally:
+        agent.stop()
     return 0
 
 
+def _reload(agent: Any, args: argparse.Namespace) -> None:
+    try:
+        new = _with_overrides(load_config(Path(args.config) if args.config else None), args)
+    except ConfigError as e:
+        for problem in e.problems:
+            log.error("reload: %s", problem)
+        log.error("reload: the configuration has errors; still running with the previous one")
+        agent.metrics.reloads.labels("failed").inc()
+        agent.reporter.notifier.status("reload failed: still running the previous configuration")
+        return
+    logs.add_secrets(logs.config_secrets(new))
+    agent.reload(new)
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
+    """Validate (also as systemd's ExecStartPre): one line per problem, exit 2 on any."""
     config = _load(args)
     problems = []
     if not config.models.repository.is_dir():
@@ -106,10 +130,36 @@ def cmd_check_config(args: argparse.Namespace) -> int:
             problems.append(f"mqtt.tls.{key}: file not found")
     if config.mqtt.password_file is not None and not config.mqtt.password_file.is_file():
         problems.append("mqtt.password_file: file not found")
-    print(to_toml(masked_dict(config)))
+    if not args.quiet:
+        print(to_toml(masked_dict(config)))
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     return 2 if problems else 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """Ask the running agent's `/healthz` (the container's HEALTHCHECK): 0 healthy, 1 not."""
+    import urllib.error
+    import urllib.request
+
+    config = _load(args)
+    metrics = config.metrics
+    if not metrics.enabled or metrics.port == 0:
+        print("error: [metrics] is off or on a random port: no /healthz to ask", file=sys.stderr)
+        return 2
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(metrics.host, metrics.host)
+    url = f"http://{f'[{host}]' if ':' in host else host}:{metrics.port}/healthz"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
+    try:
+        with opener.open(url, timeout=args.timeout) as response:
+            print(response.read().decode(errors="replace").strip())
+            return 0
+    except urllib.error.HTTPError as e:
+        print(e.read().decode(errors="replace").strip())
+        return 1
+    except (urllib.error.URLError, OSError) as e:
+        print(f"error: cannot reach {url}: {getattr(e, 'reason', e)}", file=sys.stderr)
+        return 1
 
 
 # -- client commands ---------------------------------------------------------------------------
@@ -313,7 +363,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check-config", help="validate and print the effective configuration")
     check.add_argument("--config", "-c", help="TOML configuration file")
+    check.add_argument("--quiet", "-q", action="store_true", help="print problems only")
     check.set_defaults(func=cmd_check_config)
+
+    health = sub.add_parser("health", help="ask the running agent's /healthz (exit 0 = healthy)")
+    health.add_argument("--config", "-c", help="TOML configuration file")
+    health.add_argument("--timeout", type=float, default=3.0)
+    health.set_defaults(func=cmd_health)
 
     def client_options(p: argparse.ArgumentParser) -> None:
         p.add_argument("--config", "-c", help="take broker and device from this agent config")
@@ -345,6 +401,14 @@ def build_parser() -> argparse.ArgumentParser:
     subscribe.add_argument("--count", type=int, default=0, help="stop after N messages")
     subscribe.add_argument("--duration", type=float, default=0, help="stop after N seconds")
     subscribe.set_defaults(func=cmd_subscribe)
+
+    from agent import engine_builder
+
+    build = sub.add_parser(
+        "build-engine", help="build a TensorRT engine from ONNX as a new model version"
+    )
+    engine_builder.add_arguments(build)
+    build.set_defaults(func=engine_builder.run_from_args)
 
     demo = sub.add_parser("demo", help="end to end: agent, broker and a streaming decoder")
     demo.add_argument("--host", help="use this broker (default: start a private mosquitto)")

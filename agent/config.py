@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from agent.systemd import credential_path
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 (JetPack 6)
@@ -68,6 +70,11 @@ class MqttConfig(_Section):
     reconnect_min_s: float = Field(default=0.5, gt=0)
     reconnect_max_s: float = Field(default=30.0, gt=0)
     max_inflight: int = Field(default=64, ge=1, le=65535)
+    ack_timeout_s: float = Field(default=30.0, ge=0)  # unacknowledged this long: reconnect
+    # A broker acknowledges before it saves: after a lost connection (it may have crashed),
+    # what it acknowledged in this many seconds before is published again (duplicates are
+    # dropped by (id, seq)). Cover the broker's save interval (Mosquitto: autosave_interval).
+    replay_after_reconnect_s: float = Field(default=5.0, ge=0)
     allowed_reply_prefixes: list[str] = Field(default_factory=list)  # default: ["{prefix}/"]
     tcp_nodelay: bool = True
     qos: QosConfig = QosConfig()
@@ -89,6 +96,11 @@ class ModelsConfig(_Section):
     )
     intra_op_threads: int = Field(default=0, ge=0)  # 0: cores // workers
     warmup: bool = True
+    # Backend-specific settings for every model (a model's config.toml may override them):
+    # gpu = {engine_cache_path, timing_cache, fp16, workspace_bytes, device_id} for ONNX
+    # Runtime's TensorRT/CUDA providers, provider_options = {Provider = {key = value}},
+    # tensorrt = {device, zero_copy} for serialized engines.
+    backend_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
     # Hot swap: how new versions are noticed and when their files count as complete.
     watch: Literal["auto", "inotify", "poll", "off"] = "auto"
     settle_s: float = Field(default=1.0, ge=0)  # files written in place: unchanged this long
@@ -125,8 +137,38 @@ class OutboxConfig(_Section):
     error_reserve: int = Field(default=1024, ge=0)  # room kept for error replies from ingress
 
 
+class SpoolConfig(_Section):
+    """The on-disk store of QoS 1/2 messages and requests (see agent.spool)."""
+
+    enabled: bool = True
+    path: Path | None = None  # default: {state_dir}/spool.sqlite
+    max_bytes: int = Field(default=256 * 1024 * 1024, ge=64 * 1024)
+    max_messages: int = Field(default=1_000_000, ge=16)
+    # When full: "reject_new" blocks the workers (back pressure: the queue fills, new requests
+    # get `overloaded`); "drop_oldest" evicts whole streams, oldest first, with an event.
+    policy: Literal["reject_new", "drop_oldest"] = "reject_new"
+    ttl_s: float = Field(default=0.0, ge=0)  # 0: messages never expire
+    keep_acked_s: float = Field(default=30.0, ge=0)  # acknowledged history, for the replay
+
+
 class TelemetryConfig(_Section):
     interval_s: float = Field(default=30.0, ge=0)  # 0 disables the telemetry topic
+
+
+class MetricsConfig(_Section):
+    """The Prometheus endpoint (`/metrics`, `/healthz`); see agent.metrics."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"  # loopback: expose it on purpose, never by default
+    port: int = Field(default=9842, ge=0, le=65535)  # 0: any free port (tests)
+
+
+class SystemdConfig(_Section):
+    """sd_notify (READY, STATUS, WATCHDOG, STOPPING) when $NOTIFY_SOCKET is set."""
+
+    notify: bool = True
+    # A worker running one job longer than this counts as stuck: watchdog pings stop.
+    stuck_after_s: float = Field(default=120.0, gt=0)
 
 
 class AgentConfig(_Section):
@@ -139,7 +181,10 @@ class AgentConfig(_Section):
     scheduler: SchedulerConfig = SchedulerConfig()
     limits: LimitsConfig = LimitsConfig()
     outbox: OutboxConfig = OutboxConfig()
+    spool: SpoolConfig = SpoolConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    systemd: SystemdConfig = SystemdConfig()
 
     @field_validator("device_id")
     @classmethod
@@ -191,7 +236,7 @@ def load_config(path: Path | None, environ: Mapping[str, str] | None = None) -> 
     except ValidationError as e:
         raise ConfigError([_describe(err, source, environ) for err in e.errors()]) from None
     base = path.parent.resolve() if path is not None else Path.cwd()
-    return _resolve_paths(config, base)
+    return _resolve_paths(config, base, environ)
 
 
 def _apply_environment(data: dict[str, Any], environ: Mapping[str, str]) -> list[str]:
@@ -232,26 +277,38 @@ def _describe(err: Any, source: str, environ: Mapping[str, str]) -> str:
     return f"{origin}: {key}: {err['msg']}"
 
 
-def _resolve_paths(config: AgentConfig, base: Path) -> AgentConfig:
+def _resolve_paths(
+    config: AgentConfig, base: Path, environ: Mapping[str, str] | None = None
+) -> AgentConfig:
     def resolve(p: Path | None) -> Path | None:
         if p is None:
             return None
         p = p.expanduser()
         return p if p.is_absolute() else (base / p)
 
+    def resolve_secret(p: Path | None) -> Path | None:
+        # Under systemd, a relative name may be a LoadCredential= credential.
+        found = credential_path(p, environ or {}) if p is not None else None
+        return found or resolve(p)
+
     tls = config.mqtt.tls.model_copy(
         update={
-            "ca_file": resolve(config.mqtt.tls.ca_file),
-            "cert_file": resolve(config.mqtt.tls.cert_file),
-            "key_file": resolve(config.mqtt.tls.key_file),
+            "ca_file": resolve_secret(config.mqtt.tls.ca_file),
+            "cert_file": resolve_secret(config.mqtt.tls.cert_file),
+            "key_file": resolve_secret(config.mqtt.tls.key_file),
         }
     )
     mqtt = config.mqtt.model_copy(
-        update={"tls": tls, "password_file": resolve(config.mqtt.password_file)}
+        update={"tls": tls, "password_file": resolve_secret(config.mqtt.password_file)}
     )
     models = config.models.model_copy(update={"repository": resolve(config.models.repository)})
+    state_dir = resolve(config.state_dir)
+    assert state_dir is not None
+    spool = config.spool.model_copy(
+        update={"path": resolve(config.spool.path) or state_dir / "spool.sqlite"}
+    )
     return config.model_copy(
-        update={"mqtt": mqtt, "models": models, "state_dir": resolve(config.state_dir)}
+        update={"mqtt": mqtt, "models": models, "state_dir": state_dir, "spool": spool}
     )
 
 

@@ -196,6 +196,11 @@ class BackendOptionsConfig(_Strict):
 
     intra_op_threads: int | None = Field(default=None, ge=0)
     providers: list[str] | None = None
+    # Backend-specific tables merged over the agent's [models.backend_options]: "gpu" (ONNX
+    # Runtime TensorRT/CUDA provider settings), "provider_options", "tensorrt".
+    gpu: dict[str, Any] | None = None
+    provider_options: dict[str, dict[str, Any]] | None = None
+    tensorrt: dict[str, Any] | None = None
 
     def apply(self, base: BackendOptions) -> BackendOptions:
         """``base`` with this model's overrides."""
@@ -204,6 +209,14 @@ class BackendOptionsConfig(_Strict):
             changes["intra_op_threads"] = self.intra_op_threads
         if self.providers is not None:
             changes["providers"] = tuple(self.providers)
+        extra: dict[str, object] = dict(base.extra)
+        for key in ("gpu", "provider_options", "tensorrt"):
+            value = getattr(self, key)
+            if value is not None:
+                inherited = extra.get(key)
+                merged = dict(inherited) if isinstance(inherited, Mapping) else {}
+                extra[key] = {**merged, **value}
+        changes["extra"] = extra
         return dataclasses.replace(base, **changes)
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import sqlite3
+import sys
 import threading
 import time
 from collections import Counter
@@ -20,14 +22,18 @@ from typing import Any
 
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+from pydantic import BaseModel
 
-from agent import __version__, wire
+from agent import __version__, logs, wire
 from agent.backends.base import BackendOptions, InferenceError, TensorSpec
 from agent.config import AgentConfig
+from agent.metrics import AgentMetrics, Gauges, MetricsServer
 from agent.models import ModelManager, summarize
 from agent.outbox import Outbox, OutMessage
 from agent.scheduler import Scheduler
+from agent.spool import Eviction, Spool, request_key
 from agent.streaming import Cancelled, Execution, ReplyStream, initial_state, merge_pieces
+from agent.systemd import Notifier, ServiceReporter
 from agent.transport import EpochStore, Incoming, Transport
 from agent.watcher import RepositoryWatcher
 
@@ -56,21 +62,12 @@ def intra_op_threads(config: AgentConfig) -> int:
 class Agent:
     """The daemon. `start()`, `wait_ready()`, then `stop()`; `run_forever()` for the CLI."""
 
-    def __init__(self, config: AgentConfig) -> None:
+    def __init__(self, config: AgentConfig, notifier: Notifier | None = None) -> None:
+        """`notifier`: sd_notify target (the CLI passes `$NOTIFY_SOCKET`'s); None: silent."""
         self.config = config
         self.root = config.root_topic
         self.started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        self.limits = wire.Limits(
-            max_payload_bytes=config.limits.max_payload_bytes,
-            max_decompressed_bytes=config.limits.max_decompressed_bytes,
-            max_depth=config.limits.max_depth,
-            max_map_keys=config.limits.max_map_keys,
-            max_tensor_elements=config.limits.max_tensor_elements,
-            max_tensor_bytes=config.limits.max_tensor_bytes,
-            max_rank=config.limits.max_rank,
-            max_tensors=config.limits.max_tensors,
-            max_items=config.limits.max_items,
-        )
+        self.limits = _limits(config)
         self.counters: Counter[str] = Counter()
         self._counter_lock = threading.Lock()
         self._bad_unreported = 0
@@ -81,12 +78,30 @@ class Agent:
         self._running: set[Job] = set()
         self._running_lock = threading.Lock()
         self.epoch = 0
-        self.outbox = Outbox(config.outbox.max_messages, config.outbox.error_reserve)
+        self.spool: Spool | None = None
+        self._spool_maintained = 0.0
+        if config.spool.enabled:
+            assert config.spool.path is not None
+            self.spool = Spool(
+                config.spool.path,
+                max_bytes=config.spool.max_bytes,
+                max_messages=config.spool.max_messages,
+                policy=config.spool.policy,
+                ttl_s=config.spool.ttl_s,
+            )
+        self.outbox = Outbox(
+            config.outbox.max_messages,
+            config.outbox.error_reserve,
+            spool=self.spool,
+            on_eviction=self._on_eviction,
+            make_properties=_correlation_properties,
+        )
         self.models = ModelManager(
             config.models.repository,
             BackendOptions(
                 intra_op_threads=intra_op_threads(config),
                 providers=tuple(config.models.providers),
+                extra=dict(config.models.backend_options),
             ),
             warmup=config.models.warmup,
             on_event=self.publish_event,
@@ -120,25 +135,87 @@ class Agent:
             subscriptions=[(f"{self.root}/infer/+", qos.request_subscription)],
             will=lambda epoch: self._status_message("offline", epoch),
             on_connected=self._on_connected,
+            on_new_session=self._on_new_session,
             epoch=EpochStore(config.state_dir / "epoch"),
         )
         self._housekeeping = threading.Thread(
             target=self._housekeep, name="housekeeping", daemon=True
         )
+        self._started = False
+        self._restart_pending: list[str] = []  # changed keys a SIGHUP could not apply
+        self.reporter = ServiceReporter(
+            notifier if notifier is not None and config.systemd.notify else Notifier.disabled()
+        )
+        self.metrics = AgentMetrics(
+            self._gauges,
+            device=config.device_id,
+            version=__version__,
+            known_model=self.models.has_model,
+        )
+        self.transport.add_ack_listener(self.metrics.ack.observe)
+        self.metrics_server: MetricsServer | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
         self.config.state_dir.mkdir(parents=True, exist_ok=True)
+        self._start_metrics_server()
+        self.reporter.notifier.status("loading models")
         self._load_models()
+        self._replay_stored_requests()
         summary = summarize(self.models.inventory())
         log.info("models:\n%s", summary or f"(none found in {self.config.models.repository})")
         self._accepting = True
         self.scheduler.start()
         self.transport.start()
+        self._started = True
         self._housekeeping.start()
         if self.config.models.repository.is_dir():
             self.watcher.start()
+
+    def _start_metrics_server(self) -> None:
+        """Bind the metrics endpoint; a port in use costs the metrics, never the service."""
+        settings = self.config.metrics
+        if not settings.enabled:
+            return
+        try:
+            self.metrics_server = MetricsServer(
+                self.metrics.registry, settings.host, settings.port, self.health_report
+            )
+        except OSError as e:
+            log.error(
+                "metrics: cannot listen on %s:%d: %s (serving without /metrics)",
+                settings.host,
+                settings.port,
+                e.strerror or e,
+            )
+            return
+        self.metrics_server.start()
+        log.info("metrics: %s/metrics", self.metrics_server.url)
+
+    def _replay_stored_requests(self) -> None:
+        """Requests stored before a crash that never got their terminal message run again.
+
+        Their partial streams are dropped from the spool first, so each runs from seq 0 once
+        more; a subscriber drops what it already had by (id, seq).
+        """
+        if self.spool is None:
+            return
+        stored = self.spool.unfinished_requests()
+        for request in stored:
+            self.spool.drop_stream(request.key)
+        if stored:
+            log.info("replaying %d stored request(s) that had no terminal message", len(stored))
+        self._accepting = True
+        for request in stored:
+            incoming = Incoming(
+                request.topic,
+                request.payload,
+                request.qos,
+                request.response_topic,
+                request.correlation,
+            )
+            self._on_message(incoming, replay=True)
 
     def _load_models(self) -> None:
         """Load the repository before serving; wait for files still being written.
@@ -167,6 +244,8 @@ class Agent:
         log.info(
             "stopping: draining requests (up to %.0f s)", self.config.scheduler.drain_timeout_s
         )
+        running = self.scheduler.busy + self.scheduler.depth
+        self.reporter.notifier.stopping(f"stopping: draining {running} request(s)")
         self._accepting = False
         self._stop.set()
         self.watcher.close()
@@ -179,7 +258,16 @@ class Agent:
         if self._housekeeping.is_alive():
             self._housekeeping.join(5.0)
         self.transport.close(final=self._status_message("offline", self.epoch), timeout=5.0)
+        self.outbox.flush_acks()
         self.models.close(drain_timeout=1.0)
+        tensorrt = sys.modules.get("agent.backends.tensorrt")
+        if tensorrt is not None:  # the runtime and CUDA context go last, after every engine
+            tensorrt.shutdown()
+        if self.spool is not None:
+            self.spool.close()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+        self.reporter.notifier.close()
         log.info("stopped")
 
     def _cancel_running(self) -> None:
@@ -215,6 +303,16 @@ class Agent:
         self.outbox.unget(self._inventory_message())
         self.outbox.unget(self._status_message("online", epoch))
 
+    def _on_new_session(self, lost_at: float | None) -> None:
+        """Before a new connection: what was in flight goes out again from the spool, and so
+        does what the broker acknowledged just before the connection was lost (it may have
+        crashed before saving it)."""
+        window = self.config.mqtt.replay_after_reconnect_s
+        since = None if lost_at is None or window <= 0 else lost_at - window
+        pending = self.outbox.rewind(unack_since=since)
+        if pending:
+            log.info("mqtt: %d spooled message(s) to publish on the new connection", pending)
+
     def _publish_inventory(self) -> None:
         # While disconnected nothing is queued: the next connection publishes the current one.
         if self.transport.connected.is_set():
@@ -223,10 +321,15 @@ class Agent:
     def publish_event(self, event: dict[str, Any]) -> None:
         body = {"type": event["type"], "ts": time.time_ns(), **event}
         message = OutMessage(
-            f"{self.root}/events", wire.encode_payload(body), self.config.mqtt.qos.event
+            f"{self.root}/events",
+            wire.encode_payload(body),
+            self.config.mqtt.qos.event,
+            stream="events",
         )
         if not self.outbox.put_nowait_reserved(message):
             self.count("events_dropped")
+        if event["type"] == "model_loaded" and isinstance(event.get("load_s"), float | int):
+            self.metrics.model_loaded(str(event.get("model")), float(event["load_s"]))
 
     def count(self, name: str, n: int = 1) -> None:
         with self._counter_lock:
@@ -234,10 +337,31 @@ class Agent:
 
     # -- ingress (paho's thread: must never block) -----------------------------------------------
 
-    def _on_message(self, incoming: Incoming) -> None:
+    def _on_eviction(self, eviction: Eviction) -> None:
+        """drop_oldest made room: say which streams lost their pending messages."""
+        self.count("spool_evicted_messages", eviction.messages)
+        log.warning(
+            "spool full: evicted %d pending message(s) of %d stream(s)",
+            eviction.messages,
+            len(eviction.streams),
+        )
+        event = {
+            "type": "spool_overflow",
+            "policy": "drop_oldest",
+            "messages": eviction.messages,
+            "bytes": eviction.bytes,
+            "streams": list(eviction.streams[:50]),
+        }
+        body = {"ts": time.time_ns(), **event}
+        # Not spooled itself: it is about the spool having no room.
+        self.outbox.put_nowait_reserved(
+            OutMessage(f"{self.root}/events", wire.encode_payload(body), self.config.mqtt.qos.event)
+        )
+
+    def _on_message(self, incoming: Incoming, replay: bool = False) -> None:
         prefix = f"{self.root}/infer/"
         if incoming.topic.startswith(prefix):
-            self._on_request(incoming.topic[len(prefix) :], incoming)
+            self._on_request(incoming.topic[len(prefix) :], incoming, replay)
 
     def _reply_stream(
         self,
@@ -262,6 +386,8 @@ class Agent:
             max_chunk_bytes=self.config.limits.max_chunk_bytes,
             send=send,
             properties=properties,
+            correlation=correlation,
+            stream_key=request_key(model, request_id),
         )
 
     def _reject(
@@ -270,6 +396,7 @@ class Agent:
         """Answer a request that cannot be queued; requests without a readable id are counted."""
         request_id = error.request_id or (wire.read_request_id(payload) if payload else None)
         self.count(f"rejected_{error.code}")
+        self.metrics.request_done(model, None, error.code)
         if request_id is None:
             self._note_bad_request(error.message)
             return
@@ -301,6 +428,8 @@ class Agent:
         if not self.outbox.put_nowait_reserved(message):
             self.count("replies_dropped_outbox_full")
             log.error("outbox full: an error reply to %s could not be queued", message.topic[:200])
+            return
+        self.metrics.reply_sent(len(message.payload))
 
     def _note_bad_request(self, reason: str) -> None:
         now = time.monotonic()
@@ -320,8 +449,9 @@ class Agent:
         if count:
             self.publish_event({"type": "bad_request", "count": count, "reason": reason[:300]})
 
-    def _on_request(self, model: str, incoming: Incoming) -> None:
+    def _on_request(self, model: str, incoming: Incoming, replay: bool = False) -> None:
         self.count("requests_received")
+        self.metrics.received.inc()
         payload: dict[str, Any] | None = None
         try:
             payload = wire.decode_payload(incoming.payload, self.limits)
@@ -350,11 +480,39 @@ class Agent:
             ),
             time.monotonic(),
         )
+        if self.spool is not None and incoming.qos > 0:
+            # Durable: stored before paho acknowledges it (after this handler returns).
+            key = request_key(model, request.id)
+            try:
+                stored = replay or self._store(key, incoming)
+            except wire.WireError as e:
+                self._reject(incoming, model, payload, e)
+                return
+            if not stored:
+                self.count("requests_duplicate")
+                return  # a redelivery of a request that is already stored and running
+            job.reply.request_key = key
         deadline = None if request.deadline_ms is None else request.deadline_ms / 1000.0
         if not self.scheduler.submit(job, request.priority, deadline):
             self.count("rejected_overloaded")
+            self.metrics.request_done(model, None, "overloaded")
             job.reply.send = self._send_nowait
             job.reply.error("overloaded", "the request queue is full; retry later")
+
+    def _store(self, key: str, incoming: Incoming) -> bool:
+        assert self.spool is not None
+        try:
+            return self.spool.store_request(
+                key,
+                incoming.topic,
+                incoming.payload,
+                incoming.qos,
+                incoming.response_topic,
+                incoming.correlation_data,
+            )
+        except sqlite3.Error as e:
+            log.error("spool: cannot store request %s: %s", key, e)
+            raise wire.WireError("overloaded", "the agent cannot store the request") from e
 
     def _precheck(self, request: wire.Request) -> None:
         """Cheap checks against the serving version, so junk never takes a queue slot."""
@@ -374,12 +532,15 @@ class Agent:
 
     def _send_blocking(self, message: OutMessage) -> None:
         self.outbox.put(message)
+        self.metrics.reply_sent(len(message.payload))
 
     # -- execution (worker threads) ----------------------------------------------------------
 
     def _finish_error(self, job: Job, code: str, message: str) -> None:
         self.count(f"requests_{code}")
-        job.reply.error(code, message)
+        if job.reply.error(code, message):
+            version = job.reply.version if isinstance(job.reply.version, int) else None
+            self.metrics.request_done(job.request.model, version, code)
 
     def _execute(self, job: Job, queued_s: float) -> None:
         request, reply = job.request, job.reply
@@ -397,13 +558,19 @@ class Agent:
                     loaded.session, stream_config, inputs, request.params, job.cancelled
                 )
                 if request.stream:
+                    first = True
                     for index, outputs in execution.pieces():
                         reply.chunk(outputs, index)
+                        if first:
+                            first = False
+                            since = time.monotonic() - job.received
+                            self.metrics.first_chunk_after(request.model, since)
                     reply.end(self._timing(job, queued_s, execution.stats.infer_s))
                 else:
                     merged = merge_pieces(stream_config.mode, list(execution.pieces()))
                     reply.result(merged, self._timing(job, queued_s, execution.stats.infer_s))
             self.count("requests_ok")
+            self._record_ok(job, queued_s, execution.stats.infer_s)
         except wire.WireError as e:
             self._finish_error(job, e.code, e.message)
         except InferenceError as e:
@@ -419,6 +586,19 @@ class Agent:
             with self._running_lock:
                 self._running.discard(job)
 
+    def _record_ok(self, job: Job, queued_s: float, infer_s: float) -> None:
+        model, total = job.request.model, time.monotonic() - job.received
+        self.metrics.request_timing(model, queued_s, infer_s, total, job.reply.chunks)
+        self.metrics.request_done(model, job.reply.version, "ok")
+        log.debug(
+            "request %s (%s v%s): ok in %.1f ms, %d chunk(s)",
+            job.request.id,
+            model,
+            job.reply.version,
+            total * 1000,
+            job.reply.chunks,
+        )
+
     @staticmethod
     def _timing(job: Job, queued_s: float, infer_s: float) -> dict[str, float]:
         total = time.monotonic() - job.received
@@ -431,16 +611,158 @@ class Agent:
     # -- housekeeping --------------------------------------------------------------------------
 
     def _housekeep(self) -> None:
-        interval = self.config.telemetry.interval_s
-        next_telemetry = time.monotonic() + interval if interval else None
-        while not self._stop.wait(0.5):
-            if time.monotonic() - self._bad_last_report >= BAD_REQUEST_REPORT_S:
+        last_telemetry = time.monotonic()
+        while not self._stop.wait(self._tick_s()):
+            now = time.monotonic()
+            if now - self._bad_last_report >= BAD_REQUEST_REPORT_S:
                 self._report_bad_requests()
-            if next_telemetry is not None and time.monotonic() >= next_telemetry:
-                next_telemetry += interval
+            interval = self.config.telemetry.interval_s  # read each time: SIGHUP may change it
+            if interval and now - last_telemetry >= interval:
+                late = now - last_telemetry > 2 * interval
+                last_telemetry = now if late else last_telemetry + interval
                 self._publish_telemetry()
+            self._maintain_spool(now)
+            if self.reporter.notifier.enabled:
+                self.reporter.tick(
+                    ready=self.transport.connected.is_set(),
+                    problem=self.health_problem(),
+                    status=self._status(),
+                )
+
+    def _maintain_spool(self, now: float) -> None:
+        """Every few seconds: expire old pending messages (TTL), forget old acknowledged ones."""
+        if self.spool is None or now - self._spool_maintained < 5.0:
+            return
+        self._spool_maintained = now
+        expired = self.outbox.expire()
+        if expired:
+            self.count("spool_expired_messages", expired)
+            log.warning("spool: %d message(s) older than ttl_s expired unsent", expired)
+        self.spool.purge_acked(self.config.spool.keep_acked_s)
+
+    def _tick_s(self) -> float:
+        """Fast until READY went out, then often enough for the watchdog pings."""
+        if self.reporter.notifier.enabled and not self.reporter.ready_sent:
+            return 0.1
+        ping = self.reporter.ping_interval_s
+        return 0.5 if ping is None else max(0.02, min(0.5, ping / 2))
+
+    # -- health, systemd, metrics ----------------------------------------------------------------
+
+    def health_problem(self) -> str | None:
+        """None while healthy: the workers are alive and none is stuck, the MQTT loop runs.
+
+        A broker that is down is not a problem here (the agent reconnects and spools; a
+        restart would not help); a dead or stuck thread is, and stops the watchdog pings.
+        """
+        if not self._started:
+            return "starting"
+        if not self.scheduler.alive and not self._stop.is_set():
+            return "an inference worker thread died"
+        if self.scheduler.busy:
+            age = time.monotonic() - self.scheduler.oldest_heartbeat()
+            limit = self.config.systemd.stuck_after_s
+            if age > limit:
+                return f"an inference worker has run one job for {age:.0f} s (limit {limit:g} s)"
+        return self._transport_problem()
+
+    def _transport_problem(self) -> str | None:
+        return None if self._stop.is_set() else self.transport.thread_problem()
+
+    def health_report(self) -> tuple[bool, dict[str, Any]]:
+        """For `/healthz` (and so `edge-agent health`, the container's HEALTHCHECK)."""
+        problem = self.health_problem()
+        return problem is None, {
+            "problem": problem,
+            "connected": self.transport.connected.is_set(),
+            "status": self._status(),
+        }
+
+    def _status(self) -> str:
+        """The STATUS= line: models and broker, nothing that changes on every request."""
+        models = self.models.inventory()["models"]
+        serving = sum(1 for m in models.values() if m["serving"] is not None)
+        failed = sum(
+            1 for m in models.values() for v in m["versions"].values() if v["state"] == "failed"
+        )
+        text = f"serving {serving} of {len(models)} model(s)"
+        if failed:
+            text += f", {failed} version(s) failed"
+        mqtt = self.config.mqtt
+        if self.transport.connected.is_set():
+            text += f"; broker {mqtt.host}:{mqtt.port} connected"
+        elif self.reporter.ready_sent:
+            text += f"; broker {mqtt.host}:{mqtt.port} lost, reconnecting"
+        else:
+            text += f"; waiting for broker {mqtt.host}:{mqtt.port}"
+        if self._restart_pending:
+            text += f"; restart needed for {len(self._restart_pending)} changed key(s)"
+        return text
+
+    def _gauges(self) -> Gauges:
+        spool = self.spool
+        busy = self.scheduler.busy
+        return Gauges(
+            queue_depth=self.scheduler.depth,
+            busy_workers=busy,
+            workers=self.config.scheduler.workers,
+            outbox_depth=len(self.outbox),
+            inflight_publishes=self.transport.inflight,
+            connected=self.transport.connected.is_set(),
+            reconnects=self.transport.reconnects,
+            acked=self.transport.acked,
+            publish_failures=self.transport.publish_failures,
+            spool_messages=spool.count if spool is not None else None,
+            spool_bytes=spool.bytes if spool is not None else None,
+            spool_evicted=self.counters.get("spool_evicted_messages", 0),
+            healthy=self.health_problem() is None,
+            oldest_job_s=time.monotonic() - self.scheduler.oldest_heartbeat() if busy else 0.0,
+            inventory=self.models.inventory(),
+        )
+
+    # -- SIGHUP ----------------------------------------------------------------------------------
+
+    def reload(self, new: AgentConfig) -> ReloadReport:
+        """Apply what is safe to change while running; list the keys that need a restart.
+
+        Applied at once: log level and format, the QoS of replies, events, status and
+        telemetry, the telemetry period, the input limits, the allowed reply prefixes, the
+        drain timeout and `systemd.stuck_after_s`. Everything else (broker connection,
+        models, workers, queue, spool, metrics endpoint, the request subscription's QoS)
+        keeps its old value until a restart.
+        """
+        # RELOADING/READY bracket a reload only after the first READY (never announce early).
+        announce = self.reporter.ready_sent
+        if announce:
+            self.reporter.notifier.reloading("reloading the configuration")
+        merged, applied, restart = plan_reload(self.config, new)
+        if "log_level" in applied or "log_format" in applied:
+            logs.reconfigure(merged.log_level, merged.log_format)
+        self.config = merged
+        self.limits = _limits(merged)
+        report = ReloadReport(applied, restart)
+        if restart:
+            log.warning(
+                "reload: applied %s; needs a restart to take effect: %s",
+                ", ".join(applied) or "nothing",
+                ", ".join(restart),
+            )
+        else:
+            log.info("reload: applied %s", ", ".join(applied) or "nothing (no change)")
+        self.metrics.reloads.labels("restart_needed" if restart else "ok").inc()
+        self.publish_event(
+            {"type": "config_reloaded", "applied": applied, "restart_required": restart}
+        )
+        self._restart_pending = restart
+        status = self._status()
+        if announce:
+            self.reporter.notifier.ready(status)
+        else:
+            self.reporter.notifier.status(status)
+        return report
 
     def telemetry(self) -> dict[str, Any]:
+        """Counters and gauges, plus the Prometheus registry as plain data (`metrics`)."""
         with self._counter_lock:
             counters = dict(self.counters)
         return {
@@ -451,10 +773,13 @@ class Agent:
                 "queue_depth": self.scheduler.depth,
                 "busy_workers": self.scheduler.busy,
                 "outbox_depth": len(self.outbox),
+                "spool_pending": self.spool.count if self.spool else 0,
+                "spool_bytes": self.spool.bytes if self.spool else 0,
                 "inflight_publishes": self.transport.inflight,
                 "reconnects": self.transport.reconnects,
                 "acked": self.transport.acked,
             },
+            "metrics": self.metrics.snapshot(),
         }
 
     def _publish_telemetry(self) -> None:
@@ -464,6 +789,84 @@ class Agent:
             self.config.mqtt.qos.telemetry,
         )
         self.outbox.put_nowait_reserved(message)
+
+
+@dataclass(frozen=True)
+class ReloadReport:
+    applied: list[str]  # dotted keys that changed and now have their new value
+    restart_required: list[str]  # dotted keys that changed but keep the old value
+
+
+# Keys (or whole sections) a running agent can take over from a reloaded configuration.
+RELOADABLE = (
+    "log_level",
+    "log_format",
+    "mqtt.qos.reply",
+    "mqtt.qos.event",
+    "mqtt.qos.status",
+    "mqtt.qos.telemetry",
+    "mqtt.allowed_reply_prefixes",
+    "telemetry",
+    "limits",
+    "scheduler.drain_timeout_s",
+    "systemd.stuck_after_s",
+)
+
+
+def plan_reload(old: AgentConfig, new: AgentConfig) -> tuple[AgentConfig, list[str], list[str]]:
+    """The configuration to run with after a reload, the keys applied, the keys not applied."""
+    applied: list[str] = []
+    restart: list[str] = []
+
+    def merge(a: Any, b: Any, prefix: str) -> Any:
+        update = {}
+        for name in type(a).model_fields:
+            key = f"{prefix}{name}"
+            va, vb = getattr(a, name), getattr(b, name)
+            if va == vb:
+                continue
+            if key in RELOADABLE:
+                update[name] = vb
+                applied.extend(_changed_keys(va, vb, key))
+            elif isinstance(va, BaseModel) and any(r.startswith(f"{key}.") for r in RELOADABLE):
+                update[name] = merge(va, vb, f"{key}.")
+            else:
+                restart.extend(_changed_keys(va, vb, key))
+        return a.model_copy(update=update) if update else a
+
+    merged: AgentConfig = merge(old, new, "")
+    return merged, applied, restart
+
+
+def _changed_keys(a: Any, b: Any, key: str) -> list[str]:
+    if isinstance(a, BaseModel) and isinstance(b, BaseModel):
+        keys: list[str] = []
+        for name in type(a).model_fields:
+            keys += _changed_keys(getattr(a, name), getattr(b, name), f"{key}.{name}")
+        return keys
+    return [key] if a != b else []
+
+
+def _limits(config: AgentConfig) -> wire.Limits:
+    lim = config.limits
+    return wire.Limits(
+        max_payload_bytes=lim.max_payload_bytes,
+        max_decompressed_bytes=lim.max_decompressed_bytes,
+        max_depth=lim.max_depth,
+        max_map_keys=lim.max_map_keys,
+        max_tensor_elements=lim.max_tensor_elements,
+        max_tensor_bytes=lim.max_tensor_bytes,
+        max_rank=lim.max_rank,
+        max_tensors=lim.max_tensors,
+        max_items=lim.max_items,
+    )
+
+
+def _correlation_properties(correlation: bytes) -> Properties:
+    """MQTT 5 properties of a spooled reply read back from disk."""
+    properties = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+    properties.CorrelationData = correlation
+    return properties
 
 
 def _required(

@@ -61,6 +61,9 @@ class ReplyStream:
     max_chunk_bytes: int
     send: Callable[[OutMessage], None]
     properties: Any = None  # MQTT 5 properties (correlation data) carried on every message
+    correlation: bytes | None = None  # the raw correlation data, kept with spooled messages
+    stream_key: str | None = None  # spool stream of QoS 1/2 messages ("model/id")
+    request_key: str | None = None  # the stored request the terminal message finishes
     seq: int = 0
     chunks: int = 0
     finished: bool = False
@@ -78,8 +81,19 @@ class ReplyStream:
         self.seq += 1
         return fields
 
-    def _emit(self, payload: bytes) -> None:
-        self.send(OutMessage(self.topic, payload, self.qos, False, self.properties))
+    def _emit(self, payload: bytes, *, terminal: bool = False) -> None:
+        self.send(
+            OutMessage(
+                self.topic,
+                payload,
+                self.qos,
+                False,
+                self.properties,
+                stream=self.stream_key,
+                finishes=self.request_key if terminal else None,
+                correlation=self.correlation,
+            )
+        )
 
     def chunk(self, outputs: Mapping[str, Array], index: int) -> None:
         outputs_cbor = wire.encode_outputs(outputs)
@@ -98,7 +112,7 @@ class ReplyStream:
             if self.finished:
                 return False
             self.finished = True
-        self._emit(wire.encode_payload(payload_fields))
+        self._emit(wire.encode_payload(payload_fields), terminal=True)
         return True
 
     def end(self, timing: Mapping[str, float]) -> bool:
@@ -115,7 +129,7 @@ class ReplyStream:
                 return False
             self.finished = True
         fields = self._fields("result", timing=dict(timing))
-        self._emit(encode_with_outputs(fields, outputs_cbor))
+        self._emit(encode_with_outputs(fields, outputs_cbor), terminal=True)
         return True
 
     def error(self, code: str, message: str) -> bool:

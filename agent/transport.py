@@ -47,6 +47,7 @@ class Incoming:
     qos: int
     response_topic: str | None = None
     correlation_data: bytes | None = None
+    dup: bool = False
 
 
 class EpochStore:
@@ -109,6 +110,7 @@ class Transport:
         will: Callable[[int], OutMessage],
         on_connected: Callable[[int], None],
         epoch: EpochStore,
+        on_new_session: Callable[[float | None], None] = lambda lost_at: None,
         rng: random.Random | None = None,
     ) -> None:
         self._config = config
@@ -117,6 +119,9 @@ class Transport:
         self._subscriptions = list(subscriptions)
         self._will = will
         self._on_connected_hook = on_connected
+        self._on_new_session = on_new_session
+        self._client_id = client_id
+        self._used = False  # the current client object has tried to connect
         self._epoch = epoch
         self._delay = backoff_delays(
             config.reconnect_min_s, config.reconnect_max_s, rng or random.Random()
@@ -126,11 +131,20 @@ class Transport:
         self._disconnected = threading.Event()
         self._stop = threading.Event()
         self._publisher_stop = threading.Event()
-        self._window = threading.BoundedSemaphore(config.max_inflight)
+        # In-flight window: at most min(max_inflight, the broker's Receive Maximum) QoS 1/2
+        # publishes unacknowledged; the broker would otherwise disconnect us (MQTT 5).
+        self._window_cond = threading.Condition()
+        self._window_limit = config.max_inflight
+        self._window_used = 0
+        self._max_qos = 2
         self._pending_lock = threading.Lock()
-        self._pending: dict[int, float] = {}  # mid -> publish time, QoS 1/2 awaiting ack
-        self._early_acks: set[int] = set()
+        # mid -> (publish time, spool id): QoS 1/2 awaiting the broker's acknowledgement
+        self._pending: dict[int, tuple[float, int | None]] = {}
+        self._early_acks: dict[int, ReasonCode] = {}
+        self._qos_warned = False
+        self._last_ack_flush = time.monotonic()
         self.reconnects = 0
+        self.lost_at: float | None = None  # wall time the last connection was lost
         self.acked = 0
         self.publish_failures = 0
         self.last_error: str | None = None
@@ -153,6 +167,8 @@ class Transport:
             protocol=MQTTProtocolVersion.MQTTv5 if self.mqtt5 else MQTTProtocolVersion.MQTTv311,
             clean_session=None if self.mqtt5 else False,
             reconnect_on_failure=False,  # the supervisor owns reconnects (jitter, epoch, will)
+            # A request is acknowledged only after the handler stored it (see _handle_message).
+            manual_ack=True,
         )
         client.max_inflight_messages_set(config.max_inflight)
         client.on_connect = self._handle_connect
@@ -192,9 +208,10 @@ class Transport:
         while not self._stop.is_set():
             started = time.monotonic()
             if self._connect_once():
-                # Wait while the connection lasts.
+                # Wait while the connection lasts; a publish the broker never acknowledges
+                # is retried over a fresh connection (paho resends unacknowledged ones).
                 while not self._stop.is_set() and not self._disconnected.wait(0.25):
-                    pass
+                    self._check_ack_timeout()
             with contextlib.suppress(Exception):
                 self._client.loop_stop()
             if self._stop.is_set():
@@ -207,6 +224,9 @@ class Transport:
     def _connect_once(self) -> bool:
         config = self._config
         self._disconnected.clear()
+        if self._used and not self._fresh_client():
+            return False
+        self._used = True
         properties = None
         if self.mqtt5:
             properties = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
@@ -224,6 +244,41 @@ class Transport:
             return False
         self._client.loop_start()
         return True
+
+    def _fresh_client(self) -> bool:
+        """A new paho client for every connection: the spool, not paho's memory, is the
+        session. Whatever was in flight on the old connection is read back from the spool
+        and published again in order (paho's own resend after a reconnect is bypassed)."""
+        try:
+            client = self._make_client(self._client_id)
+        except ConnectionError as e:
+            self._note_error(str(e))
+            return False
+        with self._pending_lock:
+            self._pending.clear()
+            self._early_acks.clear()
+        with self._window_cond:
+            self._window_used = 0
+            self._window_cond.notify_all()
+        self._client = client
+        try:
+            self._on_new_session(self.lost_at)
+        except Exception:
+            log.exception("mqtt: on_new_session hook failed")
+        return True
+
+    def _check_ack_timeout(self) -> None:
+        timeout = self._config.ack_timeout_s
+        if timeout <= 0 or not self.connected.is_set():
+            return
+        with self._pending_lock:
+            oldest = min((sent for sent, _ in self._pending.values()), default=None)
+        if oldest is not None and time.monotonic() - oldest > timeout:
+            self._note_error(f"no acknowledgement for {timeout:.0f} s: reconnecting")
+            with self._pending_lock:  # restart the clock for the resent messages
+                self._pending = {m: (time.monotonic(), i) for m, (_, i) in self._pending.items()}
+            with contextlib.suppress(Exception):
+                self._client.disconnect()
 
     def _note_error(self, message: str) -> None:
         if message != self.last_error:
@@ -256,6 +311,7 @@ class Transport:
             return
         epoch = self._epoch.next()
         self._epoch.commit(epoch)
+        self._apply_broker_limits(properties)
         if self.reconnects or self.connected.is_set():
             log.info("mqtt: reconnected (epoch %d)", epoch)
         else:
@@ -271,6 +327,17 @@ class Transport:
             log.exception("mqtt: on_connected hook failed")
         self.connected.set()
 
+    def _apply_broker_limits(self, properties: Properties | None) -> None:
+        """Receive Maximum bounds the in-flight window; Maximum QoS caps what we publish."""
+        receive_max = getattr(properties, "ReceiveMaximum", None) if properties else None
+        max_qos = getattr(properties, "MaximumQoS", None) if properties else None
+        with self._window_cond:
+            self._window_limit = min(self._config.max_inflight, receive_max or 65535)
+            self._window_cond.notify_all()
+        self._max_qos = 2 if max_qos is None else int(max_qos)
+        if self._max_qos < 2:
+            log.info("mqtt: the broker accepts QoS <= %d", self._max_qos)
+
     def _handle_disconnect(
         self,
         client: mqtt.Client,
@@ -283,8 +350,12 @@ class Transport:
         self.connected.clear()
         if was_connected:
             self.reconnects += 1
+            self.lost_at = time.time()
             if not self._stop.is_set():
                 self._note_error(f"connection lost: {reason}")
+        elif not self._stop.is_set() and self.last_error is None:
+            # Closed before CONNACK: a refused TLS client certificate looks like this.
+            self._note_error(f"the broker closed the connection before accepting it: {reason}")
         self._disconnected.set()
 
     def _handle_message(
@@ -301,12 +372,17 @@ class Transport:
             qos=message.qos,
             response_topic=response_topic,
             correlation_data=correlation,
+            dup=bool(message.dup),
         )
         try:
             self._on_message(incoming)
         except Exception:
             # One failing handler never stops the network loop.
             log.exception("mqtt: message handler failed for topic %s", message.topic[:200])
+        # The handler stored what it accepted before returning: only now may the broker
+        # forget the message (a crash before this line means a redelivery, not a loss).
+        if message.qos > 0:
+            client.ack(message.mid, message.qos)
 
     def _handle_publish(
         self,
@@ -317,17 +393,23 @@ class Transport:
         properties: Properties | None,
     ) -> None:
         with self._pending_lock:
-            sent = self._pending.pop(mid, None)
-            if sent is None:
-                self._early_acks.add(mid)
+            pending = self._pending.pop(mid, None)
+            if pending is None:
+                self._early_acks[mid] = reason
                 return
-        self._acknowledged(sent, reason)
+        self._acknowledged(pending[0], pending[1], reason)
 
-    def _acknowledged(self, sent: float, reason: ReasonCode) -> None:
-        self._window.release()
+    def _acknowledged(self, sent: float, spool_id: int | None, reason: ReasonCode) -> None:
+        with self._window_cond:
+            self._window_used -= 1
+            self._window_cond.notify()
+        if spool_id is not None:
+            # Refused publishes are forgotten too: resending what the broker refuses (not
+            # authorized, quota) would only loop; they are counted and logged.
+            self._outbox.acknowledged(spool_id)
         if reason.is_failure:
             self.publish_failures += 1
-            log.warning("mqtt: broker rejected a publish: %s", reason)
+            log.warning("mqtt: broker refused a publish: %s", reason)
             return
         self.acked += 1
         latency = time.monotonic() - sent
@@ -338,7 +420,11 @@ class Transport:
 
     def _publish_loop(self) -> None:
         while not self._publisher_stop.is_set():
-            message = self._outbox.get(timeout=0.25)
+            message = self._outbox.get(timeout=0.02)
+            now = time.monotonic()
+            if message is None or now - self._last_ack_flush > 0.02:
+                self._last_ack_flush = now
+                self._outbox.flush_acks()
             if message is None:
                 if len(self._outbox) == 0 and self._stop.is_set():
                     return
@@ -355,35 +441,70 @@ class Transport:
         return True
 
     def _publish(self, message: OutMessage) -> None:
-        if message.qos > 0:
-            while not self._window.acquire(timeout=0.25):
-                if self._publisher_stop.is_set():
-                    self._outbox.unget(message)
-                    return
+        qos = message.qos
+        if qos > self._max_qos:
+            if not self._qos_warned:
+                log.warning(
+                    "mqtt: the broker refuses QoS %d; publishing at QoS %d", qos, self._max_qos
+                )
+                self._qos_warned = True
+            qos = self._max_qos
+        if qos > 0 and not self._acquire_window():
+            self._outbox.unget(message)
+            return
         sent = time.monotonic()
         try:
             info = self._client.publish(
-                message.topic, message.payload, message.qos, message.retain, message.properties
+                message.topic, message.payload, qos, message.retain, message.properties
             )
         except (ValueError, TypeError) as e:
             log.error("mqtt: cannot publish to %s: %s", message.topic[:200], e)
-            if message.qos > 0:
-                self._window.release()
+            if qos > 0:
+                self._acknowledged(
+                    sent, message.spool_id, ReasonCode(PacketTypes.PUBACK, "Unspecified error")
+                )
             return
-        if message.qos == 0:
+        if qos == 0:
             if info.rc == MQTTErrorCode.MQTT_ERR_NO_CONN:
                 self._outbox.unget(message)  # lost the connection just now: send it later
+            elif message.spool_id is not None:
+                self._outbox.acknowledged(message.spool_id)  # downgraded to QoS 0: sent is all
             return
         # QoS 1/2: paho keeps it (and resends it after a reconnect) until the broker acks.
         with self._pending_lock:
-            if info.mid in self._early_acks:
-                self._early_acks.discard(info.mid)
-                early = True
-            else:
-                self._pending[info.mid] = sent
-                early = False
-        if early:
-            self._acknowledged(sent, ReasonCode(PacketTypes.PUBACK, "Success"))
+            reason = self._early_acks.pop(info.mid, None)
+            if reason is None:
+                self._pending[info.mid] = (sent, message.spool_id)
+        if reason is not None:
+            self._acknowledged(sent, message.spool_id, reason)
+
+    def _acquire_window(self) -> bool:
+        with self._window_cond:
+            while self._window_used >= self._window_limit:
+                if self._publisher_stop.is_set():
+                    return False
+                self._window_cond.wait(0.25)
+            self._window_used += 1
+            return True
+
+    def thread_problem(self) -> str | None:
+        """Which of the connection's threads died, if any (for the systemd watchdog).
+
+        The supervisor reconnects, the publisher drains the outbox, paho's loop thread moves
+        bytes while connected; a broker outage is not a problem, a dead thread is.
+        """
+        for thread in (self._supervisor, self._publisher):
+            if thread.ident is not None and not thread.is_alive():
+                return f"the {thread.name} thread died"
+        loop = getattr(self._client, "_thread", None)  # paho keeps its loop thread here
+        if self.connected.is_set() and isinstance(loop, threading.Thread) and not loop.is_alive():
+            return "paho's network loop thread died while connected"
+        return None
+
+    @property
+    def window_limit(self) -> int:
+        """QoS 1/2 publishes allowed unacknowledged now (after the broker's Receive Maximum)."""
+        return self._window_limit
 
     @property
     def inflight(self) -> int:

@@ -18,7 +18,15 @@ from agent.client import AgentClient
 from agent.config import AgentConfig, load_config
 from agent.service import Agent
 
-OUR_THREADS = ("mqtt-", "infer-worker", "housekeeping", "drain-timer", "paho-mqtt-client")
+OUR_THREADS = (
+    "mqtt-",
+    "infer-worker",
+    "housekeeping",
+    "drain-timer",
+    "paho-mqtt-client",
+    "model-watcher",
+    "metrics-http",
+)
 
 DECODER_CONFIG = """\
 [stream]
@@ -89,6 +97,7 @@ def agent_config(
         "EDGE_AGENT__MQTT__PORT": str(broker.port),
         "EDGE_AGENT__TELEMETRY__INTERVAL_S": "0",
         "EDGE_AGENT__MODELS__SETTLE_S": "0.1",
+        "EDGE_AGENT__METRICS__PORT": "0",  # every agent its own free port
         **{f"EDGE_AGENT__{k.upper()}": v for k, v in env.items()},
     }
     return load_config(path, environ)

@@ -206,7 +206,8 @@ def test_checksum_mismatch_is_refused(broker, make_agent, tmp_path):
             == "failed"
         )
     )
-    assert "checksum mismatch" in agent.models.inventory()["models"]["mlp"]["versions"]["2"]["error"]
+    entry = agent.models.inventory()["models"]["mlp"]["versions"]["2"]
+    assert "checksum mismatch" in entry["error"]
     assert serving(agent) == 1
     import hashlib
 

@@ -32,7 +32,9 @@ def test_stop_answers_queued_requests_with_shutting_down(broker, repository, mak
     for i in range(20):
         body = {"id": f"stop-{i}", "inputs": {"x": x}}
         client.publish_raw(f"{agent.root}/infer/mlp", wire.encode_payload(body), qos=1)
-    time.sleep(0.05)
+    deadline = time.monotonic() + 5
+    while agent.scheduler.depth < 5 and time.monotonic() < deadline:
+        time.sleep(0.005)
     agent.stop()
     terminal: dict[str, dict] = {}
     deadline = time.monotonic() + 5

@@ -1,0 +1,358 @@
+"""Prometheus metrics of one agent, the `/metrics` + `/healthz` endpoint, the telemetry snapshot.
+
+Every Agent has its own `CollectorRegistry` (never prometheus_client's global one), so two
+agents in one process (the tests) never share or double-register a metric. Values that the
+agent already keeps (queue depth, spool size, the inventory) are read at scrape time by a
+custom collector instead of being copied on every change; per-request values (outcomes,
+latencies) are recorded where they happen.
+
+Label values are bounded: `model` is a model the repository has (anything else published on
+`ROOT/infer/{model}` counts as `_unknown`, so junk topics cannot grow the registry without
+limit), `version` is a loaded version or `none`, `outcome` is `ok` or a contract error code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+PREFIX = "edge_agent"
+UNKNOWN_MODEL = "_unknown"
+NO_VERSION = "none"
+# From sub-millisecond (small models on the CPU) to a minute (a long decode at shutdown).
+LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+LOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+STATES = ("loading", "ready", "failed", "draining", "unloaded")
+
+
+@dataclass(frozen=True)
+class Gauges:
+    """What the agent reports at scrape time (read by `AgentCollector`)."""
+
+    queue_depth: int = 0
+    busy_workers: int = 0
+    workers: int = 0
+    outbox_depth: int = 0
+    inflight_publishes: int = 0
+    connected: bool = False
+    reconnects: int = 0
+    acked: int = 0
+    publish_failures: int = 0
+    spool_messages: int | None = None
+    spool_bytes: int | None = None
+    spool_evicted: int = 0
+    healthy: bool = True
+    oldest_job_s: float = 0.0
+    inventory: Mapping[str, Any] = field(default_factory=dict)
+
+
+class AgentCollector(Collector):
+    """Gauges and counters the agent keeps itself, turned into metric families per scrape."""
+
+    def __init__(self, read: Callable[[], Gauges]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            g = self._read()
+        except Exception:  # a scrape must never take the agent down
+            log.exception("metrics: reading the agent's gauges failed")
+            return
+        yield from _gauges(
+            ("queue_depth", "Requests waiting for a worker", g.queue_depth),
+            ("inflight_requests", "Requests being run by a worker", g.busy_workers),
+            ("workers", "Inference worker threads", g.workers),
+            ("outbox_depth", "Encoded messages waiting for the network", g.outbox_depth),
+            ("inflight_publishes", "QoS 1/2 publishes awaiting the ack", g.inflight_publishes),
+            ("mqtt_connected", "1 while the broker connection is up", int(g.connected)),
+            ("healthy", "1 while workers and the MQTT loop are healthy", int(g.healthy)),
+            ("oldest_job_seconds", "How long the longest running job has run", g.oldest_job_s),
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_mqtt_reconnects", "Broker connections lost since start", value=g.reconnects
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_publish_acks", "QoS 1/2 publishes the broker acknowledged", value=g.acked
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_publish_failures", "Publishes the broker refused", value=g.publish_failures
+        )
+        if g.spool_messages is not None:
+            yield from _gauges(
+                ("spool_messages", "Messages in the on-disk spool", g.spool_messages),
+                ("spool_bytes", "Payload bytes in the on-disk spool", g.spool_bytes or 0),
+            )
+            yield CounterMetricFamily(
+                f"{PREFIX}_spool_evicted_messages",
+                "Messages the full spool evicted (drop_oldest)",
+                value=g.spool_evicted,
+            )
+        yield from _model_families(g.inventory)
+
+
+def _gauges(*items: tuple[str, str, float]) -> Iterator[Metric]:
+    for name, help_text, value in items:
+        yield GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=value)
+
+
+def _model_families(inventory: Mapping[str, Any]) -> Iterator[Metric]:
+    states = GaugeMetricFamily(
+        f"{PREFIX}_model_version_state",
+        "1 for the state each version folder is in",
+        labels=["model", "version", "state"],
+    )
+    serving = GaugeMetricFamily(
+        f"{PREFIX}_model_serving_version",
+        "The version requests without `version` get (absent: none ready)",
+        labels=["model"],
+    )
+    for name, model in sorted(inventory.get("models", {}).items()):
+        for number, entry in sorted(model.get("versions", {}).items()):
+            for state in STATES:
+                states.add_metric([name, str(number), state], int(entry.get("state") == state))
+        if model.get("serving") is not None:
+            serving.add_metric([name], model["serving"])
+    yield states
+    yield serving
+
+
+class AgentMetrics:
+    """The metrics of one agent; the `record_*` methods are thread-safe and cheap."""
+
+    def __init__(
+        self,
+        read: Callable[[], Gauges],
+        *,
+        device: str,
+        version: str,
+        known_model: Callable[[str], bool] = lambda name: True,
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._known_model = known_model
+        r = self.registry
+        Info(PREFIX, "The agent build and device", registry=r).info(
+            {"version": version, "device": device}
+        )
+        self.received = Counter(
+            f"{PREFIX}_requests_received", "Request messages received", registry=r
+        )
+        self.requests = Counter(
+            f"{PREFIX}_requests",
+            "Requests by their terminal outcome (ok or the error code)",
+            ["model", "version", "outcome"],
+            registry=r,
+        )
+        self.first_chunk = Histogram(
+            f"{PREFIX}_time_to_first_chunk_seconds",
+            "From the request's arrival to its first chunk handed to the outbox",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            f"{PREFIX}_queue_seconds",
+            "Time a request waited for a worker",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inference = Histogram(
+            f"{PREFIX}_inference_seconds",
+            "Time spent in the model's session runs for one request",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.total = Histogram(
+            f"{PREFIX}_request_duration_seconds",
+            "From arrival to the terminal message of a request that ran",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.chunks = Counter(
+            f"{PREFIX}_chunks_published",
+            "Chunk messages (parts included) of reply streams handed to the outbox",
+            ["model"],
+            registry=r,
+        )
+        self.reply_messages = Counter(
+            f"{PREFIX}_reply_messages_published",
+            "Reply messages (chunk, end, result, error) handed to the outbox",
+            registry=r,
+        )
+        self.reply_bytes = Counter(
+            f"{PREFIX}_reply_bytes_published",
+            "Payload bytes of reply messages handed to the outbox",
+            registry=r,
+        )
+        self.ack = Histogram(
+            f"{PREFIX}_publish_ack_seconds",
+            "From a QoS 1/2 publish to the broker's acknowledgement",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.model_load = Histogram(
+            f"{PREFIX}_model_load_seconds",
+            "Loading, checking and warming up one model version",
+            ["model"],
+            buckets=LOAD_BUCKETS,
+            registry=r,
+        )
+        self.reloads = Counter(
+            f"{PREFIX}_config_reloads", "SIGHUP reloads by result", ["result"], registry=r
+        )
+        r.register(AgentCollector(read))
+        # edge_agent_process_resident_memory_bytes, _cpu_seconds_total, _open_fds, ...
+        ProcessCollector(namespace=PREFIX, registry=r)
+
+    # -- recording -----------------------------------------------------------------------------
+
+    def model_label(self, model: str) -> str:
+        return model if self._known_model(model) else UNKNOWN_MODEL
+
+    def request_done(self, model: str, version: int | None, outcome: str) -> None:
+        label = self.model_label(model)
+        self.requests.labels(label, NO_VERSION if version is None else str(version), outcome).inc()
+
+    def request_timing(
+        self, model: str, queue_s: float, infer_s: float, total_s: float, chunks: int
+    ) -> None:
+        label = self.model_label(model)
+        self.queue.labels(label).observe(queue_s)
+        self.inference.labels(label).observe(infer_s)
+        self.total.labels(label).observe(total_s)
+        if chunks:
+            self.chunks.labels(label).inc(chunks)
+
+    def first_chunk_after(self, model: str, seconds: float) -> None:
+        self.first_chunk.labels(self.model_label(model)).observe(seconds)
+
+    def reply_sent(self, payload_bytes: int) -> None:
+        self.reply_messages.inc()
+        self.reply_bytes.inc(payload_bytes)
+
+    def model_loaded(self, model: str, seconds: float) -> None:
+        self.model_load.labels(model).observe(seconds)
+
+    # -- the telemetry snapshot ------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The registry as plain data for `ROOT/telemetry`: values, histograms as count + sum.
+
+        Unlabelled metrics map to a number; labelled ones to `{"label=value,...": number}`.
+        Buckets and `_created` samples are left out: the topic is a summary, `/metrics` has
+        the rest.
+        """
+        out: dict[str, Any] = {}
+        for metric in self.registry.collect():
+            if metric.type == "info":
+                continue
+            for sample in metric.samples:
+                if sample.name.endswith(("_bucket", "_created", "_gsum", "_gcount")):
+                    continue
+                key = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                value = sample.value
+                number: float | int = int(value) if float(value).is_integer() else value
+                if key:
+                    out.setdefault(sample.name, {})[key] = number
+                else:
+                    out[sample.name] = number
+        return out
+
+
+# -- HTTP endpoint ------------------------------------------------------------------------------
+
+Health = Callable[[], tuple[bool, dict[str, Any]]]
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log on stderr (a scrape every 15 s would flood the journal), and a timeout."""
+
+    timeout = 5.0
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _server_class(host: str) -> type[WSGIServer]:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    class Server(WSGIServer):
+        address_family = family
+        allow_reuse_address = True
+
+    return Server
+
+
+class MetricsServer:
+    """`/metrics` (Prometheus text format) and `/healthz` (200 or 503 with JSON) on one thread.
+
+    A single-threaded server on purpose: scrapes are small and rare, and one named thread
+    that `close()` joins is easier to account for than a thread per request.
+    """
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int, health: Health) -> None:
+        self._metrics_app = make_wsgi_app(registry)
+        self._health = health
+        self._server = make_server(
+            host, port, self._app, server_class=_server_class(host), handler_class=_QuietHandler
+        )
+        self.host = host
+        self.port: int = self._server.server_address[1]
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.2},
+            name="metrics-http",
+            daemon=True,  # joined by close(); daemon only so a failed start cannot hang the exit
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "/")
+        if path == "/metrics":
+            result: Iterable[bytes] = self._metrics_app(environ, start_response)
+            return result
+        if path == "/healthz":
+            try:
+                ok, details = self._health()
+            except Exception as e:  # report, never raise into the server loop
+                ok, details = False, {"problem": f"health check failed: {type(e).__name__}"}
+            body = json.dumps({"ok": ok, **details}).encode()
+            status = "200 OK" if ok else "503 Service Unavailable"
+            start_response(status, [("Content-Type", "application/json")])
+            return [body]
+        if path == "/":
+            start_response("200 OK", [("Content-Type", "text/plain")])
+            return [b"edge-agent: /metrics /healthz\n"]
+        start_response("404 Not Found", [("Content-Type", "text/plain")])
+        return [b"not found\n"]
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self._thread.is_alive():
+            self._server.shutdown()
+            self._thread.join(timeout)
+        self._server.server_close()

@@ -1,0 +1,105 @@
+"""Backlog drain after a broker outage: the spool's read-back rate against the live rate."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import paho.mqtt.client as mqtt
+
+from agent import demo_models, wire
+from agent.broker import EmbeddedBroker
+
+MODEL = "decoder-long"
+CONFIG = """\
+[stream]
+mode = "steps"
+max_steps = 100000
+feed = { token = "next_token" }
+state = { h = "h_out" }
+emit = ["next_token"]
+"""
+
+
+@dataclass
+class DrainResult:
+    live_rate: float
+    drain_rate: float
+    outage_s: float
+    backlog: int
+
+    @property
+    def ratio(self) -> float:
+        return self.drain_rate / self.live_rate
+
+
+def add_model(repository: Path) -> None:
+    (repository / MODEL / "1").mkdir(parents=True)
+    demo_models.save(demo_models.gru_decoder(), repository / MODEL / "1" / "model.onnx")
+    (repository / MODEL / "config.toml").write_text(CONFIG)
+
+
+class Counter:
+    """A bare paho subscriber that counts reply messages (it resubscribes after a restart)."""
+
+    def __init__(self, broker: EmbeddedBroker, pattern: str) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+        self.client.reconnect_delay_set(0.05, 0.2)
+        self.client.on_connect = lambda c, u, f, rc, p: c.subscribe(pattern, 1)
+        self.client.on_message = self._on_message
+        self.client.connect(broker.host, broker.port)
+        self.client.loop_start()
+
+    def _on_message(self, client: mqtt.Client, userdata: object, message: object) -> None:
+        with self._lock:
+            self.count += 1
+
+    def rate_over(self, seconds: float) -> tuple[float, int]:
+        start = self.count
+        time.sleep(seconds)
+        got = self.count - start
+        return got / seconds, got
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+def measure_drain(
+    broker: EmbeddedBroker, root: str, outage_s: float, window_s: float
+) -> DrainResult:
+    """Streams that produce faster than MQTT can carry them; the broker goes away for
+    `outage_s`; the publish rate after it returns (the backlog read back from the spool)
+    against the rate before it left."""
+    counter = Counter(broker, f"{root}/result/#")
+    publisher = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+    publisher.connect(broker.host, broker.port)
+    publisher.loop_start()
+    try:
+        time.sleep(0.3)
+        for i in range(2):
+            body = {
+                "id": f"drain-{i}",
+                "inputs": {"token": np.array([[i + 1]], dtype=np.int64)},
+                "params": {"max_steps": 100000},
+            }
+            publisher.publish(
+                f"{root}/infer/{MODEL}", wire.encode_payload(body), 1
+            ).wait_for_publish(5)
+        time.sleep(1.0)
+        live_rate, _ = counter.rate_over(window_s)
+        broker.stop()
+        time.sleep(outage_s)
+        broker.start()
+        time.sleep(0.5)  # reconnects (agent backoff is capped low for the benchmark)
+        drain_rate, drained = counter.rate_over(window_s)
+        return DrainResult(live_rate, drain_rate, outage_s, drained)
+    finally:
+        publisher.disconnect()
+        publisher.loop_stop()
+        counter.close()
