@@ -103,6 +103,17 @@ class Reply:
     timeout: float
     _messages: queue.Queue[dict[str, Any]] = field(default_factory=queue.Queue, repr=False)
     _on_close: Callable[[Reply], None] | None = field(default=None, repr=False)
+    # Gap recovery: `_ask(payload)` publishes a resend request (None: no recovery).
+    _ask: Callable[[dict[str, Any]], None] | None = field(default=None, repr=False)
+    model: str | None = None
+    gap_wait_s: float = 0.3  # a missing seq this long, with later ones here: ask for it
+    quiet_s: float = 1.5  # nothing this long before the terminal message: ask from next seq
+    resend_requests: int = 0  # resend requests this stream sent
+    recovered: int = 0  # messages that arrived after they were asked for again
+    _asked: set[int] = field(default_factory=set, repr=False)
+    _attempt: int = 0
+    _last_message: float = field(default_factory=time.monotonic, repr=False)
+    _gap_since: float | None = None
     end: StreamEnd | None = None
     result: Arrays | None = None
     timing: Mapping[str, float] | None = None
@@ -129,26 +140,85 @@ class Reply:
             self.close()
 
     def _next_in_order(self) -> dict[str, Any]:
-        """The message with the next `seq`, dropping duplicates and holding early arrivals."""
+        """The message with the next `seq`, dropping duplicates and holding early arrivals.
+
+        A gap (a missing seq while later ones arrived, parts that never complete) or a
+        stream gone quiet before its terminal message is asked for again on `ROOT/resend`,
+        with backoff, until `timeout` passes without any message.
+        """
         while self._next_seq not in self._pending:
-            try:
-                message = self._messages.get(timeout=self.timeout)
-            except queue.Empty:
+            now = time.monotonic()
+            silent = now - self._last_message
+            if silent >= self.timeout:
                 raise ReplyTimeout(
-                    f"no message for {self.timeout:.1f} s (next seq {self._next_seq})",
+                    f"no message for {self.timeout:.1f} s (next seq {self._next_seq}, "
+                    f"{self.resend_requests} resend requests)",
                     self.request_id,
-                ) from None
+                )
+            wait = self.timeout - silent
+            due = self._recovery_due(now)
+            if due is not None:
+                wait = min(wait, max(0.0, due - now))
+            try:
+                message = self._messages.get(timeout=wait)
+            except queue.Empty:
+                if due is not None and time.monotonic() >= due:
+                    self._ask_resend()
+                continue
+            self._last_message = time.monotonic()
             seq = message.get("seq")
             if message.get("type") == "gone":
                 raise AgentError("gone", "the agent no longer holds this stream", self.request_id)
             if not isinstance(seq, int) or seq < self._next_seq or seq in self._pending:
                 self.duplicates += 1
                 continue
+            if seq in self._asked:
+                self._asked.discard(seq)
+                self.recovered += 1
             self._pending[seq] = message
+            if self._next_seq not in self._pending and self._gap_since is None:
+                self._gap_since = self._last_message
         self.messages += 1
         message = self._pending.pop(self._next_seq)
         self._next_seq += 1
+        self._attempt = 0
+        gap = bool(self._pending) and self._next_seq not in self._pending
+        self._gap_since = time.monotonic() if gap else None
         return message
+
+    def _backoff(self) -> float:
+        return float(min(2**self._attempt, 16))
+
+    def _recovery_due(self, now: float) -> float | None:
+        """When to ask for a resend next, or None (no recovery, or nothing to ask yet)."""
+        if self._ask is None:
+            return None
+        if self._pending and self._gap_since is not None:
+            return self._gap_since + self.gap_wait_s * self._backoff()
+        # A stream gone quiet (or that never started: its first messages may be what was
+        # lost); the agent answers nothing while the request is still queued.
+        return self._last_message + self.quiet_s * self._backoff()
+
+    def _ask_resend(self) -> None:
+        assert self._ask is not None
+        body: dict[str, Any] = {"id": self.request_id}
+        if self.model is not None:
+            body["model"] = self.model
+        if self._pending:
+            missing = [
+                s for s in range(self._next_seq, max(self._pending)) if s not in self._pending
+            ]
+            body["seqs"] = missing[:1000]
+            self._asked.update(body["seqs"])
+        else:
+            body["from_seq"] = self._next_seq
+            self._asked.add(self._next_seq)
+        self._attempt += 1
+        self.resend_requests += 1
+        if self._pending:
+            self._gap_since = time.monotonic()
+        with contextlib.suppress(ConnectionError):  # not connected now: the next try will do
+            self._ask(body)
 
     def _handle(self, message: dict[str, Any]) -> Chunk | None:
         kind = message.get("type")
@@ -250,6 +320,7 @@ class AgentClient:
         if tls is not None:
             self._client.tls_set_context(tls)
         self._client.on_socket_open = _set_nodelay
+        self._client.reconnect_delay_set(1, 2)
         self._client.on_connect = self._on_connect
         self._client.on_message = self._on_message
         self._client.on_subscribe = self._on_subscribe
@@ -257,7 +328,9 @@ class AgentClient:
         self._connect_error: str | None = None
         self._lock = threading.Lock()
         self._routes: dict[str, Reply] = {}
-        self._listeners: list[tuple[str, Callable[[str, dict[str, Any] | None, bytes], None]]] = []
+        self._listeners: list[
+            tuple[str, Callable[[str, dict[str, Any] | None, bytes], None], int]
+        ] = []
         self._subacks: dict[int, threading.Event] = {}
 
     # -- connection ----------------------------------------------------------------------------
@@ -295,6 +368,13 @@ class AgentClient:
         if reason.is_failure:
             self._connect_error = f"broker refused the connection: {reason}"
             return
+        if self._connected.is_set():
+            # A reconnect (the broker restarted): a clean session lost our subscriptions.
+            with self._lock:
+                topics = {reply.topic: 1 for reply in self._routes.values()}
+                topics.update({pattern: qos for pattern, _, qos in self._listeners})
+            for topic, qos in topics.items():
+                client.subscribe(topic, qos)
         self._connected.set()
 
     def _on_subscribe(
@@ -326,7 +406,7 @@ class AgentClient:
             listeners = list(self._listeners)
         if reply is not None and decoded is not None:
             reply._deliver(decoded)
-        for pattern, callback in listeners:
+        for pattern, callback, _qos in listeners:
             if mqtt.topic_matches_sub(pattern, message.topic):
                 with contextlib.suppress(Exception):
                     callback(message.topic, decoded, bytes(message.payload))
@@ -349,8 +429,12 @@ class AgentClient:
         reply_to: str | None = None,
         timeout: float = 30.0,
         extra: Mapping[str, Any] | None = None,
+        recover: bool = True,
     ) -> Reply:
-        """Publish a request and return its reply stream (iterate it for the chunks)."""
+        """Publish a request and return its reply stream (iterate it for the chunks).
+
+        With `recover`, gaps and a stream gone quiet are asked for again on `ROOT/resend`.
+        """
         request_id = request_id or uuid.uuid4().hex[:16]
         body: dict[str, Any] = {"id": request_id, "inputs": dict(inputs)}
         if not stream:
@@ -367,12 +451,51 @@ class AgentClient:
         if extra:
             body.update(extra)
         topic = reply_to or f"{self.root}/result/{model}/{request_id}"
-        reply = Reply(request_id, topic, timeout, _on_close=self._forget)
+        reply = self._new_reply(request_id, topic, model, timeout, recover)
         with self._lock:
             self._routes[topic] = reply
         self._subscribe(topic, max(qos, reply_qos or 0))
         self.publish_raw(f"{self.root}/infer/{model}", wire.encode_payload(body), qos)
         reply.sent_at = time.perf_counter()
+        return reply
+
+    def _new_reply(
+        self, request_id: str, topic: str, model: str, timeout: float, recover: bool
+    ) -> Reply:
+        return Reply(
+            request_id,
+            topic,
+            timeout,
+            _on_close=self._forget,
+            _ask=self._ask_resend if recover else None,
+            model=model,
+        )
+
+    def _ask_resend(self, body: dict[str, Any]) -> None:
+        self.publish_raw(f"{self.root}/resend", wire.encode_payload(body), 1)
+
+    def replay(
+        self,
+        model: str,
+        request_id: str,
+        *,
+        from_seq: int = 0,
+        reply_to: str | None = None,
+        timeout: float = 30.0,
+    ) -> Reply:
+        """The stream of an earlier request, asked for again from the agent's resend window
+        (for a subscriber that was not there while it ran). Iterate it like any reply."""
+        topic = reply_to or f"{self.root}/result/{model}/{request_id}"
+        reply = self._new_reply(request_id, topic, model, timeout, True)
+        reply._next_seq = from_seq
+        with self._lock:
+            self._routes[topic] = reply
+        self._subscribe(topic, 1)
+        body: dict[str, Any] = {"id": request_id, "from_seq": from_seq, "model": model}
+        if reply_to is not None:
+            body["reply_to"] = reply_to
+        self._ask_resend(body)
+        reply.resend_requests += 1
         return reply
 
     def infer(self, model: str, inputs: Mapping[str, Array], **options: Any) -> Arrays:
@@ -400,7 +523,7 @@ class AgentClient:
     ) -> None:
         """Call `callback(topic, decoded_or_None, raw)` for every message matching `pattern`."""
         with self._lock:
-            self._listeners.append((pattern, callback))
+            self._listeners.append((pattern, callback, qos))
         self._subscribe(pattern, qos)
 
     def response_properties(self, response_topic: str, correlation: bytes) -> Properties:

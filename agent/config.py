@@ -8,13 +8,21 @@ default is the worst kind of edge-box bug: it only shows up in the field.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from agent.systemd import credential_path
 
@@ -148,7 +156,16 @@ class SpoolConfig(_Section):
     # get `overloaded`); "drop_oldest" evicts whole streams, oldest first, with an event.
     policy: Literal["reject_new", "drop_oldest"] = "reject_new"
     ttl_s: float = Field(default=0.0, ge=0)  # 0: messages never expire
-    keep_acked_s: float = Field(default=30.0, ge=0)  # acknowledged history, for the replay
+
+
+class ResendConfig(_Section):
+    """Application-level resend (`ROOT/resend`) from the spool's acknowledged history."""
+
+    enabled: bool = True
+    window_s: float = Field(default=600.0, ge=0)  # how long a stream's messages stay held
+    max_bytes: int = Field(default=64 * 1024 * 1024, ge=0)  # history on disk, oldest dropped
+    requests_per_s: float = Field(default=200.0, gt=0)  # token bucket; excess is dropped
+    messages_per_s: float = Field(default=5000.0, gt=0)
 
 
 class TelemetryConfig(_Section):
@@ -171,6 +188,106 @@ class SystemdConfig(_Section):
     stuck_after_s: float = Field(default=120.0, gt=0)
 
 
+SOURCE_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}\Z")  # a topic level and a file name
+SOURCE_KINDS = ("video", "folder", "pipe", "synthetic")
+# Keys that only mean something for some kinds: set for another kind, they are an error.
+SOURCE_KEYS_BY_KIND = {
+    "path": ("video", "folder", "pipe"),
+    "url": ("video",),
+    "device": ("video",),
+    "backend": ("video",),
+    "loop": ("video",),
+    "settle_s": ("folder",),
+    "poll_interval_s": ("folder",),
+    "fill": ("synthetic",),
+    "frame_shape": ("synthetic",),
+    "max_record_bytes": ("pipe",),
+}
+
+
+class SourceConfig(_Section):
+    """One `[[sources]]` entry: a local source whose frames run through a model (agent.sources).
+
+    Results stream on `ROOT/stream/{name}`. `inputs` maps model inputs to the source's fields
+    (`frame` for video frames, images and .npy files; the keys of .npz files and pipe records);
+    empty: a lone `frame` feeds the model's `[preprocess] input` or its only input.
+    """
+
+    name: str
+    kind: Literal["video", "folder", "pipe", "synthetic"]
+    model: str = Field(min_length=1, max_length=64)
+    enabled: bool = True
+    inputs: dict[str, str] = Field(default_factory=dict)
+    outputs: list[str] | None = None  # default: the model's `[stream] emit`, else all
+    preprocess: bool = True  # false: the data already fits the model (skip [preprocess])
+    # latest: keep only the newest frame waiting (older ones are dropped and counted);
+    # all: queue up to `queue` frames, then the source waits. Default: latest for video and
+    # synthetic, all for folder and pipe (folder must be all: every file is processed).
+    policy: Literal["latest", "all"] | None = None
+    queue: int = Field(default=8, ge=1, le=4096)
+    priority: int = Field(default=2, ge=0, le=9)  # requests default to 4: they go first
+    qos: Literal[0, 1, 2] | None = None  # default: [mqtt.qos] reply
+    rate_hz: float | None = Field(default=None, gt=0, le=10000)  # synthetic: required
+    max_frames: int | None = Field(default=None, ge=1)  # stop after this many frames
+    path: Path | None = None  # video file, folder, FIFO or file ("-": standard input)
+    url: str | None = Field(default=None, min_length=1)  # RTSP/HTTP URL, GStreamer pipeline
+    device: int | None = Field(default=None, ge=0)  # V4L2 camera index (/dev/videoN)
+    backend: Literal["auto", "ffmpeg", "gstreamer", "v4l2"] = "auto"
+    loop: bool = False  # a video file starts again at its end
+    settle_s: float = Field(default=0.5, ge=0)  # folder: a file unchanged this long is complete
+    poll_interval_s: float = Field(default=0.5, gt=0)
+    fill: Literal["zeros", "random"] = "zeros"
+    frame_shape: list[int] | None = None  # synthetic: uint8 frames of this shape (preprocessed)
+    max_record_bytes: int | None = Field(default=None, ge=64)  # default: [limits] max_payload
+    seq_reserve: int = Field(default=1000, ge=1, le=1_000_000)  # see docs/protocol.md
+    retry_min_s: float = Field(default=1.0, gt=0)
+    retry_max_s: float = Field(default=30.0, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_policy(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("policy") is None and "kind" in data:
+            latest = data["kind"] in ("video", "synthetic")
+            data = {**data, "policy": "latest" if latest else "all"}
+        return data
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_topic_level(cls, value: str) -> str:
+        if not SOURCE_NAME.match(value):
+            raise ValueError("must be 1-64 of A-Z a-z 0-9 . _ - (not starting with '.')")
+        return value
+
+    @field_validator("frame_shape")
+    @classmethod
+    def _frame_shape(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and not (len(value) in (2, 3) and all(0 < v <= 16384 for v in value)):
+            raise ValueError("must be [height, width] or [height, width, channels], each 1..16384")
+        return value
+
+    @model_validator(mode="after")
+    def _kind_keys(self) -> SourceConfig:
+        wrong = [
+            key
+            for key, kinds in SOURCE_KEYS_BY_KIND.items()
+            if key in self.model_fields_set and self.kind not in kinds
+        ]
+        if wrong:
+            raise ValueError(f'{", ".join(wrong)}: not for kind = "{self.kind}"')
+        where = [k for k in ("path", "url", "device") if getattr(self, k) is not None]
+        if self.kind == "video" and len(where) != 1:
+            raise ValueError('kind = "video" needs exactly one of path, url, device')
+        if self.kind in ("folder", "pipe") and self.path is None:
+            raise ValueError(f'kind = "{self.kind}" needs path')
+        if self.kind == "synthetic" and self.rate_hz is None:
+            raise ValueError('kind = "synthetic" needs rate_hz')
+        if self.kind == "folder" and self.policy == "latest":
+            raise ValueError('kind = "folder" processes every file: policy must be "all"')
+        if self.retry_max_s < self.retry_min_s:
+            raise ValueError("retry_max_s must be >= retry_min_s")
+        return self
+
+
 class AgentConfig(_Section):
     device_id: str = Field(default_factory=socket.gethostname)
     state_dir: Path = Path("var")
@@ -182,9 +299,20 @@ class AgentConfig(_Section):
     limits: LimitsConfig = LimitsConfig()
     outbox: OutboxConfig = OutboxConfig()
     spool: SpoolConfig = SpoolConfig()
+    resend: ResendConfig = ResendConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     metrics: MetricsConfig = MetricsConfig()
     systemd: SystemdConfig = SystemdConfig()
+    sources: list[SourceConfig] = Field(default_factory=list)  # [[sources]], see agent.sources
+
+    @field_validator("sources")
+    @classmethod
+    def _unique_source_names(cls, value: list[SourceConfig]) -> list[SourceConfig]:
+        names = [source.name for source in value]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"source name(s) used twice: {', '.join(twice)}")
+        return value
 
     @field_validator("device_id")
     @classmethod
@@ -274,7 +402,7 @@ def _describe(err: Any, source: str, environ: Mapping[str, str]) -> str:
     origin = f"environment {env_name}" if env_name in environ else source
     if err["type"] == "extra_forbidden":
         return f"{origin}: unknown key '{key}'"
-    return f"{origin}: {key}: {err['msg']}"
+    return f"{origin}: {key}: {str(err['msg']).removeprefix('Value error, ')}"
 
 
 def _resolve_paths(
@@ -307,8 +435,20 @@ def _resolve_paths(
     spool = config.spool.model_copy(
         update={"path": resolve(config.spool.path) or state_dir / "spool.sqlite"}
     )
+    sources = [  # "-" is standard input (a pipe source), not a file name
+        s
+        if s.path is None or str(s.path) == "-"
+        else s.model_copy(update={"path": resolve(s.path)})
+        for s in config.sources
+    ]
     return config.model_copy(
-        update={"mqtt": mqtt, "models": models, "state_dir": state_dir, "spool": spool}
+        update={
+            "mqtt": mqtt,
+            "models": models,
+            "state_dir": state_dir,
+            "spool": spool,
+            "sources": sources,
+        }
     )
 
 
@@ -333,9 +473,12 @@ def to_toml(data: Mapping[str, Any], _prefix: str = "") -> str:
     """Render plain config data as TOML (scalars first, then sections) for check-config."""
     lines: list[str] = []
     tables = []
+    array_tables = []
     for key, value in data.items():
         if isinstance(value, dict):
             tables.append((key, value))
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            array_tables.append((key, value))  # [[sources]]
         elif value is not None:
             lines.append(f"{key} = {_toml_value(value)}")
     out = "\n".join(lines)
@@ -345,6 +488,11 @@ def to_toml(data: Mapping[str, Any], _prefix: str = "") -> str:
         out += (
             f"\n\n[{name}]\n{body}" if body and not body.startswith("\n") else f"\n\n[{name}]{body}"
         )
+    for key, items in array_tables:
+        name = f"{_prefix}{key}"
+        for item in items:
+            body = to_toml(item, f"{name}.")
+            out += f"\n\n[[{name}]]" + (f"\n{body}" if body and not body.startswith("\n") else body)
     return out.strip("\n") if not _prefix else out
 
 

@@ -48,6 +48,8 @@ class OutMessage:
     finishes: str | None = None
     spool_id: int | None = None
     correlation: bytes | None = None
+    rid: str | None = None  # the reply stream's id and seq, for application-level resend
+    seq: int | None = None
 
 
 class OutboxClosed(Exception):
@@ -128,6 +130,8 @@ class Outbox:
             message.correlation,
             finishes=message.finishes,
             protected_after=self._loaded_up_to,
+            rid=message.rid,
+            seq=message.seq,
         )
         if eviction is not None and self._on_eviction is not None:
             self._on_eviction(eviction)

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from agent.backends.base import BackendOptions, Dim, Session, TensorSpec
 from agent.backends.registry import backend_for_file
+from agent.preprocess import PreprocessConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -229,6 +230,7 @@ class ModelConfig(_Strict):
     outputs: dict[str, TensorDecl] = {}
     policy: PolicyConfig = PolicyConfig()
     backend_options: BackendOptionsConfig = BackendOptionsConfig()
+    preprocess: PreprocessConfig | None = None  # how local sources prepare frames for it
 
 
 def _format_errors(exc: ValidationError) -> str:
@@ -295,6 +297,9 @@ def check_signature(config: ModelConfig, session: Session) -> list[str]:
     for kind, links in (("feed", stream.feed), ("state", stream.state)):
         for dst, src in links.items():
             problems.extend(_check_link(kind, dst, src, inputs, outputs))
+    pre = config.preprocess
+    if pre is not None and pre.input is not None and pre.input not in inputs:
+        problems.append(f"preprocess input {pre.input!r} is not a model input ({_names(inputs)})")
     if stream.stop is not None and stream.stop.output not in outputs:
         problems.append(f"stop output {stream.stop.output!r} is not a model output")
     for name in stream.emit or ():

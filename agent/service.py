@@ -30,6 +30,7 @@ from agent.config import AgentConfig
 from agent.metrics import AgentMetrics, Gauges, MetricsServer
 from agent.models import ModelManager, summarize
 from agent.outbox import Outbox, OutMessage
+from agent.resend import Resender, parse_resend
 from agent.scheduler import Scheduler
 from agent.spool import Eviction, Spool, request_key
 from agent.streaming import Cancelled, Execution, ReplyStream, initial_state, merge_pieces
@@ -89,6 +90,16 @@ class Agent:
                 policy=config.spool.policy,
                 ttl_s=config.spool.ttl_s,
             )
+        self.resender: Resender | None = None
+        if self.spool is not None and config.resend.enabled:
+            self.resender = Resender(
+                self.spool,
+                self._resend_nowait,
+                _correlation_properties,
+                requests_per_s=config.resend.requests_per_s,
+                messages_per_s=config.resend.messages_per_s,
+                gone_qos=config.mqtt.qos.reply,
+            )
         self.outbox = Outbox(
             config.outbox.max_messages,
             config.outbox.error_reserve,
@@ -132,7 +143,10 @@ class Agent:
             client_id=config.client_id,
             outbox=self.outbox,
             on_message=self._on_message,
-            subscriptions=[(f"{self.root}/infer/+", qos.request_subscription)],
+            subscriptions=[
+                (f"{self.root}/infer/+", qos.request_subscription),
+                *([(f"{self.root}/resend", 1)] if self.resender is not None else []),
+            ],
             will=lambda epoch: self._status_message("offline", epoch),
             on_connected=self._on_connected,
             on_new_session=self._on_new_session,
@@ -362,6 +376,22 @@ class Agent:
         prefix = f"{self.root}/infer/"
         if incoming.topic.startswith(prefix):
             self._on_request(incoming.topic[len(prefix) :], incoming, replay)
+        elif incoming.topic == f"{self.root}/resend" and self.resender is not None:
+            self._on_resend(incoming)
+
+    def _on_resend(self, incoming: Incoming) -> None:
+        """Validated and rate-limited like any outside input; bad ones are only counted."""
+        assert self.resender is not None
+        self.count("resend_received")
+        try:
+            payload = wire.decode_payload(incoming.payload, self.limits)
+            request = parse_resend(
+                payload, root=self.root, allowed_prefixes=self.config.reply_prefixes
+            )
+        except wire.WireError as e:
+            self._note_bad_request(f"resend: {e.message}")
+            return
+        self.resender.handle(request)
 
     def _reply_stream(
         self,
@@ -423,6 +453,12 @@ class Agent:
             and not any(c in topic for c in "+#\0")
             and any(topic.startswith(p) for p in self.config.reply_prefixes)
         )
+
+    def _resend_nowait(self, message: OutMessage) -> bool:
+        if self.outbox.put_nowait_reserved(message):
+            return True
+        self.count("resend_dropped_outbox_full")
+        return False
 
     def _send_nowait(self, message: OutMessage) -> None:
         if not self.outbox.put_nowait_reserved(message):
@@ -631,14 +667,18 @@ class Agent:
 
     def _maintain_spool(self, now: float) -> None:
         """Every few seconds: expire old pending messages (TTL), forget old acknowledged ones."""
-        if self.spool is None or now - self._spool_maintained < 5.0:
+        period = min(5.0, max(0.2, self.config.resend.window_s / 2))
+        if self.spool is None or now - self._spool_maintained < period:
             return
         self._spool_maintained = now
         expired = self.outbox.expire()
         if expired:
             self.count("spool_expired_messages", expired)
             log.warning("spool: %d message(s) older than ttl_s expired unsent", expired)
-        self.spool.purge_acked(self.config.spool.keep_acked_s)
+        history_s = max(self.config.mqtt.replay_after_reconnect_s, self.config.resend.window_s)
+        if not self.config.resend.enabled:
+            history_s = self.config.mqtt.replay_after_reconnect_s
+        self.spool.purge_acked(history_s, self.config.resend.max_bytes)
 
     def _tick_s(self) -> float:
         """Fast until READY went out, then often enough for the watchdog pings."""

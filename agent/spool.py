@@ -38,8 +38,11 @@ CREATE TABLE IF NOT EXISTS messages (
     retain INTEGER NOT NULL,
     correlation BLOB,
     created REAL NOT NULL,
-    acked REAL
+    acked REAL,
+    rid TEXT,
+    seq INTEGER
 );
+CREATE INDEX IF NOT EXISTS messages_rid ON messages (rid, seq);
 CREATE INDEX IF NOT EXISTS messages_stream ON messages (stream, id);
 CREATE INDEX IF NOT EXISTS messages_acked ON messages (acked);
 CREATE TABLE IF NOT EXISTS requests (
@@ -135,6 +138,8 @@ class Spool:
         *,
         finishes: str | None = None,
         protected_after: int = 0,
+        rid: str | None = None,
+        seq: int | None = None,
     ) -> tuple[int, Eviction | None]:
         """Store a message (and forget request `finishes`, atomically). Returns its id.
 
@@ -150,8 +155,8 @@ class Spool:
             try:
                 cursor = self._db.execute(
                     "INSERT INTO messages (stream, topic, payload, qos, retain, correlation,"
-                    " created) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (stream, topic, payload, qos, int(retain), correlation, time.time()),
+                    " created, rid, seq) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (stream, topic, payload, qos, int(retain), correlation, time.time(), rid, seq),
                 )
                 if finishes is not None:
                     self._db.execute("DELETE FROM requests WHERE key = ?", (finishes,))
@@ -248,10 +253,71 @@ class Spool:
             self.bytes += b
             return int(first)
 
-    def purge_acked(self, older_than_s: float) -> int:
-        """Forget acknowledged messages older than `older_than_s` seconds."""
+    def purge_acked(self, older_than_s: float, max_bytes: int | None = None) -> int:
+        """Forget acknowledged messages older than `older_than_s` seconds, and the oldest
+        ones beyond `max_bytes` of history (the resend window is bounded by age and bytes)."""
         with self._lock:
-            return self._purge_acked_locked(time.time() - older_than_s)
+            purged = self._purge_acked_locked(time.time() - older_than_s)
+            if max_bytes is not None:
+                (history,) = self._db.execute(
+                    "SELECT COALESCE(SUM(LENGTH(payload)), 0) FROM messages WHERE acked IS NOT NULL"
+                ).fetchone()
+                while history > max_bytes:
+                    rows = self._db.execute(
+                        "SELECT id, LENGTH(payload) FROM messages WHERE acked IS NOT NULL "
+                        "ORDER BY id LIMIT 1000"
+                    ).fetchall()
+                    if not rows:
+                        break
+                    drop, freed = [], 0
+                    for row_id, size in rows:
+                        drop.append(row_id)
+                        freed += size
+                        if history - freed <= max_bytes:
+                            break
+                    marks = ",".join("?" * len(drop))
+                    self._db.execute(f"DELETE FROM messages WHERE id IN ({marks})", drop)
+                    history -= freed
+                    purged += len(drop)
+            return purged
+
+    def held(
+        self, rid: str, seqs: Sequence[int] | None, from_seq: int | None
+    ) -> list[SpooledMessage]:
+        """The stored messages of stream `rid` (acknowledged or not) to publish again."""
+        query = (
+            "SELECT id, stream, topic, payload, qos, retain, correlation FROM messages "
+            "WHERE rid = ?"
+        )
+        args: list[object] = [rid]
+        if seqs is not None:
+            query += f" AND seq IN ({','.join('?' * len(seqs))})"
+            args += list(seqs)
+        elif from_seq is not None:
+            query += " AND seq >= ?"
+            args.append(from_seq)
+        with self._lock:
+            rows = self._db.execute(query + " ORDER BY seq, id", args).fetchall()
+        seen: set[int] = set()
+        out = []
+        for r in rows:
+            if r[0] in seen:
+                continue
+            seen.add(r[0])
+            out.append(SpooledMessage(r[0], r[1], r[2], bytes(r[3]), r[4], bool(r[5]), r[6]))
+        return out
+
+    def holds(self, rid: str) -> bool:
+        """A stream with messages held, or a stored request that has not finished yet."""
+        with self._lock:
+            row = self._db.execute("SELECT 1 FROM messages WHERE rid = ? LIMIT 1", (rid,))
+            if row.fetchone() is not None:
+                return True
+            row = self._db.execute(
+                "SELECT 1 FROM requests WHERE substr(key, instr(key, '/') + 1) = ? LIMIT 1",
+                (rid,),
+            )
+            return row.fetchone() is not None
 
     def _purge_acked_locked(self, cutoff: float) -> int:
         cursor = self._db.execute(
@@ -350,4 +416,3 @@ class Spool:
 
 def request_key(model: str, request_id: str) -> str:
     return f"{model}/{request_id}"
-

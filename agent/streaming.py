@@ -92,6 +92,8 @@ class ReplyStream:
                 stream=self.stream_key,
                 finishes=self.request_key if terminal else None,
                 correlation=self.correlation,
+                rid=self.request_id,
+                seq=self.seq - 1,  # _fields numbered this message already
             )
         )
 

@@ -1,0 +1,199 @@
+"""Application-level resend: recovery from a broker that loses what it acknowledged."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from agent import demo_models, wire
+from agent.broker import EmbeddedBroker
+from agent.client import AgentClient, AgentError
+
+LONG_DECODER = """\
+[stream]
+mode = "steps"
+max_steps = 5000
+feed = { token = "next_token" }
+state = { h = "h_out" }
+emit = ["next_token"]
+"""
+
+
+def _long_repository(root):
+    (root / "decoder" / "1").mkdir(parents=True)
+    demo_models.save(
+        demo_models.gru_decoder(vocab=512, embed=64, hidden=256),
+        root / "decoder" / "1" / "model.onnx",
+    )
+    (root / "decoder" / "config.toml").write_text(LONG_DECODER)
+    return root
+
+
+@pytest.mark.slow
+def test_sdk_recovers_every_message_across_three_broker_crashes(
+    make_agent, tmp_path, record_property
+):
+    (tmp_path / "broker").mkdir()
+    # Persistence on, saved every second: a crash loses up to a second of what it acknowledged.
+    broker = EmbeddedBroker(persistence=True, workdir=tmp_path / "broker").start()
+    models = _long_repository(tmp_path / "models")
+    agent = make_agent(
+        broker,
+        models,
+        MQTT__RECONNECT_MIN_S="0.05",
+        MQTT__RECONNECT_MAX_S="0.3",
+        MQTT__REPLAY_AFTER_RECONNECT_S="0",  # only the application-level resend recovers
+    )
+    steps = 1500
+    results: dict[int, tuple[list, object]] = {}
+    client = AgentClient(broker.host, broker.port, device_id=agent.config.device_id).connect()
+    try:
+        replies = [
+            client.request(
+                "decoder",
+                {"token": np.array([[i + 1]], dtype=np.int64)},
+                params={"max_steps": steps},
+                timeout=60,
+            )
+            for i in range(4)
+        ]
+
+        def consume(i: int) -> None:
+            try:
+                results[i] = (list(replies[i]), None)
+            except Exception as e:  # reported below
+                results[i] = ([], e)
+
+        threads = [threading.Thread(target=consume, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for _ in range(3):
+            time.sleep(0.7)
+            broker.kill()
+            time.sleep(0.3)
+            broker.start()
+        for t in threads:
+            t.join(120)
+        for i in range(4):
+            chunks, error = results[i]
+            assert error is None, (
+                f"stream {i}: {error}; counters {dict(agent.counters)}, "
+                f"spool {agent.spool.count if agent.spool else None}, "
+                f"resender {vars(agent.resender) if agent.resender else None}"
+            )
+            assert [c.seq for c in chunks] == list(range(steps))
+            assert [c.index for c in chunks] == list(range(steps))
+            assert replies[i].end is not None and replies[i].end.chunks == steps
+        recovered = sum(r.recovered for r in replies)
+        asked = sum(r.resend_requests for r in replies)
+        record_property("messages_recovered_by_resend", recovered)
+        record_property("resend_requests", asked)
+        print(f"\nresend: {asked} requests, {recovered} messages recovered")
+        assert agent.transport.reconnects >= 3
+    finally:
+        client.close()
+        broker.close()
+
+
+def test_a_late_subscriber_gets_the_whole_stream(broker, repository, make_agent, make_client):
+    agent = make_agent(broker, repository)
+    client = make_client(broker, agent)
+    body = {
+        "id": "late-1",
+        "inputs": {"token": np.array([[1]], dtype=np.int64)},
+        "params": {"max_steps": 7},
+    }
+    client.publish_raw(f"{agent.root}/infer/decoder", wire.encode_payload(body))
+    deadline = time.monotonic() + 5
+    while agent.counters["requests_ok"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.2)  # acknowledged by the broker: now history in the spool
+    reply = client.replay("decoder", "late-1")
+    chunks = list(reply)
+    assert [c.seq for c in chunks] == list(range(7))
+    assert reply.end is not None and reply.end.chunks == 7
+
+
+def test_old_or_unknown_streams_are_gone(broker, repository, make_agent, make_client):
+    agent = make_agent(
+        broker, repository, RESEND__WINDOW_S="0.5", MQTT__REPLAY_AFTER_RECONNECT_S="0"
+    )
+    client = make_client(broker, agent)
+    with pytest.raises(AgentError) as info:
+        list(client.replay("decoder", "never-ran", timeout=5))
+    assert info.value.code == "gone"
+    list(
+        client.request(
+            "decoder",
+            {"token": np.array([[1]], dtype=np.int64)},
+            request_id="old-1",
+            params={"max_steps": 2},
+        )
+    )
+    time.sleep(1.5)  # past the window; housekeeping forgets it
+    topic = f"{agent.root}/result/decoder/old-1"
+    got: queue.Queue[dict] = queue.Queue()
+    client.listen(topic, lambda t, m, raw: got.put(m))
+    client.publish_raw(
+        f"{agent.root}/resend",
+        wire.encode_payload({"id": "old-1", "from_seq": 0, "model": "decoder"}),
+    )
+    message = got.get(timeout=5)
+    assert message == {"v": 1, "id": "old-1", "type": "gone", "seq": None}
+
+
+def test_resend_requests_are_validated_and_rate_limited(
+    broker, repository, make_agent, make_client
+):
+    agent = make_agent(broker, repository, RESEND__REQUESTS_PER_S="5")
+    client = make_client(broker, agent)
+    events: queue.Queue[dict] = queue.Queue()
+    client.listen(f"{agent.root}/events", lambda t, m, raw: events.put(m))
+    list(
+        client.request(
+            "decoder",
+            {"token": np.array([[1]], dtype=np.int64)},
+            request_id="rl-1",
+            params={"max_steps": 2},
+        )
+    )
+    bad = [
+        b"\xff\x00",
+        wire.encode_payload({"id": "x y", "from_seq": 0}),
+        wire.encode_payload({"id": "rl-1"}),
+        wire.encode_payload({"id": "rl-1", "seqs": [-1]}),
+        wire.encode_payload({"id": "rl-1", "from_seq": 0, "extra": 1}),
+        wire.encode_payload({"id": "rl-1", "seqs": list(range(2000))}),
+    ]
+    for payload in bad * 10:
+        client.publish_raw(f"{agent.root}/resend", payload)
+    good = wire.encode_payload({"id": "rl-1", "from_seq": 0})
+    for _ in range(50):
+        client.publish_raw(f"{agent.root}/resend", good)
+    deadline = time.monotonic() + 5
+    counted = 0
+    while counted < len(bad) * 10 and time.monotonic() < deadline:
+        try:
+            event = events.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        if event["type"] == "bad_request":
+            counted += event["count"]
+    assert counted == len(bad) * 10
+    assert agent.resender is not None
+    assert agent.resender.limited > 0 and agent.resender.answered >= 1
+    # The agent still serves.
+    assert (
+        len(
+            list(
+                client.request(
+                    "decoder", {"token": np.array([[1]], dtype=np.int64)}, params={"max_steps": 3}
+                )
+            )
+        )
+        == 3
+    )
