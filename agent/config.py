@@ -164,8 +164,8 @@ class ResendConfig(_Section):
     enabled: bool = True
     window_s: float = Field(default=600.0, ge=0)  # how long a stream's messages stay held
     max_bytes: int = Field(default=64 * 1024 * 1024, ge=0)  # history on disk, oldest dropped
-    requests_per_s: float = Field(default=200.0, gt=0)  # token bucket; excess is dropped
-    messages_per_s: float = Field(default=5000.0, gt=0)
+    requests_per_s: float = Field(default=100.0, gt=0)  # token bucket; excess is dropped
+    messages_per_s: float = Field(default=2000.0, gt=0)
 
 
 class TelemetryConfig(_Section):
@@ -221,8 +221,8 @@ class SourceConfig(_Section):
     outputs: list[str] | None = None  # default: the model's `[stream] emit`, else all
     preprocess: bool = True  # false: the data already fits the model (skip [preprocess])
     # latest: keep only the newest frame waiting (older ones are dropped and counted);
-    # all: queue up to `queue` frames, then the source waits. Default: latest for video and
-    # synthetic, all for folder and pipe (folder must be all: every file is processed).
+    # all: queue up to `queue` frames, then the source waits. Default: latest for cameras,
+    # URLs and synthetic, all for video files, folder and pipe (folder must be all).
     policy: Literal["latest", "all"] | None = None
     queue: int = Field(default=8, ge=1, le=4096)
     priority: int = Field(default=2, ge=0, le=9)  # requests default to 4: they go first
@@ -247,7 +247,9 @@ class SourceConfig(_Section):
     @classmethod
     def _default_policy(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("policy") is None and "kind" in data:
-            latest = data["kind"] in ("video", "synthetic")
+            # Live sources keep the newest frame; a file, a folder or a pipe loses nothing.
+            live_video = data["kind"] == "video" and data.get("path") is None
+            latest = live_video or data["kind"] == "synthetic"
             data = {**data, "policy": "latest" if latest else "all"}
         return data
 

@@ -69,6 +69,7 @@ class Outbox:
         self._max = max_messages
         self._hard_max = max_messages + reserve
         self._queue: deque[OutMessage] = deque()
+        self._background: deque[OutMessage] = deque()  # resends: after everything live
         self._cond = threading.Condition()
         self._closed = False
         self._spool = spool
@@ -83,7 +84,17 @@ class Outbox:
         self.rejected = 0  # reserved puts refused because even the headroom was full
 
     def __len__(self) -> int:
-        return len(self._queue)
+        return len(self._queue) + len(self._background)
+
+    def put_background(self, message: OutMessage) -> bool:
+        """A lane for resends: published only when nothing live waits, so a flood of resend
+        requests cannot delay live streams; bounded, never blocks, False when full."""
+        with self._cond:
+            if self._closed or len(self._background) >= self._max:
+                return False
+            self._background.append(message)
+            self._cond.notify_all()
+            return True
 
     @property
     def spooled(self) -> int:
@@ -188,6 +199,10 @@ class Outbox:
                     self._refill()
                     if self._queue:
                         break
+                if self._background:
+                    message = self._background.popleft()
+                    self._cond.notify_all()
+                    return message
                 if self._closed:
                     return None
                 remaining = None if deadline is None else deadline - time.monotonic()

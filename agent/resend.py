@@ -24,6 +24,7 @@ from agent.outbox import OutMessage
 from agent.spool import Spool, SpooledMessage
 
 MAX_SEQS = 1000  # seqs one resend request may list
+REPEAT_S = 1.0  # the same resend request again within this time is ignored
 
 
 @dataclass(frozen=True)
@@ -123,11 +124,20 @@ class Resender:
         self.gone = 0
         self.limited = 0
         self.unanswerable = 0
+        self.repeated = 0
+        self._recent: dict[ResendRequest, float] = {}  # ask -> when it was last answered
 
     def handle(self, request: ResendRequest) -> None:
+        now = time.monotonic()
+        if self._recent.get(request) is not None and now - self._recent[request] < REPEAT_S:
+            self.repeated += 1  # the same ask again within a second: already being answered
+            return
         if not self._requests.take():
             self.limited += 1
             return
+        if len(self._recent) > 10_000:
+            self._recent = {k: t for k, t in self._recent.items() if now - t < REPEAT_S}
+        self._recent[request] = now
         held = self._spool.held(request.id, request.seqs, request.from_seq)
         if not held:
             if self._spool.holds(request.id):

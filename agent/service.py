@@ -32,6 +32,7 @@ from agent.models import ModelManager, summarize
 from agent.outbox import Outbox, OutMessage
 from agent.resend import Resender, parse_resend
 from agent.scheduler import Scheduler
+from agent.sources import SourceJob, SourceManager
 from agent.spool import Eviction, Spool, request_key
 from agent.streaming import Cancelled, Execution, ReplyStream, initial_state, merge_pieces
 from agent.systemd import Notifier, ServiceReporter
@@ -128,14 +129,12 @@ class Agent:
             poll_interval_s=config.models.poll_interval_s,
             rescan_s=config.models.rescan_s,
         )
-        self.scheduler: Scheduler[Job] = Scheduler(
+        self.scheduler: Scheduler[Job | SourceJob] = Scheduler(
             workers=config.scheduler.workers,
             queue_size=config.scheduler.queue_size,
             execute=self._execute,
-            expire=lambda job: self._finish_error(
-                job, "deadline_exceeded", "not started within deadline_ms"
-            ),
-            cancel=lambda job: self._finish_error(job, "shutting_down", "the agent is stopping"),
+            expire=self._expired,
+            cancel=self._cancelled,
         )
         qos = config.mqtt.qos
         self.transport = Transport(
@@ -168,6 +167,16 @@ class Agent:
         )
         self.transport.add_ack_listener(self.metrics.ack.observe)
         self.metrics_server: MetricsServer | None = None
+        # Local sources ([[sources]]): the box's own frames, through the same workers.
+        self.sources = SourceManager(
+            config,
+            models=self.models,
+            submit=self.scheduler.submit,
+            send=self._send_blocking,
+            on_event=self.publish_event,
+            limits=self.limits,
+            registry=self.metrics.registry,
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -186,6 +195,7 @@ class Agent:
         self._housekeeping.start()
         if self.config.models.repository.is_dir():
             self.watcher.start()
+        self.sources.start()  # last: models loaded, workers and the connection up
 
     def _start_metrics_server(self) -> None:
         """Bind the metrics endpoint; a port in use costs the metrics, never the service."""
@@ -263,12 +273,14 @@ class Agent:
         self._accepting = False
         self._stop.set()
         self.watcher.close()
+        self.sources.stop()  # no new frames; a frame being run finishes with the drain
         drain = self.config.scheduler.drain_timeout_s
         cancel_timer = threading.Timer(drain, self._cancel_running)
         cancel_timer.name = "drain-timer"
         cancel_timer.start()
         self.scheduler.stop(drain + 5.0)
         cancel_timer.cancel()
+        self.sources.close()  # waiting frames dropped, each stream's exact next seq saved
         if self._housekeeping.is_alive():
             self._housekeeping.join(5.0)
         self.transport.close(final=self._status_message("offline", self.epoch), timeout=5.0)
@@ -455,7 +467,7 @@ class Agent:
         )
 
     def _resend_nowait(self, message: OutMessage) -> bool:
-        if self.outbox.put_nowait_reserved(message):
+        if self.outbox.put_background(message):
             return True
         self.count("resend_dropped_outbox_full")
         return False
@@ -578,7 +590,22 @@ class Agent:
             version = job.reply.version if isinstance(job.reply.version, int) else None
             self.metrics.request_done(job.request.model, version, code)
 
-    def _execute(self, job: Job, queued_s: float) -> None:
+    def _expired(self, job: Job | SourceJob) -> None:
+        if isinstance(job, SourceJob):
+            job.cancel()  # source tickets carry no deadline
+        else:
+            self._finish_error(job, "deadline_exceeded", "not started within deadline_ms")
+
+    def _cancelled(self, job: Job | SourceJob) -> None:
+        if isinstance(job, SourceJob):
+            job.cancel()
+        else:
+            self._finish_error(job, "shutting_down", "the agent is stopping")
+
+    def _execute(self, job: Job | SourceJob, queued_s: float) -> None:
+        if isinstance(job, SourceJob):
+            job.run(queued_s)  # a local source's frame (agent.sources)
+            return
         request, reply = job.request, job.reply
         with self._running_lock:
             self._running.add(job)
@@ -819,6 +846,7 @@ class Agent:
                 "reconnects": self.transport.reconnects,
                 "acked": self.transport.acked,
             },
+            **({"sources": self.sources.snapshot()} if self.sources else {}),
             "metrics": self.metrics.snapshot(),
         }
 

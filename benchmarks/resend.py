@@ -1,0 +1,82 @@
+"""Live request latency while 1,000 resend requests a second arrive (the rate limit's job)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import paho.mqtt.client as mqtt
+
+from agent import wire
+from agent.broker import EmbeddedBroker
+from agent.client import AgentClient
+from benchmarks.hot_swap import _p
+
+MODEL = "decoder-tiny"
+
+
+@dataclass
+class ResendFloodResult:
+    p99_base_ms: float
+    p99_flood_ms: float
+    flood_rate: float
+    requests: int
+
+    @property
+    def ratio(self) -> float:
+        return self.p99_flood_ms / self.p99_base_ms
+
+
+def _latencies(client: AgentClient, seconds: float) -> list[float]:
+    token = {"token": np.array([[1]], dtype=np.int64)}
+    out = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        started = time.perf_counter()
+        list(client.request(MODEL, token, params={"max_steps": 4}, timeout=10))
+        out.append(time.perf_counter() - started)
+        time.sleep(max(0.0, 0.01 - (time.perf_counter() - started)))
+    return out
+
+
+def measure_flood(
+    client: AgentClient, broker: EmbeddedBroker, root: str, seconds: float, rate: float = 1000.0
+) -> ResendFloodResult:
+    token = {"token": np.array([[1]], dtype=np.int64)}
+    list(client.request(MODEL, token, request_id="flood-src", timeout=10))  # a held stream
+    for _ in range(20):
+        list(client.request(MODEL, token, params={"max_steps": 4}))
+    base = _latencies(client, seconds)
+
+    stop = threading.Event()
+    sent = [0]
+    flooder = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+    flooder.connect(broker.host, broker.port)
+    flooder.loop_start()
+    payload = wire.encode_payload({"id": "flood-src", "from_seq": 0})
+
+    def flood() -> None:
+        interval = 1.0 / rate
+        next_at = time.perf_counter()
+        while not stop.is_set():
+            flooder.publish(f"{root}/resend", payload, 0)
+            sent[0] += 1
+            next_at += interval
+            delay = next_at - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+
+    thread = threading.Thread(target=flood, name="bench-resend-flood")
+    started = time.monotonic()
+    thread.start()
+    try:
+        during = _latencies(client, seconds)
+    finally:
+        stop.set()
+        thread.join()
+        flooder.disconnect()
+        flooder.loop_stop()
+    rate_seen = sent[0] / (time.monotonic() - started)
+    return ResendFloodResult(_p(base, 0.99), _p(during, 0.99), rate_seen, len(during))
