@@ -64,6 +64,8 @@ def run_demo(host: str | None, port: int, steps: int, repeats: int) -> int:
                 "EDGE_AGENT__MQTT__PORT": str(port),
                 "EDGE_AGENT__MODELS__REPOSITORY": f'"{models}"',
                 "EDGE_AGENT__TELEMETRY__INTERVAL_S": "0",
+                "EDGE_AGENT__MODELS__SETTLE_S": "0",  # written above, complete: no wait
+                "EDGE_AGENT__METRICS__PORT": "0",
             },
         )
         agent = Agent(config)

@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 from agent import demo_models  # noqa: E402
 from agent.broker import EmbeddedBroker  # noqa: E402
 from agent.client import AgentClient  # noqa: E402
+from agent.demo import DECODER_CONFIG  # noqa: E402
 from benchmarks import delivery, hot_swap, resend  # noqa: E402
 
 STEPS = 32
@@ -44,14 +45,6 @@ DECODERS = {
     "tiny": (32, 16, 32),
     "edge-lm": (4096, 256, 1024),
 }
-DECODER_CONFIG = """\
-[stream]
-mode = "steps"
-max_steps = {steps}
-feed = {{ token = "next_token" }}
-state = {{ h = "h_out" }}
-emit = ["next_token"]
-"""
 
 
 @dataclass

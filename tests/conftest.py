@@ -72,6 +72,19 @@ def write_repository(root: Path) -> Path:
     return root
 
 
+def write_long_decoder(root: Path, max_steps: int = 5000) -> Path:
+    """A decoder whose streams can run for thousands of steps (for outage and crash tests)."""
+    from agent.demo import DECODER_CONFIG
+
+    (root / "decoder" / "1").mkdir(parents=True)
+    demo_models.save(
+        demo_models.gru_decoder(vocab=512, embed=64, hidden=256),
+        root / "decoder" / "1" / "model.onnx",
+    )
+    (root / "decoder" / "config.toml").write_text(DECODER_CONFIG.format(steps=max_steps))
+    return root
+
+
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_repository(tmp_path_factory.mktemp("models"))

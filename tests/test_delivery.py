@@ -19,18 +19,10 @@ from paho.mqtt.properties import Properties
 
 from agent import demo_models, wire
 from agent.broker import EmbeddedBroker
+from tests.conftest import write_long_decoder
 
 REPO = Path(__file__).resolve().parent.parent
 LIMITS = wire.Limits(max_payload_bytes=1 << 26)
-
-LONG_DECODER = """\
-[stream]
-mode = "steps"
-max_steps = 5000
-feed = { token = "next_token" }
-state = { h = "h_out" }
-emit = ["next_token"]
-"""
 
 
 class PersistentSubscriber:
@@ -85,13 +77,7 @@ def test_broker_killed_three_times_during_four_long_streams(make_agent, tmp_path
     )
     (tmp_path / "broker").mkdir()
     broker.start()
-    models = tmp_path / "models"
-    (models / "decoder" / "1").mkdir(parents=True)
-    demo_models.save(
-        demo_models.gru_decoder(vocab=512, embed=64, hidden=256),
-        models / "decoder" / "1" / "model.onnx",
-    )
-    (models / "decoder" / "config.toml").write_text(LONG_DECODER)
+    models = write_long_decoder(tmp_path / "models")
     agent = make_agent(broker, models, MQTT__RECONNECT_MIN_S="0.05", MQTT__RECONNECT_MAX_S="0.3")
     subscriber = PersistentSubscriber(broker, f"{agent.root}/result/#", "backend-persistent")
     try:

@@ -9,28 +9,10 @@ import time
 import numpy as np
 import pytest
 
-from agent import demo_models, wire
+from agent import wire
 from agent.broker import EmbeddedBroker
 from agent.client import AgentClient, AgentError
-
-LONG_DECODER = """\
-[stream]
-mode = "steps"
-max_steps = 5000
-feed = { token = "next_token" }
-state = { h = "h_out" }
-emit = ["next_token"]
-"""
-
-
-def _long_repository(root):
-    (root / "decoder" / "1").mkdir(parents=True)
-    demo_models.save(
-        demo_models.gru_decoder(vocab=512, embed=64, hidden=256),
-        root / "decoder" / "1" / "model.onnx",
-    )
-    (root / "decoder" / "config.toml").write_text(LONG_DECODER)
-    return root
+from tests.conftest import write_long_decoder
 
 
 @pytest.mark.slow
@@ -40,7 +22,7 @@ def test_sdk_recovers_every_message_across_three_broker_crashes(
     (tmp_path / "broker").mkdir()
     # Persistence on, saved every second: a crash loses up to a second of what it acknowledged.
     broker = EmbeddedBroker(persistence=True, workdir=tmp_path / "broker").start()
-    models = _long_repository(tmp_path / "models")
+    models = write_long_decoder(tmp_path / "models")
     agent = make_agent(
         broker,
         models,
