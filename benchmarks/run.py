@@ -37,7 +37,7 @@ from agent import demo_models  # noqa: E402
 from agent.broker import EmbeddedBroker  # noqa: E402
 from agent.client import AgentClient  # noqa: E402
 from agent.demo import DECODER_CONFIG  # noqa: E402
-from benchmarks import delivery, hot_swap, resend  # noqa: E402
+from benchmarks import delivery, hot_swap, resend, throughput  # noqa: E402
 
 STEPS = 32
 DECODERS = {
@@ -63,6 +63,7 @@ class TtfcResult:
 def build_repository(root: Path) -> Path:
     hot_swap.add_model(root)
     delivery.add_model(root)
+    throughput.add_model(root)
     for name, (vocab, embed, hidden) in DECODERS.items():
         folder = root / f"decoder-{name}"
         (folder / "1").mkdir(parents=True)
@@ -323,6 +324,29 @@ def main(argv: list[str] | None = None) -> int:
                     f"(x{swap.ratio:.2f}), failed {swap.failed}, wrong {swap.wrong_version}",
                     flush=True,
                 )
+                seconds = 2 if args.quick else 10
+                tiny = repository / "decoder-tiny" / "1" / "model.onnx"
+                rates = throughput.measure_rates(client, broker, "edge/bench", seconds)
+                for r in rates:
+                    print(
+                        f"QoS {r.qos}: agent {r.agent_rate:.0f}/s, raw {r.raw_rate:.0f}/s "
+                        f"(x{r.ratio:.2f}, {r.payload_bytes} B)",
+                        flush=True,
+                    )
+                naive = throughput.measure_naive(
+                    broker, tiny, threads, seconds, next(r.agent_rate for r in rates if r.qos == 1)
+                )
+                print(
+                    f"naive loop: {naive.steps_per_s:.0f} steps/s (x{naive.ratio:.2f})", flush=True
+                )
+                latency = throughput.measure_latency(
+                    client, broker, "edge/bench", tiny, threads, seconds
+                )
+                print(
+                    f"latency: agent {latency.agent_ms:.2f} ms, bare {latency.bare_us:.0f} us + "
+                    f"round trip {latency.round_trip_ms:.2f} ms (x{latency.ratio:.2f})",
+                    flush=True,
+                )
                 flood = resend.measure_flood(
                     client, broker, "edge/bench", seconds=3 if args.quick else 10
                 )
@@ -348,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         memory = hot_swap.measure_memory(workdir, cycles=50 if args.quick else 200)
         print(f"memory over {memory.cycles} cycles: {memory.growth_mb:+.1f} MB", flush=True)
     sections = swap_section(swap, memory) + flood_section(flood) + drain_section(drain)
+    sections += throughput.throughput_section(rates, naive, latency)
     write_report(results, sections, repeats, args.quick, args.out)
     print(f"wrote {args.out}")
     met = all(r.ratio <= 0.5 for r in results if r.name != "tiny")
