@@ -203,6 +203,11 @@ SOURCE_KEYS_BY_KIND = {
     "frame_shape": ("synthetic",),
     "max_record_bytes": ("pipe",),
 }
+SOURCE_KIND_DEFAULTS: dict[str, dict[str, Any]] = {
+    "video": {"backend": "auto", "loop": False},
+    "folder": {"settle_s": 0.5, "poll_interval_s": 0.5},
+    "synthetic": {"fill": "zeros"},
+}
 
 
 class SourceConfig(_Section):
@@ -232,11 +237,13 @@ class SourceConfig(_Section):
     path: Path | None = None  # video file, folder, FIFO or file ("-": standard input)
     url: str | None = Field(default=None, min_length=1)  # RTSP/HTTP URL, GStreamer pipeline
     device: int | None = Field(default=None, ge=0)  # V4L2 camera index (/dev/videoN)
-    backend: Literal["auto", "ffmpeg", "gstreamer", "v4l2"] = "auto"
-    loop: bool = False  # a video file starts again at its end
-    settle_s: float = Field(default=0.5, ge=0)  # folder: a file unchanged this long is complete
-    poll_interval_s: float = Field(default=0.5, gt=0)
-    fill: Literal["zeros", "random"] = "zeros"
+    # Keys of one kind stay unset (None) for the others, so check-config prints only keys
+    # that apply; SOURCE_KIND_DEFAULTS fills them in for their kind.
+    backend: Literal["auto", "ffmpeg", "gstreamer", "v4l2"] | None = None  # video: auto
+    loop: bool | None = None  # video: false; true starts a file again at its end
+    settle_s: float | None = Field(default=None, ge=0)  # folder: unchanged this long = complete
+    poll_interval_s: float | None = Field(default=None, gt=0)  # folder: 0.5
+    fill: Literal["zeros", "random"] | None = None  # synthetic: zeros
     frame_shape: list[int] | None = None  # synthetic: uint8 frames of this shape (preprocessed)
     max_record_bytes: int | None = Field(default=None, ge=64)  # default: [limits] max_payload
     seq_reserve: int = Field(default=1000, ge=1, le=1_000_000)  # see docs/protocol.md
@@ -245,12 +252,16 @@ class SourceConfig(_Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _default_policy(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("policy") is None and "kind" in data:
+    def _kind_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not isinstance(data.get("kind"), str):
+            return data
+        kind = data["kind"]
+        data = {**SOURCE_KIND_DEFAULTS.get(kind, {}), **data}
+        if data.get("policy") is None:
             # Live sources keep the newest frame; a file, a folder or a pipe loses nothing.
-            live_video = data["kind"] == "video" and data.get("path") is None
-            latest = live_video or data["kind"] == "synthetic"
-            data = {**data, "policy": "latest" if latest else "all"}
+            live_video = kind == "video" and data.get("path") is None
+            latest = live_video or kind == "synthetic"
+            data["policy"] = "latest" if latest else "all"
         return data
 
     @field_validator("name")
@@ -272,7 +283,7 @@ class SourceConfig(_Section):
         wrong = [
             key
             for key, kinds in SOURCE_KEYS_BY_KIND.items()
-            if key in self.model_fields_set and self.kind not in kinds
+            if getattr(self, key) is not None and self.kind not in kinds
         ]
         if wrong:
             raise ValueError(f'{", ".join(wrong)}: not for kind = "{self.kind}"')

@@ -212,4 +212,5 @@ def _per_channel(values: list[float] | None, channels: int, key: str, default: f
         return np.full(channels, default, dtype=np.float64)
     if len(values) not in (1, channels):
         raise PreprocessError(f"{key} has {len(values)} values for a {channels}-channel frame")
-    return np.broadcast_to(np.asarray(values, dtype=np.float64), (channels,)).copy()
+    result: Array = np.broadcast_to(np.asarray(values, dtype=np.float64), (channels,)).copy()
+    return result

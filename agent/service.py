@@ -175,6 +175,7 @@ class Agent:
             send=self._send_blocking,
             on_event=self.publish_event,
             limits=self.limits,
+            waiting=lambda: self.scheduler.depth,
             registry=self.metrics.registry,
         )
 

@@ -2,7 +2,7 @@
 """Benchmarks of the agent, measured side by side in one run; results go to docs/benchmarks.md.
 
     python benchmarks/run.py            # full run
-    python benchmarks/run.py --quick    # under a minute
+    python benchmarks/run.py --quick    # about a minute and a half
 
 The agent runs as its own process (`edge-agent run`), as on a box, so the client's work does
 not share its interpreter; the broker is a private Mosquitto with `set_tcp_nodelay true`.
@@ -38,6 +38,7 @@ from agent.broker import EmbeddedBroker  # noqa: E402
 from agent.client import AgentClient  # noqa: E402
 from agent.demo import DECODER_CONFIG  # noqa: E402
 from benchmarks import delivery, hot_swap, resend, throughput  # noqa: E402
+from benchmarks import sources as local_sources  # noqa: E402
 
 STEPS = 32
 DECODERS = {
@@ -371,13 +372,16 @@ def main(argv: list[str] | None = None) -> int:
             agent.wait(60)
         memory = hot_swap.measure_memory(workdir, cycles=50 if args.quick else 200)
         print(f"memory over {memory.cycles} cycles: {memory.growth_mb:+.1f} MB", flush=True)
+        local = local_sources.measure(broker, workdir, args.quick)  # agents of their own
     sections = swap_section(swap, memory) + flood_section(flood) + drain_section(drain)
     sections += throughput.throughput_section(rates, naive, latency)
+    sections += local_sources.section(local)
     write_report(results, sections, repeats, args.quick, args.out)
     print(f"wrote {args.out}")
     met = all(r.ratio <= 0.5 for r in results if r.name != "tiny")
     met = met and swap.ratio <= 2 and swap.failed == 0 and memory.growth_mb <= 10
     met = met and drain.ratio >= 0.5 and flood.ratio <= 2
+    met = met and local_sources.met(local)
     return 0 if met else 1
 
 

@@ -1,0 +1,56 @@
+"""What every part of agent.sources shares: the record a reader makes, the reader protocol,
+the errors."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from agent import wire
+from agent.backends.base import Array
+from agent.config import SourceConfig
+
+FIELD = "frame"  # the field a video frame, an image or a .npy file arrives as
+
+Outcome = Literal["done", "failed", "retry", "dropped"]
+
+
+class SourceError(Exception):
+    """The source cannot go on (cannot open, stream lost, broken input): retried later."""
+
+
+class FramingError(ValueError):
+    """The bytes of a pipe are not a CBOR sequence the limits allow."""
+
+
+@dataclass
+class Record:
+    """What a reader produced: fields by name, or `error` for a record it could not use."""
+
+    fields: dict[str, Array]
+    bgr: bool = False  # OpenCV's channel order (video frames, decoded images)
+    prepared: bool = False  # already the model's inputs (synthetic tensors)
+    file: str | None = None  # folder: the file's name, sent as `file`
+    on_done: Callable[[Outcome], None] | None = None
+    error: str | None = None
+
+
+class ReaderContext(Protocol):
+    """What a reader needs from its runner."""
+
+    config: SourceConfig
+    limits: wire.Limits
+    stop_event: threading.Event
+
+    def idle(self) -> None:
+        """Called while a reader waits, so a ticket refused by a full queue is retried."""
+
+
+class Reader(Protocol):
+    def records(self) -> Iterator[Record]:
+        """Blocks for each record; returns at the end of the source; raises SourceError."""
+        ...
+
+    def close(self) -> None: ...
