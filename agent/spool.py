@@ -114,6 +114,10 @@ class Spool:
             "SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM messages WHERE acked IS NULL"
         )
         self.count, self.bytes = (int(v) for v in row.fetchone())  # pending messages only
+        (history,) = self._db.execute(
+            "SELECT COALESCE(SUM(LENGTH(payload)), 0) FROM messages WHERE acked IS NOT NULL"
+        ).fetchone()
+        self.history_bytes = int(history)  # acknowledged, kept for resend
         self.evicted_messages = 0
         self.expired_messages = 0
 
@@ -237,6 +241,7 @@ class Spool:
             self._db.execute("COMMIT")
             self.count -= n
             self.bytes -= b
+            self.history_bytes += b
 
     def unack_since(self, since: float) -> int | None:
         """Make messages acknowledged at or after `since` pending again; their smallest id."""
@@ -251,6 +256,7 @@ class Spool:
             self._db.execute("UPDATE messages SET acked = NULL WHERE acked >= ?", (since,))
             self.count += n
             self.bytes += b
+            self.history_bytes -= b
             return int(first)
 
     def purge_acked(self, older_than_s: float, max_bytes: int | None = None) -> int:
@@ -259,9 +265,7 @@ class Spool:
         with self._lock:
             purged = self._purge_acked_locked(time.time() - older_than_s)
             if max_bytes is not None:
-                (history,) = self._db.execute(
-                    "SELECT COALESCE(SUM(LENGTH(payload)), 0) FROM messages WHERE acked IS NOT NULL"
-                ).fetchone()
+                history = self.history_bytes
                 while history > max_bytes:
                     rows = self._db.execute(
                         "SELECT id, LENGTH(payload) FROM messages WHERE acked IS NOT NULL "
@@ -279,6 +283,7 @@ class Spool:
                     self._db.execute(f"DELETE FROM messages WHERE id IN ({marks})", drop)
                     history -= freed
                     purged += len(drop)
+                self.history_bytes = history
             return purged
 
     def held(
@@ -320,9 +325,16 @@ class Spool:
             return row.fetchone() is not None
 
     def _purge_acked_locked(self, cutoff: float) -> int:
+        # A range on the `acked` index: only the rows being forgotten are read.
+        (freed,) = self._db.execute(
+            "SELECT COALESCE(SUM(LENGTH(payload)), 0) FROM messages "
+            "WHERE acked IS NOT NULL AND acked < ?",
+            (cutoff,),
+        ).fetchone()
         cursor = self._db.execute(
             "DELETE FROM messages WHERE acked IS NOT NULL AND acked < ?", (cutoff,)
         )
+        self.history_bytes -= freed
         return cursor.rowcount
 
     def load_after(self, last_id: int, limit: int) -> list[SpooledMessage]:
@@ -343,9 +355,15 @@ class Spool:
                 "WHERE stream = ? AND acked IS NULL",
                 (stream,),
             ).fetchone()
+            (acked,) = self._db.execute(
+                "SELECT COALESCE(SUM(LENGTH(payload)), 0) FROM messages "
+                "WHERE stream = ? AND acked IS NOT NULL",
+                (stream,),
+            ).fetchone()
             self._db.execute("DELETE FROM messages WHERE stream = ?", (stream,))
             self.count -= n
             self.bytes -= b
+            self.history_bytes -= acked
             return int(n)
 
     def expire(self, protected_after: int) -> int:

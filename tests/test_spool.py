@@ -184,3 +184,32 @@ def test_sigkill_during_spool_writes(tmp_path: Path):
         assert acked & present == set()
         spool.ack(sorted(present))  # start the next round small
         spool.close()
+
+
+def test_history_bytes_track_the_table(tmp_path: Path):
+    spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 24, max_messages=10_000)
+    ids = [
+        spool.add(f"s{n % 3}", "t", b"x" * (10 + n), 1, False, None, rid=f"s{n % 3}", seq=n)[0]
+        for n in range(60)
+    ]
+    spool.ack(ids[:40])
+    since = time.time()
+    time.sleep(0.01)
+    spool.ack(ids[40:50])
+    spool.unack_since(since)
+    spool.drop_stream("s1")
+    spool.purge_acked(3600, max_bytes=300)
+
+    def truth() -> int:
+        db = sqlite3.connect(tmp_path / "s.sqlite")
+        (value,) = db.execute(
+            "SELECT COALESCE(SUM(LENGTH(payload)), 0) FROM messages WHERE acked IS NOT NULL"
+        ).fetchone()
+        db.close()
+        return int(value)
+
+    assert spool.history_bytes == truth() <= 300
+    spool.purge_acked(0)
+    assert spool.history_bytes == truth() == 0
+    spool.close()
+    assert Spool(tmp_path / "s.sqlite", max_bytes=1 << 24, max_messages=10).history_bytes == 0
