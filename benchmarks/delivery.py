@@ -12,16 +12,10 @@ import paho.mqtt.client as mqtt
 
 from agent import demo_models, wire
 from agent.broker import EmbeddedBroker
+from agent.demo import DECODER_CONFIG
 
 MODEL = "decoder-long"
-CONFIG = """\
-[stream]
-mode = "steps"
-max_steps = 100000
-feed = { token = "next_token" }
-state = { h = "h_out" }
-emit = ["next_token"]
-"""
+CONFIG = DECODER_CONFIG.format(steps=100000)  # the demo decoder's, with long streams
 
 
 @dataclass

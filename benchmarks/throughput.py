@@ -30,18 +30,12 @@ import paho.mqtt.client as mqtt
 from agent import demo_models, wire
 from agent.broker import EmbeddedBroker
 from agent.client import AgentClient
+from agent.demo import DECODER_CONFIG
 
 STREAM_MODEL = "decoder-stream"
 TINY_MODEL = "decoder-tiny"
 HIDDEN = 32  # the tiny decoder's (vocab 32, embed 16, hidden 32)
-CONFIG = """\
-[stream]
-mode = "steps"
-max_steps = 100000
-feed = { token = "next_token" }
-state = { h = "h_out" }
-emit = ["next_token"]
-"""
+CONFIG = DECODER_CONFIG.format(steps=100000)  # the demo decoder's, with long streams
 TARGETS = {0: 0.7, 1: 0.8, 2: 0.7}
 NAIVE_TARGET = 3.0
 LATENCY_TARGET = 1.5
