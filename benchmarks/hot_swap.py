@@ -157,3 +157,32 @@ def measure_memory(workdir: Path, cycles: int) -> MemoryResult:
     after = rss_mb()
     manager.close()
     return MemoryResult(cycles, before, after)
+
+
+def section(swap: SwapResult, memory: MemoryResult) -> list[str]:
+    ratio_ok = "met" if swap.ratio <= 2 else "**missed**"
+    failed_ok = "met" if swap.failed == 0 and swap.wrong_version == 0 else "**missed**"
+    memory_ok = "met" if memory.growth_mb <= 10 else "**missed**"
+    return [
+        "## Hot swap",
+        "",
+        f"One request every 10 ms to an MLP (64-256-16): {swap.requests_base} requests with no "
+        f"swap, then {swap.requests_swap} requests while {swap.swaps} new versions were dropped "
+        "into the watched folder (each loaded, warmed up and swapped in by the agent while "
+        "serving). Memory: the same load / swap / unload cycle run in one process "
+        f"({memory.cycles} cycles after 30 warm-up cycles), resident set size before and after.",
+        "",
+        "| figure | value | target |",
+        "|---|---|---|",
+        f"| p50 latency, no swap / during swaps | {swap.p50_base_ms:.2f} ms / "
+        f"{swap.p50_swap_ms:.2f} ms | report |",
+        f"| p99 latency, no swap / during swaps | {swap.p99_base_ms:.2f} ms / "
+        f"{swap.p99_swap_ms:.2f} ms | report |",
+        f"| p99 during swaps / p99 without | **{swap.ratio:.2f}** | <= 2 {ratio_ok} |",
+        f"| failed requests (errors + wrong replies) | **{swap.failed + swap.wrong_version}** "
+        f"| 0 {failed_ok} |",
+        f"| resident memory growth over {memory.cycles} load/swap/unload cycles | "
+        f"**{memory.growth_mb:+.1f} MB** ({memory.rss_before_mb:.0f} -> "
+        f"{memory.rss_after_mb:.0f} MB) | <= 10 MB {memory_ok} |",
+        "",
+    ]

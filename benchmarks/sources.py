@@ -15,6 +15,7 @@ publishing) must stay small against inference.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import statistics
@@ -24,6 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import paho.mqtt.client as mqtt
@@ -94,6 +96,17 @@ class SourceResult:
     def overhead_us(self) -> float:
         """What one frame costs the agent beyond the model (per frame, serial)."""
         return (1 / self.agent_fps - 1 / self.bare_fps) * 1e6
+
+
+def to_json(result: SourceResult) -> dict[str, Any]:
+    return dataclasses.asdict(result)
+
+
+def from_json(data: dict[str, Any]) -> SourceResult:
+    case = dict(data["case"])
+    shape = case["frame_shape"]
+    case["frame_shape"] = tuple(shape) if shape is not None else None
+    return SourceResult(**{**data, "case": Case(**case)})
 
 
 def add_models(repository: Path) -> None:

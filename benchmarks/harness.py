@@ -1,0 +1,249 @@
+"""What the benchmark suites share: the agent as its own process, a counting subscriber that
+costs next to nothing, paho clients with TCP_NODELAY, and the machine's description."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import paho.mqtt.client as mqtt
+
+from agent import wire
+from agent.broker import EmbeddedBroker
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def mqtt_client(broker: EmbeddedBroker) -> mqtt.Client:
+    """A connected paho client (MQTT 5, TCP_NODELAY, its own network thread)."""
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+    client.on_socket_open = _nodelay
+    connected = threading.Event()
+    client.on_connect = lambda c, u, f, rc, p: connected.set()
+    client.connect(broker.host, broker.port)
+    client.loop_start()
+    if not connected.wait(10):
+        raise RuntimeError("no CONNACK from the benchmark broker")
+    return client
+
+
+def close_client(client: mqtt.Client) -> None:
+    client.disconnect()
+    client.loop_stop()
+
+
+def subscribe(client: mqtt.Client, topic: str, qos: int) -> None:
+    done = threading.Event()
+    client.on_subscribe = lambda c, u, mid, rc, p: done.set()
+    client.subscribe(topic, qos)
+    if not done.wait(10):
+        raise RuntimeError(f"no SUBACK for {topic}")
+
+
+def rss_mb(pid: int) -> float:
+    """Resident set size of a process, from /proc (Linux)."""
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+
+
+class StampSubscriber:
+    """`mosquitto_sub` (C) printing the receive time of every message on a topic.
+
+    A Python subscriber at QoS 1 tops out near the rates being measured and would take CPU
+    from the publisher under test on a 2-core box; the C client keeps up with anything a
+    Python publisher sends, so the figures are the publisher's. The subscription is known to
+    be in place once a probe message published to the topic has arrived.
+    """
+
+    def __init__(self, broker: EmbeddedBroker, topic: str, qos: int, expect: int | None = None):
+        if shutil.which("mosquitto_sub") is None:
+            raise RuntimeError(
+                "mosquitto_sub not found: install the Mosquitto clients "
+                "(Debian/Ubuntu: sudo apt-get install mosquitto-clients)"
+            )
+        command = ["mosquitto_sub", "-h", broker.host, "-p", str(broker.port), "-t", topic]
+        command += ["-q", str(qos), "-F", "%U", "--nodelay"]
+        if expect is not None:
+            command += ["-C", str(expect + 1)]  # + the probe
+        self.stamps: list[float] = []
+        self._process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        self._reader = threading.Thread(target=self._read, name="bench-stamps", daemon=True)
+        self._reader.start()
+        probe = mqtt_client(broker)
+        try:
+            deadline = time.monotonic() + 10
+            while not self.stamps:
+                if time.monotonic() > deadline or self._process.poll() is not None:
+                    raise RuntimeError(f"mosquitto_sub did not subscribe to {topic}")
+                probe.publish(topic, b"probe", 1).wait_for_publish(5)
+                time.sleep(0.05)
+        finally:
+            close_client(probe)
+        time.sleep(0.05)  # a second probe may still be on its way
+        self._skip = len(self.stamps)
+
+    def _read(self) -> None:
+        assert self._process.stdout is not None
+        for line in self._process.stdout:
+            try:
+                self.stamps.append(float(line))
+            except ValueError:
+                continue
+
+    @property
+    def count(self) -> int:
+        return len(self.stamps) - self._skip
+
+    def times(self) -> list[float]:
+        return self.stamps[self._skip :]
+
+    def wait_for(self, n: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self.count < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.count >= n
+
+    def rate(self, skip: float = 0.1) -> float:
+        """Messages per second between the first arrival after `skip` of them and the last."""
+        times = self.times()
+        kept = times[int(len(times) * skip) :]
+        if len(kept) < 2 or kept[-1] <= kept[0]:
+            return 0.0
+        return (len(kept) - 1) / (kept[-1] - kept[0])
+
+    def close(self) -> None:
+        if self._process.poll() is None:
+            self._process.terminate()
+        self._process.wait(10)
+        self._reader.join(5)
+
+
+class AgentProcess:
+    """`edge-agent run` as its own process, as on a box; `tree` runs another checkout's agent
+    (benchmarks/history.py) with this checkout's harness."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        broker: EmbeddedBroker,
+        repository: Path | None,
+        *,
+        device_id: str = "bench",
+        extra: str = "",
+        tree: Path = REPO,
+    ) -> None:
+        self.device_id = device_id
+        self.root = f"edge/{device_id}"
+        workdir.mkdir(parents=True, exist_ok=True)
+        repository = repository or workdir / "no-models"
+        repository.mkdir(parents=True, exist_ok=True)
+        self.repository = repository
+        self.config = workdir / f"agent-{device_id}.toml"
+        self.config.write_text(
+            f'device_id = "{device_id}"\nstate_dir = "{workdir / ("state-" + device_id)}"\n'
+            f'log_level = "warning"\n'
+            f'[mqtt]\nhost = "{broker.host}"\nport = {broker.port}\nreconnect_max_s = 0.5\n'
+            f'[models]\nrepository = "{repository}"\ndebounce_s = 0.05\n'
+            "[telemetry]\ninterval_s = 0\n[metrics]\nport = 0\n" + extra
+        )
+        env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"}
+        self.started = time.perf_counter()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "agent.cli", "run", "--config", str(self.config)],
+            env=env,
+            cwd=tree,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def rss_mb(self) -> float:
+        return rss_mb(self.pid)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+    def __enter__(self) -> AgentProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def wait_online(broker: EmbeddedBroker, root: str, since: float, timeout: float = 60) -> float:
+    """Seconds from `since` (perf_counter) until `ROOT/status` says online (retained)."""
+    online = threading.Event()
+    arrived: list[float] = []
+
+    def on_message(c: mqtt.Client, u: Any, message: Any) -> None:
+        try:
+            state = wire.decode_payload(message.payload, wire.Limits()).get("state")
+        except wire.WireError:
+            return
+        if state == "online" and not online.is_set():
+            arrived.append(time.perf_counter())
+            online.set()
+
+    client = mqtt_client(broker)
+    client.on_message = on_message
+    try:
+        subscribe(client, f"{root}/status", 1)
+        if not online.wait(timeout):
+            raise RuntimeError(f"{root} did not come online")
+    finally:
+        close_client(client)
+    return arrived[0] - since
+
+
+def unique_id(prefix: str = "b") -> str:
+    return f"{prefix}{uuid.uuid4().hex[:15]}"
+
+
+def versions() -> dict[str, str]:
+    found = {}
+    for name in ("paho-mqtt", "cbor2", "onnxruntime", "numpy"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = "-"
+    mosquitto = subprocess.run(
+        ["mosquitto", "-h"], capture_output=True, text=True, check=False
+    ).stdout.splitlines()
+    found["mosquitto"] = mosquitto[0].split()[-1] if mosquitto else "?"
+    found["python"] = platform.python_version()
+    return found
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+def machine() -> str:
+    return f"{cpu_name()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"

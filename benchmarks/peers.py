@@ -1,0 +1,210 @@
+"""The baselines of the speed suite, each run as its own process (as the agent is).
+
+    python -m benchmarks.peers raw   --port P --topic T --qos 1 --payload FILE --count N
+    python -m benchmarks.peers naive --port P --topic T --model FILE --seconds S
+    python -m benchmarks.peers echo  --port P --topic A --reply-topic B --payload FILE
+    python -m benchmarks.peers load  --port P --root R --model M --payload FILE --seconds S
+
+- raw: paho publishing one payload `count` times as fast as paho takes it (its own in-flight
+  window of 64, the agent's default): the ceiling for a Python MQTT publisher.
+- naive: the loop people write by hand: run the decoder step, `json.dumps` the token,
+  publish at QoS 1, `wait_for_publish`, next.
+- echo: republishes a fixed reply for every message it receives (the request/response round
+  trip with no work in between).
+- load: keeps `concurrency` requests outstanding against the agent (a new one the moment one
+  finishes) and reports the completed requests per second.
+
+Every paho socket here sets TCP_NODELAY, as the agent's do, so each baseline is the strongest
+plain paho gets. Results go to stdout as one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import paho.mqtt.client as mqtt
+
+INFLIGHT = 64  # the agent's default [mqtt] max_inflight
+
+
+def _nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def connect(port: int, host: str = "127.0.0.1") -> mqtt.Client:
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+    client.on_socket_open = _nodelay
+    client.max_inflight_messages_set(INFLIGHT)
+    connected = threading.Event()
+    client.on_connect = lambda c, u, f, rc, p: connected.set()
+    client.connect(host, port)
+    client.loop_start()
+    if not connected.wait(10):
+        raise SystemExit("no CONNACK from the broker")
+    return client
+
+
+def subscribe(client: mqtt.Client, topic: str, qos: int) -> None:
+    done = threading.Event()
+    client.on_subscribe = lambda c, u, mid, rc, p: done.set()
+    client.subscribe(topic, qos)
+    if not done.wait(10):
+        raise SystemExit(f"no SUBACK for {topic}")
+
+
+def run_raw(args: argparse.Namespace) -> dict[str, Any]:
+    payload = Path(args.payload).read_bytes()
+    client = connect(args.port)
+    started = time.perf_counter()
+    infos = [client.publish(args.topic, payload, args.qos) for _ in range(args.count)]
+    if args.qos:
+        for info in infos:
+            info.wait_for_publish(60)
+    elapsed = time.perf_counter() - started
+    client.disconnect()
+    client.loop_stop()
+    return {"published": args.count, "seconds": elapsed}
+
+
+def run_naive(args: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = args.threads
+    session = ort.InferenceSession(args.model, options, providers=["CPUExecutionProvider"])
+    token = np.array([[1]], dtype=np.int64)
+    h = np.zeros((1, args.hidden), np.float32)
+    client = connect(args.port)
+    steps = 0
+    started = time.perf_counter()
+    while time.perf_counter() - started < args.seconds:
+        token, _logits, h = session.run(None, {"token": token, "h": h})
+        client.publish(args.topic, json.dumps(token.tolist()), 1).wait_for_publish(10)
+        steps += 1
+    elapsed = time.perf_counter() - started
+    client.disconnect()
+    client.loop_stop()
+    return {"steps": steps, "seconds": elapsed}
+
+
+def run_echo(args: argparse.Namespace) -> dict[str, Any]:
+    reply = Path(args.payload).read_bytes()
+    client = connect(args.port)
+    echoed = 0
+
+    def on_message(c: mqtt.Client, userdata: Any, message: Any) -> None:
+        nonlocal echoed
+        c.publish(args.reply_topic, reply, 1)
+        echoed += 1
+
+    client.on_message = on_message
+    subscribe(client, args.topic, 1)
+    print(json.dumps({"ready": True}), flush=True)
+    _wait_for_term()
+    client.disconnect()
+    client.loop_stop()
+    return {"echoed": echoed}
+
+
+def run_load(args: argparse.Namespace) -> dict[str, Any]:
+    """Closed loop: `concurrency` requests in flight, each answered by one `result` message
+    on its own reply topic; a reply (whatever its type) frees the slot for the next one."""
+    template = Path(args.payload).read_bytes()  # CBOR request with the id "REQUEST-ID-0000"
+    marker = b"REQUEST-ID-0000"
+    if template.count(marker) != 1:
+        raise SystemExit("the load template must hold the id REQUEST-ID-0000 once")
+    client = connect(args.port)
+    reply_root = f"{args.root}/result/{args.model}"
+    lock = threading.Lock()
+    done_at: list[float] = []
+    errors = 0
+    counter = 0
+    stop = threading.Event()
+
+    def send() -> None:
+        nonlocal counter
+        with lock:
+            counter += 1
+            request_id = f"L{counter:014d}".encode()
+        client.publish(f"{args.root}/infer/{args.model}", template.replace(marker, request_id), 1)
+
+    def on_message(c: mqtt.Client, userdata: Any, message: Any) -> None:
+        nonlocal errors
+        if b"error" in message.payload[:120] and b"code" in message.payload:
+            errors += 1
+        with lock:
+            done_at.append(time.perf_counter())
+        if not stop.is_set():
+            send()
+
+    client.on_message = on_message
+    subscribe(client, f"{reply_root}/#", 1)
+    for _ in range(args.concurrency):
+        send()
+    time.sleep(args.warmup)
+    with lock:
+        first = len(done_at)
+        started = time.perf_counter()
+    time.sleep(args.seconds)
+    with lock:
+        last = len(done_at)
+        elapsed = time.perf_counter() - started
+    stop.set()
+    time.sleep(0.5)  # let what is in flight finish before the agent is asked anything else
+    client.disconnect()
+    client.loop_stop()
+    return {"completed": last - first, "seconds": elapsed, "errors": errors}
+
+
+def _wait_for_term() -> None:
+    stopped = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    signal.signal(signal.SIGINT, lambda *_: stopped.set())
+    while not stopped.wait(0.2):
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="baseline peers of benchmarks/speed.py")
+    sub = parser.add_subparsers(dest="mode", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--port", type=int, required=True)
+    raw = sub.add_parser("raw", parents=[common])
+    raw.add_argument("--topic", required=True)
+    raw.add_argument("--qos", type=int, choices=(0, 1, 2), required=True)
+    raw.add_argument("--payload", required=True)
+    raw.add_argument("--count", type=int, required=True)
+    naive = sub.add_parser("naive", parents=[common])
+    naive.add_argument("--topic", required=True)
+    naive.add_argument("--model", required=True)
+    naive.add_argument("--hidden", type=int, required=True)
+    naive.add_argument("--threads", type=int, default=1)
+    naive.add_argument("--seconds", type=float, required=True)
+    echo = sub.add_parser("echo", parents=[common])
+    echo.add_argument("--topic", required=True)
+    echo.add_argument("--reply-topic", required=True)
+    echo.add_argument("--payload", required=True)
+    load = sub.add_parser("load", parents=[common])
+    load.add_argument("--root", required=True)
+    load.add_argument("--model", required=True)
+    load.add_argument("--payload", required=True)
+    load.add_argument("--concurrency", type=int, default=64)
+    load.add_argument("--warmup", type=float, default=1.0)
+    load.add_argument("--seconds", type=float, required=True)
+    args = parser.parse_args(argv)
+    run = {"raw": run_raw, "naive": run_naive, "echo": run_echo, "load": run_load}[args.mode]
+    print(json.dumps(run(args)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

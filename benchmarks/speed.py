@@ -1,0 +1,655 @@
+"""The speed suite: the agent against the baselines a user would otherwise pick.
+
+Every figure is a ratio of two measurements taken side by side in one run on one machine
+(absolute times are noisy on a shared 2-core box). The agent always runs as its own process
+(`edge-agent run`, 2 workers), and so does every baseline (`benchmarks/peers.py`); message
+rates are counted by `mosquitto_sub` (C), which keeps up with any Python publisher, so a rate
+is the publisher's and not the subscriber's.
+
+| figure | target |
+|---|---|
+| time to first chunk (32-step decoder, streamed) / time to whole result | <= 0.10 |
+| agent chunks/s / raw paho messages/s, same payload, QoS 1 | >= 0.80 |
+| the same at QoS 0 and QoS 2 | >= 0.70 |
+| agent chunks/s / naive loop, QoS 1 | >= 3.0 |
+| agent median latency (1-chunk tiny model) / (bare run + paho round trip) | <= 1.5 |
+| dynamic batching on / off: requests/s, 64 concurrent small requests | >= 2.0 |
+| resident memory growth over 100,000 chunks | <= 5 MB |
+| resident memory at idle with one small ONNX model | report (aim <= 150 MB) |
+| start to ready, no model load | report (aim <= 1.5 s) |
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from agent import demo_models, wire
+from agent.broker import EmbeddedBroker
+from agent.demo import DECODER_CONFIG
+from benchmarks.harness import (
+    REPO,
+    AgentProcess,
+    StampSubscriber,
+    close_client,
+    mqtt_client,
+    subscribe,
+    unique_id,
+    wait_online,
+)
+
+STREAM = "decoder-stream"  # tiny GRU step (vocab 32, embed 16, hidden 32), long streams
+TTFC = "decoder-edge-lm"  # a step about as costly as a small language model's on an edge CPU
+TTFC_DIMS = (4096, 256, 1024)
+TTFC_STEPS = 32
+TINY = "mlp-tiny"  # 16-64-8, `whole`: one chunk per request
+SMALL = "mlp-small"  # 128-512-10 for the batching figure, without and with [batching]
+SMALL_BATCHED = "mlp-small-batched"
+SMALL_DIMS = (128, 512, 10)
+CONCURRENCY = 64
+BATCHING = "[batching]\nmax_batch = 64\nmax_queue_delay_us = 2000\n"
+MEMORY_CHUNKS = 100_000
+MARKER = "REQUEST-ID-0000"  # replaced by a fresh id of the same length in each request
+
+TARGETS: dict[str, tuple[str, float]] = {
+    "ttfc": ("<=", 0.10),
+    "qos0": (">=", 0.70),
+    "qos1": (">=", 0.80),
+    "qos2": (">=", 0.70),
+    "naive": (">=", 3.0),
+    "latency": ("<=", 1.5),
+    "batching": (">=", 2.0),
+    "memory_growth": ("<=", 5.0),
+    "idle_rss": ("aim <=", 150.0),
+    "ready_s": ("aim <=", 1.5),
+}
+EXPECTED_RATE = {0: 40000, 1: 12000, 2: 7000}  # sizes the raw runs; slower just takes longer
+
+
+@dataclass
+class SpeedResult:
+    quick: bool
+    ttfc: dict[str, Any] = field(default_factory=dict)
+    rates: dict[str, dict[str, float]] = field(default_factory=dict)  # "0"/"1"/"2" -> rates
+    naive: dict[str, float] = field(default_factory=dict)
+    latency: dict[str, float] = field(default_factory=dict)
+    batching: dict[str, Any] = field(default_factory=dict)
+    memory: dict[str, float] = field(default_factory=dict)
+    idle: dict[str, float] = field(default_factory=dict)
+    ready: dict[str, Any] = field(default_factory=dict)
+
+    def figures(self) -> dict[str, float | None]:
+        """Each target's figure (None: not measured, e.g. a feature the agent lacks)."""
+
+        def ratio(a: float | None, b: float | None) -> float | None:
+            return a / b if a and b else None
+
+        out: dict[str, float | None] = {
+            "ttfc": ratio(self.ttfc.get("first_ms"), self.ttfc.get("whole_ms")),
+        }
+        for qos in ("0", "1", "2"):
+            r = self.rates.get(qos, {})
+            out[f"qos{qos}"] = ratio(r.get("agent"), r.get("raw"))
+        out["naive"] = ratio(self.rates.get("1", {}).get("agent"), self.naive.get("rate"))
+        base = self.latency.get("bare_ms", 0.0) + self.latency.get("round_trip_ms", 0.0)
+        out["latency"] = ratio(self.latency.get("agent_ms"), base or None)
+        out["batching"] = ratio(self.batching.get("on"), self.batching.get("off"))
+        out["memory_growth"] = self.memory.get("growth_mb")
+        out["idle_rss"] = self.idle.get("rss_mb")
+        out["ready_s"] = self.ready.get("median_s")
+        return out
+
+
+def meets(name: str, value: float | None) -> bool | None:
+    """True/False against the target; None where the target is only a report."""
+    op, target = TARGETS[name]
+    if value is None:
+        return False if not op.startswith("aim") else None
+    if op == "<=":
+        return value <= target
+    if op == ">=":
+        return value >= target
+    return None
+
+
+# -- models ---------------------------------------------------------------------------------
+
+
+def build_repository(root: Path) -> Path:
+    def add(name: str, model: Any, config: str | None) -> None:
+        (root / name / "1").mkdir(parents=True)
+        demo_models.save(model, root / name / "1" / "model.onnx")
+        if config is not None:
+            (root / name / "config.toml").write_text(config)
+
+    add(STREAM, demo_models.gru_decoder(), DECODER_CONFIG.format(steps=MEMORY_CHUNKS))
+    vocab, embed, hidden = TTFC_DIMS
+    ttfc_model = demo_models.gru_decoder(vocab=vocab, embed=embed, hidden=hidden)
+    add(TTFC, ttfc_model, DECODER_CONFIG.format(steps=TTFC_STEPS))
+    add(TINY, demo_models.mlp(), None)
+    i, h, o = SMALL_DIMS
+    add(SMALL, demo_models.mlp(inputs=i, hidden=h, outputs=o), None)
+    add(SMALL_BATCHED, demo_models.mlp(inputs=i, hidden=h, outputs=o), BATCHING)
+    return root
+
+
+def _threads() -> int:
+    return max(1, (os.cpu_count() or 1) // 2)  # the agent's default: cores // workers
+
+
+def _session(path: Path) -> Any:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = _threads()
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def bare_ms(path: Path, feed: dict[str, np.ndarray], n: int = 2000) -> float:
+    """`InferenceSession.run` alone, same threads as the agent's sessions."""
+    session = _session(path)
+    for _ in range(50):
+        session.run(None, feed)
+    started = time.perf_counter()
+    for _ in range(n):
+        session.run(None, feed)
+    return (time.perf_counter() - started) / n * 1000
+
+
+def _token() -> dict[str, np.ndarray]:
+    return {"token": np.array([[1]], dtype=np.int64)}
+
+
+def _peer(broker: EmbeddedBroker, mode: str, *args: str, timeout: float = 300) -> dict[str, Any]:
+    command = [sys.executable, "-m", "benchmarks.peers", mode, "--port", str(broker.port), *args]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        command, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"peer {mode} failed: {done.stderr.strip()[-500:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _template(model_inputs: dict[str, np.ndarray], **fields: Any) -> bytes:
+    return wire.encode_payload({"id": MARKER, "inputs": model_inputs, **fields})
+
+
+class Requests:
+    """Request payloads with fresh ids from one encoded template (the id has a fixed width)."""
+
+    def __init__(self, template: bytes) -> None:
+        self._template = template
+        self._n = 0
+
+    def next(self) -> tuple[str, bytes]:
+        self._n += 1
+        request_id = f"R{os.getpid() % 10000:04d}{self._n:010d}"
+        return request_id, self._template.replace(MARKER.encode(), request_id.encode())
+
+
+# -- figures --------------------------------------------------------------------------------
+
+
+def wait_model(
+    broker: EmbeddedBroker, root: str, model: str, inputs: dict[str, np.ndarray], **fields: Any
+) -> bool:
+    """Until the model answers (True), or a minute passes (False: it never loaded)."""
+    client = mqtt_client(broker)
+    got = threading.Event()
+    reply = f"{root}/bench-wait/{unique_id()}"
+    ok: list[bool] = []
+
+    def on_message(c: Any, u: Any, message: Any) -> None:
+        kind = wire.decode_payload(message.payload, wire.Limits()).get("type")
+        if kind in ("result", "end", "error"):
+            ok.append(kind != "error")
+            got.set()
+
+    client.on_message = on_message
+    subscribe(client, reply, 1)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            got.clear()
+            ok.clear()
+            body = {"id": unique_id(), "inputs": inputs, "reply_to": reply, **fields}
+            client.publish(f"{root}/infer/{model}", wire.encode_payload(body), 1)
+            if got.wait(5) and ok and ok[0]:
+                return True
+            time.sleep(0.3)
+        return False
+    finally:
+        close_client(client)
+
+
+def measure_ttfc(agent: AgentProcess, broker: EmbeddedBroker, repeats: int) -> dict[str, Any]:
+    """First chunk of a streamed 32-step request against the same request with
+    `stream: false`, from publishing to the arrival of the message, median of `repeats`."""
+    from agent.client import AgentClient
+
+    with AgentClient(broker.host, broker.port, device_id=agent.device_id) as client:
+        for _ in range(3):
+            list(client.request(TTFC, _token(), timeout=30))
+            client.request(TTFC, _token(), stream=False, timeout=30).collect()
+        first, last, whole, timeline = [], [], [], []
+        for _ in range(repeats):
+            reply = client.request(TTFC, _token(), timeout=30)
+            arrivals = [chunk.received - reply.sent_at for chunk in reply]
+            if len(arrivals) != TTFC_STEPS:
+                raise RuntimeError(f"{len(arrivals)} chunks instead of {TTFC_STEPS}")
+            first.append(arrivals[0])
+            last.append(arrivals[-1])
+            timeline = arrivals
+            reply = client.request(TTFC, _token(), stream=False, timeout=30)
+            reply.collect()
+            whole.append(time.perf_counter() - reply.sent_at)
+    hidden = TTFC_DIMS[2]
+    step = bare_ms(
+        agent.repository / TTFC / "1" / "model.onnx",
+        {**_token(), "h": np.zeros((1, hidden), np.float32)},
+        n=200,
+    )
+    return {
+        "first_ms": statistics.median(first) * 1000,
+        "last_ms": statistics.median(last) * 1000,
+        "whole_ms": statistics.median(whole) * 1000,
+        "step_ms": step,
+        "timeline_ms": [t * 1000 for t in timeline],
+        "repeats": repeats,
+    }
+
+
+def chunk_payload(broker: EmbeddedBroker, root: str) -> bytes:
+    """A real chunk message of the tiny decoder, as the agent publishes it."""
+    request_id = unique_id()
+    client = mqtt_client(broker)
+    got: list[bytes] = []
+    client.on_message = lambda c, u, m: got.append(bytes(m.payload))
+    subscribe(client, f"{root}/result/{STREAM}/{request_id}", 1)
+    body = {"id": request_id, "inputs": _token(), "params": {"max_steps": 8}}
+    client.publish(f"{root}/infer/{STREAM}", wire.encode_payload(body), 1)
+    deadline = time.monotonic() + 30
+    while len(got) < 9 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    close_client(client)
+    if len(got) < 9:
+        raise RuntimeError("no chunks from the agent")
+    return got[4]  # a middle one: a plain chunk
+
+
+def measure_raw(broker: EmbeddedBroker, workdir: Path, payload: bytes, qos: int, s: float) -> float:
+    topic = f"bench/raw/{unique_id()}"
+    count = int(EXPECTED_RATE[qos] * s)
+    path = workdir / "chunk.bin"
+    path.write_bytes(payload)
+    sub = StampSubscriber(broker, topic, qos, expect=count)
+    try:
+        _peer(broker, "raw", "--topic", topic, "--qos", str(qos), "--payload", str(path),
+              "--count", str(count))  # fmt: skip
+        if not sub.wait_for(count, 60):
+            raise RuntimeError(f"raw QoS {qos}: {sub.count} of {count} arrived")
+        return sub.rate()
+    finally:
+        sub.close()
+
+
+def measure_agent_stream(broker: EmbeddedBroker, root: str, qos: int, steps: int) -> float:
+    """Chunks/s of one long streamed request at reply QoS `qos`, at the C subscriber."""
+    request_id = unique_id()
+    sub = StampSubscriber(broker, f"{root}/result/{STREAM}/{request_id}", qos, expect=steps + 1)
+    client = mqtt_client(broker)
+    try:
+        body = {"id": request_id, "inputs": _token(), "params": {"max_steps": steps}, "qos": qos}
+        client.publish(f"{root}/infer/{STREAM}", wire.encode_payload(body), 1)
+        if not sub.wait_for(steps + 1, max(60.0, steps / 1000)):
+            raise RuntimeError(f"agent QoS {qos}: {sub.count} of {steps + 1} messages arrived")
+        return sub.rate()
+    finally:
+        close_client(client)
+        sub.close()
+
+
+def measure_naive(broker: EmbeddedBroker, model: Path, seconds: float) -> float:
+    topic = f"bench/naive/{unique_id()}"
+    sub = StampSubscriber(broker, topic, 1)
+    try:
+        _peer(broker, "naive", "--topic", topic, "--model", str(model), "--hidden", "32",
+              "--threads", str(_threads()), "--seconds", str(seconds))  # fmt: skip
+        time.sleep(0.2)
+        return sub.rate()
+    finally:
+        sub.close()
+
+
+def _round_trips(
+    broker: EmbeddedBroker, topic: str, reply_topic: str, requests: Requests, seconds: float
+) -> list[float]:
+    """Publish a request (QoS 1), wait for the first message on `reply_topic`, again."""
+    client = mqtt_client(broker)
+    got = threading.Event()
+    client.on_message = lambda c, u, m: got.set()
+    subscribe(client, reply_topic, 1)
+    times: list[float] = []
+    try:
+        for _ in range(30):  # warm-up
+            got.clear()
+            client.publish(topic, requests.next()[1], 1)
+            if not got.wait(10):
+                raise RuntimeError(f"no reply on {reply_topic}")
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            _, payload = requests.next()
+            got.clear()
+            started = time.perf_counter()
+            client.publish(topic, payload, 1)
+            if not got.wait(10):
+                raise RuntimeError(f"no reply on {reply_topic}")
+            times.append(time.perf_counter() - started)
+    finally:
+        close_client(client)
+    return times
+
+
+def measure_latency(
+    agent: AgentProcess, broker: EmbeddedBroker, workdir: Path, seconds: float
+) -> dict[str, float]:
+    """1-chunk request to a tiny model through the agent, against bare inference plus a paho
+    echo round trip carrying the same request and reply bytes (both QoS 1 both ways)."""
+    x = np.random.default_rng(0).standard_normal((1, 16)).astype(np.float32)
+    reply_topic = f"{agent.root}/latency/{unique_id()}"
+    requests = Requests(_template({"x": x}, stream=False, reply_to=reply_topic))
+    agent_times = _round_trips(broker, f"{agent.root}/infer/{TINY}", reply_topic, requests, seconds)
+    # The agent's own reply bytes, for the echo to send back.
+    client = mqtt_client(broker)
+    replies: list[bytes] = []
+    client.on_message = lambda c, u, m: replies.append(bytes(m.payload))
+    subscribe(client, reply_topic, 1)
+    client.publish(f"{agent.root}/infer/{TINY}", requests.next()[1], 1)
+    deadline = time.monotonic() + 10
+    while not replies and time.monotonic() < deadline:
+        time.sleep(0.01)
+    close_client(client)
+    reply_file = workdir / "reply.bin"
+    reply_file.write_bytes(replies[0])
+    a, b = f"bench/echo/{unique_id()}", f"bench/echo/{unique_id()}"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    echo = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.peers", "echo", "--port", str(broker.port),
+         "--topic", a, "--reply-topic", b, "--payload", str(reply_file)],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert echo.stdout is not None
+        echo.stdout.readline()  # {"ready": true}: subscribed
+        echo_times = _round_trips(broker, a, b, requests, seconds)
+    finally:
+        echo.terminate()
+        echo.wait(10)
+    bare = bare_ms(agent.repository / TINY / "1" / "model.onnx", {"x": x})
+    return {
+        "agent_ms": statistics.median(agent_times) * 1000,
+        "round_trip_ms": statistics.median(echo_times) * 1000,
+        "bare_ms": bare,
+        "requests": len(agent_times),
+        "agent_p99_ms": sorted(agent_times)[int(0.99 * len(agent_times))] * 1000,
+    }
+
+
+def measure_batching(
+    agent: AgentProcess, broker: EmbeddedBroker, workdir: Path, seconds: float
+) -> dict[str, Any]:
+    """Requests/s with `CONCURRENCY` requests outstanding, the same model without and with
+    dynamic batching ([batching] in the model's config.toml)."""
+    x = np.random.default_rng(1).standard_normal((1, SMALL_DIMS[0])).astype(np.float32)
+    template = _template({"x": x}, stream=False)
+    path = workdir / "load-request.bin"
+    path.write_bytes(template)
+    result: dict[str, Any] = {"concurrency": CONCURRENCY}
+    for key, model in (("off", SMALL), ("on", SMALL_BATCHED)):
+        if not wait_model(broker, agent.root, model, {"x": x}, stream=False):
+            result[key] = None  # an agent without [batching] refuses the model's config
+            continue
+        done = _peer(broker, "load", "--root", agent.root, "--model", model,
+                     "--payload", str(path), "--concurrency", str(CONCURRENCY),
+                     "--seconds", str(seconds))  # fmt: skip
+        result[key] = done["completed"] / done["seconds"]
+        result[f"{key}_errors"] = done["errors"]
+    return result
+
+
+def measure_memory(agent: AgentProcess, broker: EmbeddedBroker) -> dict[str, float]:
+    """The agent's resident memory before and after 100,000 chunks (one stream, QoS 1), after
+    a warm-up stream of 20,000."""
+    measure_agent_stream(broker, agent.root, 1, 20_000)
+    time.sleep(1.0)
+    before = agent.rss_mb()
+    measure_agent_stream(broker, agent.root, 1, MEMORY_CHUNKS)
+    time.sleep(1.0)
+    after = agent.rss_mb()
+    return {"before_mb": before, "after_mb": after, "growth_mb": after - before}
+
+
+def measure_ready(broker: EmbeddedBroker, workdir: Path, runs: int, tree: Path) -> dict[str, Any]:
+    """From starting the process to the retained `online` status, empty model repository."""
+    times = []
+    for _ in range(runs):
+        device = f"bench-ready-{unique_id()}"
+        with AgentProcess(workdir / "ready", broker, None, device_id=device, tree=tree) as agent:
+            times.append(wait_online(broker, agent.root, agent.started))
+    return {"median_s": statistics.median(times), "runs": runs, "all_s": times}
+
+
+def measure_idle(broker: EmbeddedBroker, workdir: Path, tree: Path) -> dict[str, float]:
+    """Resident memory of an agent serving one small ONNX model, idle after one request."""
+    repository = workdir / "idle-models"
+    (repository / TINY / "1").mkdir(parents=True)
+    demo_models.save(demo_models.mlp(), repository / TINY / "1" / "model.onnx")
+    device = f"bench-idle-{unique_id()}"
+    with AgentProcess(workdir / "idle", broker, repository, device_id=device, tree=tree) as agent:
+        wait_online(broker, agent.root, agent.started)
+        x = np.zeros((1, 16), np.float32)
+        if not wait_model(broker, agent.root, TINY, {"x": x}, stream=False):
+            raise RuntimeError("the idle agent did not serve its model")
+        time.sleep(2.0)
+        return {"rss_mb": agent.rss_mb()}
+
+
+def measure(broker: EmbeddedBroker, workdir: Path, quick: bool, tree: Path = REPO) -> SpeedResult:
+    result = SpeedResult(quick=quick)
+    seconds = 2.0 if quick else 6.0
+    result.ready = measure_ready(broker, workdir, 3 if quick else 7, tree)
+    print(f"start to ready: {result.ready['median_s']:.2f} s", flush=True)
+    result.idle = measure_idle(broker, workdir, tree)
+    print(f"idle with one model: {result.idle['rss_mb']:.0f} MB", flush=True)
+    repository = build_repository(workdir / "speed-models")
+    with AgentProcess(workdir, broker, repository, tree=tree) as agent:
+        wait_online(broker, agent.root, agent.started)
+        for model in (STREAM, TTFC):
+            if not wait_model(broker, agent.root, model, _token(), params={"max_steps": 1}):
+                raise RuntimeError(f"{model} did not load")
+        result.ttfc = measure_ttfc(agent, broker, 10 if quick else 40)
+        t = result.ttfc
+        print(f"ttfc: first {t['first_ms']:.2f} ms, whole {t['whole_ms']:.2f} ms", flush=True)
+        payload = chunk_payload(broker, agent.root)
+        for qos in (0, 1, 2):
+            raw = measure_raw(broker, workdir, payload, qos, seconds)
+            probe = measure_agent_stream(broker, agent.root, qos, 1000)
+            steps = int(min(max(1000, probe * seconds), MEMORY_CHUNKS))
+            agent_rate = measure_agent_stream(broker, agent.root, qos, steps)
+            result.rates[str(qos)] = {"raw": raw, "agent": agent_rate, "chunks": steps,
+                                      "payload_bytes": len(payload)}  # fmt: skip
+            print(f"QoS {qos}: agent {agent_rate:.0f}/s, raw {raw:.0f}/s", flush=True)
+        naive = measure_naive(broker, repository / STREAM / "1" / "model.onnx", seconds)
+        result.naive = {"rate": naive}
+        print(f"naive loop: {naive:.0f} steps/s", flush=True)
+        x = {"x": np.zeros((1, 16), np.float32)}
+        if not wait_model(broker, agent.root, TINY, x, stream=False):
+            raise RuntimeError(f"{TINY} did not load")
+        result.latency = measure_latency(agent, broker, workdir, seconds)
+        lat = result.latency
+        print(f"latency: agent {lat['agent_ms']:.2f} ms, echo {lat['round_trip_ms']:.2f} ms, "
+              f"bare {lat['bare_ms'] * 1000:.0f} us", flush=True)  # fmt: skip
+        result.batching = measure_batching(agent, broker, workdir, seconds)
+        print(f"batching: {result.batching}", flush=True)
+        result.memory = measure_memory(agent, broker)
+        print(f"memory: {result.memory}", flush=True)
+    return result
+
+
+# -- report ---------------------------------------------------------------------------------
+
+
+def fmt(name: str, value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    if name == "memory_growth":
+        return f"{value:+.1f} MB"
+    if name == "idle_rss":
+        return f"{value:.0f} MB"
+    if name == "ready_s":
+        return f"{value:.2f} s"
+    return f"{value:.3f}" if name == "ttfc" else f"{value:.2f}"
+
+
+def verdict(name: str, value: float | None) -> str:
+    op, target = TARGETS[name]
+    ok = meets(name, value)
+    unit = {"memory_growth": " MB", "idle_rss": " MB", "ready_s": " s"}.get(name, "")
+    if ok is None:
+        return f"report, {op} {target:g}{unit}" + (
+            " (met)" if value is not None and value <= target else ""
+        )
+    return f"{op} {target:g}{unit} " + ("met" if ok else "**missed**")
+
+
+def section(result: SpeedResult, plot_name: str | None) -> list[str]:
+    f = result.figures()
+    r = result.rates
+    t, lat, b = result.ttfc, result.latency, result.batching
+    payload = r.get("1", {}).get("payload_bytes", 0)
+
+    def rate_row(qos: str, label: str) -> str:
+        q = r.get(qos, {})
+        return (
+            f"| {label} | {q.get('agent', 0):.0f} chunks/s ({q.get('chunks', 0)} chunks) | "
+            f"{q.get('raw', 0):.0f} msg/s | **{fmt('qos' + qos, f['qos' + qos])}** | "
+            f"{verdict('qos' + qos, f['qos' + qos])} |"
+        )
+
+    def batch_rate(key: str) -> str:
+        value = b.get(key)
+        return "n/a" if value is None else f"{value:.0f} req/s"
+
+    lines = [
+        "## Speed against the baselines",
+        "",
+        "The agent as its own process (2 workers, defaults otherwise) against what a user would "
+        "write instead, each baseline its own process too (`benchmarks/peers.py`), TCP_NODELAY "
+        "on every socket. Message rates are counted by `mosquitto_sub` (C) from its receive "
+        "times, so they measure the publisher, not a Python subscriber. **raw**: paho "
+        f"publishing the agent's own chunk message ({payload} bytes, a real reply of the tiny "
+        "decoder) as fast as paho takes it, same in-flight window (64). **agent**: one long "
+        f"streamed request to a tiny GRU decoder step (`{STREAM}`, vocab 32, hidden 32, "
+        "one chunk per step). **naive**: the hand-written loop (`session.run`, "
+        "`json.dumps(token.tolist())`, publish QoS 1, `wait_for_publish`, next) on the same "
+        "model. **bare**: `InferenceSession.run` alone. **round trip**: a paho echo process "
+        "answering the same request bytes with the agent's reply bytes, QoS 1 both ways.",
+        "",
+        "| figure | agent | baseline | ratio | target |",
+        "|---|---|---|---|---|",
+        f"| time to first chunk / whole result, {TTFC_STEPS}-step decoder "
+        f"({', '.join(map(str, TTFC_DIMS))}; step {t.get('step_ms', 0):.2f} ms bare) | "
+        f"first chunk {t.get('first_ms', 0):.2f} ms | whole result (`stream: false`) "
+        f"{t.get('whole_ms', 0):.2f} ms | **{fmt('ttfc', f['ttfc'])}** | "
+        f"{verdict('ttfc', f['ttfc'])} |",
+        rate_row("1", "chunks/s, QoS 1: agent / raw paho"),
+        rate_row("0", "chunks/s, QoS 0: agent / raw paho"),
+        rate_row("2", "chunks/s, QoS 2: agent / raw paho"),
+        f"| chunks/s, QoS 1: agent / naive loop | {r.get('1', {}).get('agent', 0):.0f} "
+        f"chunks/s | {result.naive.get('rate', 0):.0f} steps/s | "
+        f"**{fmt('naive', f['naive'])}** | {verdict('naive', f['naive'])} |",
+        f"| median latency, 1-chunk tiny model (`{TINY}`): agent / (bare + round trip) | "
+        f"{lat.get('agent_ms', 0):.2f} ms (p99 {lat.get('agent_p99_ms', 0):.2f} ms, "
+        f"{lat.get('requests', 0):.0f} requests) | {lat.get('bare_ms', 0) * 1000:.0f} µs + "
+        f"{lat.get('round_trip_ms', 0):.2f} ms | **{fmt('latency', f['latency'])}** | "
+        f"{verdict('latency', f['latency'])} |",
+        f"| requests/s, {CONCURRENCY} concurrent small requests (MLP "
+        f"{'-'.join(map(str, SMALL_DIMS))}, `stream: false`): batching on / off | "
+        f"{batch_rate('on')} | {batch_rate('off')} | **{fmt('batching', f['batching'])}** | "
+        f"{verdict('batching', f['batching'])} |",
+        f"| resident memory growth over {MEMORY_CHUNKS:,} chunks (QoS 1) | "
+        f"{result.memory.get('after_mb', 0):.0f} MB after | "
+        f"{result.memory.get('before_mb', 0):.0f} MB before | "
+        f"**{fmt('memory_growth', f['memory_growth'])}** | "
+        f"{verdict('memory_growth', f['memory_growth'])} |",
+        f"| resident memory at idle, one small ONNX model (`{TINY}`) | "
+        f"{fmt('idle_rss', f['idle_rss'])} | | **{fmt('idle_rss', f['idle_rss'])}** | "
+        f"{verdict('idle_rss', f['idle_rss'])} |",
+        f"| start to ready (process start to retained `online`), no model, median of "
+        f"{result.ready.get('runs', 0)} | {fmt('ready_s', f['ready_s'])} | | "
+        f"**{fmt('ready_s', f['ready_s'])}** | {verdict('ready_s', f['ready_s'])} |",
+        "",
+    ]
+    if plot_name:
+        lines += [f"![time to first chunk and message rates]({plot_name})", ""]
+    return lines
+
+
+def plot(result: SpeedResult, path: Path) -> bool:
+    """Chunk arrivals of one streamed request against the whole result, and the rates."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    timeline = result.ttfc.get("timeline_ms", [])
+    if timeline:
+        left.step(timeline, range(1, len(timeline) + 1), where="post", label="streamed chunks")
+        whole = result.ttfc["whole_ms"]
+        left.axvline(whole, color="tab:red", linestyle="--", label="whole result (stream: false)")
+        left.set_xlabel("ms after the request")
+        left.set_ylabel("decode steps received")
+        left.set_title(f"{TTFC_STEPS}-step decoder: what the backend has, when")
+        left.legend(loc="lower right")
+    labels, agent, raw = [], [], []
+    for qos in ("0", "1", "2"):
+        if qos in result.rates:
+            labels.append(f"QoS {qos}")
+            agent.append(result.rates[qos]["agent"])
+            raw.append(result.rates[qos]["raw"])
+    xs = np.arange(len(labels))
+    right.bar(xs - 0.2, raw, 0.4, label="raw paho")
+    right.bar(xs + 0.2, agent, 0.4, label="agent (decoder chunks)")
+    if result.naive.get("rate"):
+        right.axhline(result.naive["rate"], color="tab:gray", linestyle=":", label="naive loop")
+    right.set_xticks(xs, labels)
+    right.set_ylabel("messages/s at the subscriber")
+    right.set_title("Publishing rate, same payload")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def to_json(result: SpeedResult) -> dict[str, Any]:
+    return asdict(result)
+
+
+def from_json(data: dict[str, Any]) -> SpeedResult:
+    return SpeedResult(**data)
