@@ -1,13 +1,16 @@
 """The queue between inference and the network, backed by the on-disk spool.
 
-Inference never waits on a socket and the socket never waits on inference: workers put
-encoded messages here and the transport's single publisher takes them out in order.
+Inference never waits on a socket or a disk, and the socket never waits on inference: workers
+put encoded messages here, the network thread takes them out in order and publishes them,
+and the spool writer thread stores the QoS 1/2 ones meanwhile (write-behind, group commit;
+see `agent.spool_writer`).
 
-* QoS 1/2 messages that belong to a stream (replies, events) are written to the spool first
-  and stay there until the broker acknowledged them. Memory holds only a window of them; when
-  the window is full (a broker outage, a slow uplink) new ones go to disk only, and the
-  publisher reads them back in order once it catches up. An outage therefore fills the disk
-  (bounded by the spool's caps and policy), never an unbounded memory queue.
+* QoS 1/2 messages that belong to a stream (replies, events) get a spool id when they are put
+  and are written to the spool by the writer thread; they stay there until the broker
+  acknowledged them. Memory holds only a window of them; when the window is full (a broker
+  outage, a slow uplink) new ones go to disk only, and are read back in order once the
+  publisher catches up. An outage therefore fills the disk (bounded by the spool's caps and
+  policy), never an unbounded memory queue.
 * QoS 0 messages and the connection's own status messages never touch the disk. When the
   memory bound is reached, workers block: back pressure reaches the scheduler, whose full
   queue answers `overloaded`. Nothing is dropped silently.
@@ -17,39 +20,71 @@ encoded messages here and the transport's single publisher takes them out in ord
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from agent.spool import Eviction, Spool, SpoolFull
+from agent.spool import AfterWrite, Eviction, FinishRequest, Spool, SpooledMessage
+from agent.spool_writer import SpoolWriter
 
 REFILL_BATCH = 256
 
 
-@dataclass(frozen=True)
 class OutMessage:
     """One MQTT publish, fully encoded; `properties` is a paho `Properties` (MQTT 5) or None.
 
     `stream` names the stream a QoS 1/2 message belongs to (spooled when set); `finishes` is
     the key of the stored request this message answers for the last time; `spool_id` is set
-    once the message is on disk.
+    when the message is queued for the spool. A plain class with slots: one is made per chunk.
     """
 
-    topic: str
-    payload: bytes
-    qos: int
-    retain: bool = False
-    properties: Any = None
-    stream: str | None = None
-    finishes: str | None = None
-    spool_id: int | None = None
-    correlation: bytes | None = None
-    rid: str | None = None  # the reply stream's id and seq, for application-level resend
-    seq: int | None = None
+    __slots__ = (
+        "correlation",
+        "finishes",
+        "payload",
+        "properties",
+        "qos",
+        "retain",
+        "rid",
+        "seq",
+        "spool_id",
+        "stream",
+        "topic",
+    )
+
+    def __init__(
+        self,
+        topic: str,
+        payload: bytes,
+        qos: int,
+        retain: bool = False,
+        properties: Any = None,
+        stream: str | None = None,
+        finishes: str | None = None,
+        spool_id: int | None = None,
+        correlation: bytes | None = None,
+        rid: str | None = None,  # the reply stream's id and seq, for application-level resend
+        seq: int | None = None,
+    ) -> None:
+        self.topic = topic
+        self.payload = payload
+        self.qos = qos
+        self.retain = retain
+        self.properties = properties
+        self.stream = stream
+        self.finishes = finishes
+        self.spool_id = spool_id
+        self.correlation = correlation
+        self.rid = rid
+        self.seq = seq
+
+    def __repr__(self) -> str:
+        return (
+            f"OutMessage({self.topic!r}, {len(self.payload)} bytes, qos={self.qos}, "
+            f"spool_id={self.spool_id})"
+        )
 
 
 class OutboxClosed(Exception):
@@ -57,6 +92,9 @@ class OutboxClosed(Exception):
 
 
 class Outbox:
+    """`start()` (the spool writer), put from any thread, `take`/`get` from the publisher,
+    `close()`."""
+
     def __init__(
         self,
         max_messages: int,
@@ -73,32 +111,45 @@ class Outbox:
         self._cond = threading.Condition()
         self._closed = False
         self._spool = spool
-        self._on_eviction = on_eviction
         self._make_properties = make_properties
         # Spooled messages with id <= _loaded_up_to are in memory (or published); the rest wait
-        # on disk while `_spilling`.
+        # on disk (or in the writer's queue) while `_spilling`.
         self._loaded_up_to = 0
+        self._last_id = 0  # the newest spool id handed out
         self._spilling = spool is not None and spool.count > 0
-        self._acked: list[int] = []
-        self._acked_lock = threading.Lock()
+        self._refill_asked = False
+        self._generation = 0  # a rewind makes refills asked before it void
+        self._unwritten = 0  # durable messages queued for the writer, not written yet
+        self._unwritten_bytes = 0
+        self._on_queued: Callable[[], None] = lambda: None
         self.rejected = 0  # reserved puts refused because even the headroom was full
+        self.writer: SpoolWriter | None = None
+        if spool is not None:
+            self.writer = SpoolWriter(
+                spool,
+                protected_after=lambda: self._loaded_up_to,
+                on_written=self._written,
+                on_eviction=on_eviction,
+            )
+
+    def start(self) -> None:
+        if self.writer is not None:
+            self.writer.start()
+
+    def set_on_queued(self, on_queued: Callable[[], None]) -> None:
+        """`on_queued()` is called, outside the lock, on the thread that queued a message:
+        the transport publishes it from there when its connection is free (no hand-off)."""
+        self._on_queued = on_queued
 
     def __len__(self) -> int:
         return len(self._queue) + len(self._background)
 
-    def put_background(self, message: OutMessage) -> bool:
-        """A lane for resends: published only when nothing live waits, so a flood of resend
-        requests cannot delay live streams; bounded, never blocks, False when full."""
-        with self._cond:
-            if self._closed or len(self._background) >= self._max:
-                return False
-            self._background.append(message)
-            self._cond.notify_all()
-            return True
-
     @property
     def spooled(self) -> int:
-        return self._spool.count if self._spool is not None else 0
+        """Durable messages not acknowledged yet, on disk or on their way there."""
+        if self._spool is None:
+            return 0
+        return self._spool.count + self._unwritten
 
     def _durable(self, message: OutMessage) -> bool:
         return self._spool is not None and message.qos > 0 and message.stream is not None
@@ -106,60 +157,63 @@ class Outbox:
     # -- putting -------------------------------------------------------------------------------
 
     def put(self, message: OutMessage, timeout: float | None = None) -> None:
-        """Queue a message. Blocks while memory (QoS 0) or the spool (`reject_new`) is full.
-
-        Raises OutboxClosed once closed, TimeoutError when `timeout` passes first.
-        """
+        """Queue a message. Blocks while memory (QoS 0), the spool (`reject_new`) or the spool
+        writer is full. Raises OutboxClosed once closed, TimeoutError when `timeout` passes."""
         deadline = None if timeout is None else time.monotonic() + timeout
         durable = self._durable(message)
         with self._cond:
-            while not self._closed:
+            while True:
+                if self._closed:
+                    raise OutboxClosed
                 if durable:
-                    try:
+                    if self._room_on_disk(message):
                         self._put_durable(message)
-                        return
-                    except SpoolFull:
-                        pass  # wait for acknowledgements to make room
+                        break
                 elif len(self._queue) < self._max:
                     self._append_volatile(message)
-                    return
+                    break
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError("outbox full")
                 self._cond.wait(0.1 if remaining is None else min(remaining, 0.1))
-            raise OutboxClosed
+        self._on_queued()
+
+    def _room_on_disk(self, message: OutMessage) -> bool:
+        """Under the lock: the writer is not too far behind, and (`reject_new`) the spool's
+        caps hold with everything queued for it."""
+        assert self._spool is not None
+        if self._unwritten >= self._max:
+            return False  # the disk is slower than the producers: they wait for it
+        if self._spool.policy != "reject_new":
+            return True
+        return not self._spool.full(
+            self._unwritten + 1, self._unwritten_bytes + len(message.payload)
+        )
 
     def _put_durable(self, message: OutMessage) -> None:
-        """Under the condition's lock, so the spool order and the memory order agree."""
-        assert self._spool is not None and message.stream is not None
-        spool_id, eviction = self._spool.add(
-            message.stream,
-            message.topic,
-            message.payload,
-            message.qos,
-            message.retain,
-            message.correlation,
-            finishes=message.finishes,
-            protected_after=self._loaded_up_to,
-            rid=message.rid,
-            seq=message.seq,
-        )
-        if eviction is not None and self._on_eviction is not None:
-            self._on_eviction(eviction)
+        """Under the lock, so the spool order and the memory order agree."""
+        assert self._spool is not None and self.writer is not None
+        message.spool_id = spool_id = self._spool.allocate_id()
+        self._last_id = spool_id
+        self._unwritten += 1
+        self._unwritten_bytes += len(message.payload)
+        self.writer.submit(message)
         if not self._spilling and len(self._queue) < self._max:
-            self._queue.append(dataclasses.replace(message, spool_id=spool_id))
+            self._queue.append(message)
             self._loaded_up_to = spool_id
-            self._cond.notify_all()
+            self._notify()
         else:
-            self._spilling = True  # on disk only; `get` reads it back in order
-            self._cond.notify_all()
+            self._spilling = True  # on disk only; read back in order when the queue drains
 
     def _append_volatile(self, message: OutMessage) -> None:
         """A message that never touches the disk; if it finishes a stored request (a QoS 0
-        reply to a QoS 1 request), the request is forgotten now."""
-        if message.finishes is not None and self._spool is not None:
-            self._spool.finish_request(message.finishes)
+        reply to a QoS 1 request), the request is forgotten with the writer's next batch."""
+        if message.finishes is not None and self.writer is not None:
+            self.writer.submit(FinishRequest(message.finishes))
         self._queue.append(message)
+        self._notify()
+
+    def _notify(self) -> None:
         self._cond.notify_all()
 
     def put_nowait_reserved(self, message: OutMessage) -> bool:
@@ -170,66 +224,123 @@ class Outbox:
                 self.rejected += 1
                 return False
             if self._durable(message):
-                try:
-                    self._put_durable(message)
-                    return True
-                except SpoolFull:
+                assert self._spool is not None
+                full = self._spool.policy == "reject_new" and self._spool.full(
+                    self._unwritten + 1, self._unwritten_bytes + len(message.payload)
+                )
+                if full or self._unwritten >= self._hard_max:
                     self.rejected += 1
                     return False
-            if len(self._queue) >= self._hard_max:
+                self._put_durable(message)
+            elif len(self._queue) >= self._hard_max:
                 self.rejected += 1
                 return False
-            self._append_volatile(message)
-            return True
+            else:
+                self._append_volatile(message)
+        self._on_queued()
+        return True
+
+    def put_background(self, message: OutMessage) -> bool:
+        """A lane for resends: published only when nothing live waits, so a flood of resend
+        requests cannot delay live streams; bounded, never blocks, False when full."""
+        with self._cond:
+            if self._closed or len(self._background) >= self._max:
+                return False
+            self._background.append(message)
+            self._notify()
+        self._on_queued()
+        return True
 
     def unget(self, message: OutMessage) -> None:
         """Put back at the front a message that could not be published (order is kept)."""
         with self._cond:
             self._queue.appendleft(message)
-            self._cond.notify_all()
+            self._notify()
+        self._on_queued()
 
     # -- taking ----------------------------------------------------------------------------------
 
+    def take(self, limit: int) -> list[OutMessage]:
+        """Up to `limit` messages in order, without waiting (the publisher's call)."""
+        with self._cond:
+            queue = self._queue
+            if not queue:
+                if self._spilling:
+                    self._ask_refill()
+                if not self._background:
+                    return []
+                taken = [self._background.popleft()]
+            else:
+                n = min(limit, len(queue))
+                taken = [queue.popleft() for _ in range(n)]
+                if self._spilling and len(queue) < self._max // 2:
+                    self._ask_refill()
+            self._cond.notify_all()  # room for blocked putters
+            return taken
+
+    def has_work(self) -> bool:
+        """Whether a message waits (a refill still on its way does not count: it calls
+        `on_queued` when it lands)."""
+        return bool(self._queue or self._background)
+
     def get(self, timeout: float | None = None) -> OutMessage | None:
-        """The oldest message, or None after `timeout` or once closed and empty."""
+        """The oldest message, waiting up to `timeout`; None then, or once closed and empty."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while not self._queue:
-                if self._spilling:
-                    self._refill()
-                    if self._queue:
-                        break
-                if self._background:
-                    message = self._background.popleft()
+            while True:
+                if self._queue or self._background:
+                    message = self._queue.popleft() if self._queue else self._background.popleft()
+                    if self._spilling and len(self._queue) < self._max // 2:
+                        self._ask_refill()
                     self._cond.notify_all()
                     return message
-                if self._closed:
+                if self._spilling:
+                    self._ask_refill()
+                elif self._closed:
                     return None
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return None
-                self._cond.wait(remaining)
-            message = self._queue.popleft()
-            if self._spilling and len(self._queue) < self._max // 2:
-                self._refill()
-            self._cond.notify_all()
-            return message
+                self._cond.wait(0.1 if remaining is None else min(remaining, 0.1))
 
-    def _refill(self) -> None:
-        """Read the next spooled messages back into memory, in order."""
-        assert self._spool is not None
+    def _ask_refill(self) -> None:
+        """Under the lock: have the writer read the next spooled messages back into memory,
+        in order, once everything queued before is on disk."""
+        if self._refill_asked or self.writer is None:
+            return
         room = max(0, min(REFILL_BATCH, self._max - len(self._queue)))
         if room == 0:
             return
-        rows = self._spool.load_after(self._loaded_up_to, room)
-        for row in rows:
-            properties = (
-                self._make_properties(row.correlation)
-                if row.correlation is not None and self._make_properties is not None
-                else None
-            )
-            self._queue.append(
-                OutMessage(
+        self._refill_asked = True
+        after, generation, last_id = self._loaded_up_to, self._generation, self._last_id
+
+        def refill(spool: Spool) -> None:
+            rows = spool.load_after(after, room)
+            self._refilled(rows, after, generation, last_id, complete=len(rows) < room)
+
+        self.writer.submit(AfterWrite(refill), urgent=True)
+
+    def _refilled(
+        self,
+        rows: list[SpooledMessage],
+        after: int,
+        generation: int,
+        last_id: int,
+        *,
+        complete: bool,
+    ) -> None:
+        with self._cond:
+            self._refill_asked = False
+            if generation != self._generation or after != self._loaded_up_to:
+                self._cond.notify_all()
+                return  # a rewind came in between: it starts over
+            for row in rows:
+                properties = (
+                    self._make_properties(row.correlation)
+                    if row.correlation is not None and self._make_properties is not None
+                    else None
+                )
+                message = OutMessage(
                     row.topic,
                     row.payload,
                     row.qos,
@@ -239,27 +350,34 @@ class Outbox:
                     spool_id=row.id,
                     correlation=row.correlation,
                 )
-            )
-            self._loaded_up_to = row.id
-        if len(rows) < room:
-            self._spilling = False
+                self._queue.append(message)
+                self._loaded_up_to = row.id
+            # Read to the end, and nothing was spooled since the refill was asked: caught up.
+            if complete and self._last_id == last_id:
+                self._spilling = False
+            elif not rows:
+                self._ask_refill()  # what was spooled meanwhile is queued behind this refill
+            self._notify()
+        if rows:
+            self._on_queued()
+
+    def _written(self, messages: int, size: int) -> None:
+        """The writer stored a batch: room for putters waiting on it."""
+        with self._cond:
+            self._unwritten -= messages
+            self._unwritten_bytes -= size
+            self._cond.notify_all()
 
     # -- acknowledgements ----------------------------------------------------------------------
 
     def acknowledged(self, spool_id: int) -> None:
-        """The broker has it; the spool forgets it at the next `flush_acks` (batched)."""
-        with self._acked_lock:
-            self._acked.append(spool_id)
+        """The broker has it; the spool marks it with the writer's next batch."""
+        if self.writer is not None:
+            self.writer.ack(spool_id)
 
-    def flush_acks(self) -> int:
-        """Delete acknowledged messages from the spool; wakes writers waiting for room."""
-        with self._acked_lock:
-            ids, self._acked = self._acked, []
-        if ids and self._spool is not None:
-            self._spool.ack(ids)
-            with self._cond:
-                self._cond.notify_all()
-        return len(ids)
+    def flush_acks(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued message and acknowledgement is written."""
+        return self.writer.flush(timeout) if self.writer is not None else True
 
     def rewind(self, unack_since: float | None = None) -> int:
         """Before a new connection: read every pending spooled message back from disk, in
@@ -272,15 +390,17 @@ class Outbox:
         """
         if self._spool is None:
             return 0
-        self.flush_acks()  # what the old connection got acknowledged is settled first
+        self.flush_acks()  # what the old connection published and got acknowledged is settled
         with self._cond:
             if unack_since is not None:
                 self._spool.unack_since(unack_since)
             self._queue = deque(m for m in self._queue if m.spool_id is None)
             self._loaded_up_to = 0
-            self._spilling = self._spool.count > 0
+            self._generation += 1
+            self._refill_asked = False
+            self._spilling = self.spooled > 0
             self._cond.notify_all()
-            return self._spool.count
+            return self.spooled
 
     def expire(self) -> int:
         if self._spool is None:
@@ -294,14 +414,19 @@ class Outbox:
         deadline = time.monotonic() + timeout
         with self._cond:
             while self._queue or self._spilling:
+                if self._spilling and not self._queue:
+                    self._ask_refill()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
                 self._cond.wait(min(remaining, 0.1))
             return True
 
-    def close(self) -> None:
-        """Stop taking messages; `get` still drains what is queued in memory."""
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop taking messages (`get` still drains what is queued in memory); write what the
+        spool writer holds and stop it."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        if self.writer is not None:
+            self.writer.close(timeout)

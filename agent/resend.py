@@ -112,8 +112,12 @@ class Resender:
         requests_per_s: float,
         messages_per_s: float,
         gone_qos: int,
+        defer: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
+        """`defer(answer)`: where the spool is read (the spool writer's thread, after
+        everything queued before is on disk); by default at once, on the caller's thread."""
         self._spool = spool
+        self._defer = defer or (lambda answer: answer())
         self._send = send
         self._make_properties = make_properties
         self._requests = TokenBucket(requests_per_s, max(1.0, requests_per_s))
@@ -128,6 +132,7 @@ class Resender:
         self._recent: dict[ResendRequest, float] = {}  # ask -> when it was last answered
 
     def handle(self, request: ResendRequest) -> None:
+        """Admit the request (repeats ignored, rate-limited) and have it answered."""
         now = time.monotonic()
         if self._recent.get(request) is not None and now - self._recent[request] < REPEAT_S:
             self.repeated += 1  # the same ask again within a second: already being answered
@@ -138,6 +143,9 @@ class Resender:
         if len(self._recent) > 10_000:
             self._recent = {k: t for k, t in self._recent.items() if now - t < REPEAT_S}
         self._recent[request] = now
+        self._defer(lambda: self._answer(request))
+
+    def _answer(self, request: ResendRequest) -> None:
         held = self._spool.held(request.id, request.seqs, request.from_seq)
         if not held:
             if self._spool.holds(request.id):

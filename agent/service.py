@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import sqlite3
 import sys
 import threading
 import time
@@ -33,7 +32,7 @@ from agent.outbox import Outbox, OutMessage
 from agent.resend import Resender, parse_resend
 from agent.scheduler import Scheduler
 from agent.sources import SourceJob, SourceManager
-from agent.spool import Eviction, Spool, request_key
+from agent.spool import AfterWrite, Eviction, Spool, StoreRequest, request_key
 from agent.streaming import Cancelled, Execution, ReplyStream, initial_state, merge_pieces
 from agent.systemd import Notifier, ServiceReporter
 from agent.transport import EpochStore, Incoming, Transport
@@ -100,6 +99,7 @@ class Agent:
                 requests_per_s=config.resend.requests_per_s,
                 messages_per_s=config.resend.messages_per_s,
                 gone_qos=config.mqtt.qos.reply,
+                defer=self._after_written,
             )
         self.outbox = Outbox(
             config.outbox.max_messages,
@@ -177,12 +177,14 @@ class Agent:
             limits=self.limits,
             waiting=lambda: self.scheduler.depth,
             registry=self.metrics.registry,
+            after_written=self._after_written,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
         self.config.state_dir.mkdir(parents=True, exist_ok=True)
+        self.outbox.start()  # the spool writer: stored requests replayed below queue on it
         self._start_metrics_server()
         self.reporter.notifier.status("loading models")
         self._load_models()
@@ -284,8 +286,9 @@ class Agent:
         self.sources.close()  # waiting frames dropped, each stream's exact next seq saved
         if self._housekeeping.is_alive():
             self._housekeeping.join(5.0)
+        # Publishes `offline`, flushes, disconnects, then closes the outbox (the spool writer
+        # writes what it holds: the last acknowledgements).
         self.transport.close(final=self._status_message("offline", self.epoch), timeout=5.0)
-        self.outbox.flush_acks()
         self.models.close(drain_timeout=1.0)
         tensorrt = sys.modules.get("agent.backends.tensorrt")
         if tensorrt is not None:  # the runtime and CUDA context go last, after every engine
@@ -460,6 +463,15 @@ class Agent:
         )
         stream.error(error.code, error.message)
 
+    def _after_written(self, callback: Callable[[], None]) -> None:
+        """Run `callback` on the spool writer's thread once everything queued so far is on
+        disk (at once without a spool)."""
+        writer = self.outbox.writer
+        if writer is None:
+            callback()
+        else:
+            writer.submit(AfterWrite(lambda spool: callback()))
+
     def _reply_allowed(self, topic: str) -> bool:
         return (
             len(topic) <= 256
@@ -530,14 +542,8 @@ class Agent:
             time.monotonic(),
         )
         if self.spool is not None and incoming.qos > 0:
-            # Durable: stored before paho acknowledges it (after this handler returns).
             key = request_key(model, request.id)
-            try:
-                stored = replay or self._store(key, incoming)
-            except wire.WireError as e:
-                self._reject(incoming, model, payload, e)
-                return
-            if not stored:
+            if not replay and not self._store(key, incoming):
                 self.count("requests_duplicate")
                 return  # a redelivery of a request that is already stored and running
             job.reply.request_key = key
@@ -549,19 +555,27 @@ class Agent:
             job.reply.error("overloaded", "the request queue is full; retry later")
 
     def _store(self, key: str, incoming: Incoming) -> bool:
-        assert self.spool is not None
-        try:
-            return self.spool.store_request(
+        """Queue the request for the spool writer; the broker gets its acknowledgement once
+        it is fsynced (the job runs meanwhile). False for a redelivery of a stored request:
+        that one is acknowledged once the original is stored."""
+        assert self.spool is not None and self.outbox.writer is not None
+        ack = self.transport.defer(incoming)
+        if key in self.spool.request_keys:
+            self.outbox.writer.submit(AfterWrite(lambda spool: ack()))
+            return False
+        self.spool.request_keys.add(key)
+        self.outbox.writer.submit(
+            StoreRequest(
                 key,
                 incoming.topic,
                 incoming.payload,
                 incoming.qos,
                 incoming.response_topic,
                 incoming.correlation_data,
+                on_stored=ack,
             )
-        except sqlite3.Error as e:
-            log.error("spool: cannot store request %s: %s", key, e)
-            raise wire.WireError("overloaded", "the agent cannot store the request") from e
+        )
+        return True
 
     def _precheck(self, request: wire.Request) -> None:
         """Cheap checks against the serving version, so junk never takes a queue slot."""
@@ -727,6 +741,9 @@ class Agent:
             return "starting"
         if not self.scheduler.alive and not self._stop.is_set():
             return "an inference worker thread died"
+        writer = self.outbox.writer
+        if writer is not None and not writer.alive and not self._stop.is_set():
+            return "the spool writer thread died"
         if self.scheduler.busy:
             age = time.monotonic() - self.scheduler.oldest_heartbeat()
             limit = self.config.systemd.stuck_after_s

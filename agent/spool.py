@@ -3,26 +3,32 @@ they got their terminal message. SQLite in WAL mode, one file under `state_dir`.
 
 Why SQLite: it is in the standard library, crash-safe (a SIGKILL or power cut leaves the last
 committed state, never a torn file), and an ordered table with a primary key is exactly a
-durable FIFO. Two connections share the file:
+durable FIFO.
 
-* `requests` commit with `synchronous=FULL` (an fsync): a request is acknowledged to the broker
-  only after it is stored, so it must survive a power cut.
-* `messages` commit with `synchronous=NORMAL` (no fsync per chunk): they survive a crash of
-  the process; after a power cut the lost tail is regenerated, because the request whose
-  terminal message was lost is still stored and runs again. WAL order makes that safe: a
-  later transaction is never on disk without the earlier ones.
+One thread writes it (`agent.spool_writer.SpoolWriter`), in batches: every wake-up of that
+thread is one transaction holding all the messages, request stores, request deletions and
+acknowledgements that arrived since the last one (group commit). A commit that holds a
+request store is made with `synchronous=FULL` (an fsync: the request is acknowledged to the
+broker only after it); the others with `synchronous=NORMAL` (no fsync: they survive a crash of
+the process; after a power cut the lost tail is regenerated, because the request whose
+terminal message was lost is still stored and runs again; WAL order makes that safe, a later
+transaction is never on disk without the earlier ones).
+
+Message ids are handed out in memory (`allocate_id`), in the order messages are queued, so the
+publisher and the disk agree on the order before a row is written.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +63,16 @@ CREATE TABLE IF NOT EXISTS requests (
 """
 
 
+# Rows per INSERT statement: 11 parameters a row, within SQLite's oldest default limit of
+# 999 host parameters a statement.
+INSERT_ROWS = 90
+_INSERT_SQL = [""] + [
+    "INSERT INTO messages (id, stream, topic, payload, qos, retain, correlation, created, acked,"
+    " rid, seq) VALUES " + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"] * n)
+    for n in range(1, INSERT_ROWS + 1)
+]
+
+
 class SpoolFull(Exception):
     """No room for the message under the `reject_new` policy (or nothing left to evict)."""
 
@@ -89,8 +105,72 @@ class Eviction:
     bytes: int
 
 
+class MessageRow(Protocol):
+    """A queued message as the spool stores it (`agent.outbox.OutMessage` is one)."""
+
+    @property
+    def spool_id(self) -> int | None: ...
+    @property
+    def stream(self) -> str | None: ...
+    @property
+    def topic(self) -> str: ...
+    @property
+    def payload(self) -> bytes: ...
+    @property
+    def qos(self) -> int: ...
+    @property
+    def retain(self) -> bool: ...
+    @property
+    def correlation(self) -> bytes | None: ...
+    @property
+    def finishes(self) -> str | None: ...
+    @property
+    def rid(self) -> str | None: ...
+    @property
+    def seq(self) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class StoreRequest:
+    """Store a received request; `on_stored` runs once it is on disk (fsynced)."""
+
+    key: str
+    topic: str
+    payload: bytes
+    qos: int
+    response_topic: str | None
+    correlation: bytes | None
+    on_stored: Callable[[], None] | None = None
+
+
+@dataclass(frozen=True)
+class FinishRequest:
+    """Forget a stored request (its terminal message went out without touching the disk)."""
+
+    key: str
+
+
+@dataclass(frozen=True)
+class AfterWrite:
+    """Run `callback(spool)` on the writer thread once everything queued before is written."""
+
+    callback: Callable[[Spool], None]
+
+
+WriteItem = MessageRow | StoreRequest | FinishRequest | AfterWrite
+
+
+@dataclass
+class WriteResult:
+    written: int = 0  # messages
+    written_bytes: int = 0
+    stored: list[Callable[[], None]] = field(default_factory=list)  # on_stored callbacks
+    after: list[Callable[[Spool], None]] = field(default_factory=list)
+    eviction: Eviction | None = None
+
+
 class Spool:
-    """Thread-safe; every method is one short transaction."""
+    """Thread-safe; every method is one short transaction under one lock."""
 
     def __init__(
         self,
@@ -108,8 +188,10 @@ class Spool:
         self.ttl_s = ttl_s
         path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = self._open(path, "NORMAL")
-        self._requests_db = self._open(path, "FULL")
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(SCHEMA)
         row = self._db.execute(
             "SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM messages WHERE acked IS NULL"
         )
@@ -118,18 +200,121 @@ class Spool:
             "SELECT COALESCE(SUM(LENGTH(payload)), 0) FROM messages WHERE acked IS NOT NULL"
         ).fetchone()
         self.history_bytes = int(history)  # acknowledged, kept for resend
+        (last,) = self._db.execute(
+            "SELECT MAX(COALESCE((SELECT MAX(id) FROM messages), 0),"
+            " COALESCE((SELECT seq FROM sqlite_sequence WHERE name = 'messages'), 0))"
+        ).fetchone()
+        self._ids = itertools.count(int(last) + 1)
+        # Stored requests without their terminal message, and those being stored now: a
+        # redelivery of one of them is a duplicate. Only the ingress adds, only the writer
+        # (after the deletion is committed) removes.
+        self.request_keys: set[str] = {
+            key for (key,) in self._db.execute("SELECT key FROM requests")
+        }
         self.evicted_messages = 0
         self.expired_messages = 0
 
-    @staticmethod
-    def _open(path: Path, synchronous: str) -> sqlite3.Connection:
-        db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute(f"PRAGMA synchronous={synchronous}")
-        db.executescript(SCHEMA)
-        return db
-
     # -- messages ----------------------------------------------------------------------------
+
+    def allocate_id(self) -> int:
+        """The id of the next queued message: ids grow in the order messages are queued."""
+        return next(self._ids)
+
+    def write(
+        self, items: Sequence[WriteItem], acks: Sequence[int], protected_after: int
+    ) -> WriteResult:
+        """Apply a batch in one transaction, in order; then mark `acks` acknowledged.
+
+        Messages are inserted with the ids they were given; one the broker acknowledged
+        before it was written (write-behind: the usual case while the broker keeps up) is
+        inserted as acknowledged, so it costs one row write, not two. A message that
+        `finishes` a stored request deletes it in the same transaction. Where a request is
+        stored, the commit is fsynced. Over the caps, `drop_oldest` first evicts whole streams
+        that are only on disk (ids above `protected_after`, not in this batch); `reject_new`
+        is the queue's job (it waits for room before it queues), so a batch is always written.
+        """
+        result = WriteResult()
+        acked_now = set(acks)
+        rows: list[tuple[object, ...]] = []
+        finished: list[str] = []
+        durable = False
+        streams: set[str] = set()
+        pending = pending_bytes = 0  # of the messages written, those still unacknowledged
+        with self._lock:
+            for item in items:
+                if isinstance(item, StoreRequest):
+                    durable = True
+                elif not isinstance(item, FinishRequest | AfterWrite):
+                    size = len(item.payload)
+                    result.written += 1
+                    result.written_bytes += size
+                    if item.spool_id not in acked_now:
+                        pending += 1
+                        pending_bytes += size
+                        if item.stream is not None:
+                            streams.add(item.stream)
+            if pending and self._over(pending, pending_bytes):
+                self._purge_acked_locked(float("inf"))  # history goes before anything pending
+                if self.policy == "drop_oldest":
+                    result.eviction = self._evict(pending, pending_bytes, protected_after, streams)
+            if durable:
+                self._db.execute("PRAGMA synchronous=FULL")
+            now = time.time()
+            self._db.execute("BEGIN")
+            try:
+                for item in items:
+                    if isinstance(item, StoreRequest):
+                        self._insert_rows(rows)
+                        self._db.execute(
+                            "INSERT OR IGNORE INTO requests (key, topic, payload, qos,"
+                            " response_topic, correlation, received) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                            (item.key, item.topic, item.payload, item.qos, item.response_topic,
+                             item.correlation, now),
+                        )  # fmt: skip
+                        if item.on_stored is not None:
+                            result.stored.append(item.on_stored)
+                    elif isinstance(item, FinishRequest):
+                        self._insert_rows(rows)
+                        self._db.execute("DELETE FROM requests WHERE key = ?", (item.key,))
+                        finished.append(item.key)
+                    elif isinstance(item, AfterWrite):
+                        result.after.append(item.callback)
+                    else:
+                        acked = now if item.spool_id in acked_now else None
+                        rows.append(
+                            (item.spool_id, item.stream, item.topic, item.payload, item.qos,
+                             int(item.retain), item.correlation, now, acked, item.rid, item.seq)
+                        )  # fmt: skip
+                        if acked is not None:
+                            acked_now.discard(item.spool_id)
+                        if item.finishes is not None:
+                            self._insert_rows(rows)
+                            self._db.execute("DELETE FROM requests WHERE key = ?", (item.finishes,))
+                            finished.append(item.finishes)
+                self._insert_rows(rows)
+                earlier = [i for i in acks if i in acked_now]  # rows of previous batches
+                marked = self._ack_locked(earlier, now) if earlier else (0, 0)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            finally:
+                if durable:
+                    self._db.execute("PRAGMA synchronous=NORMAL")
+            self.count += pending - marked[0]
+            self.bytes += pending_bytes - marked[1]
+            self.history_bytes += result.written_bytes - pending_bytes + marked[1]
+            self.request_keys.difference_update(finished)
+        return result
+
+    def _insert_rows(self, rows: list[tuple[object, ...]]) -> None:
+        """One multi-row INSERT per `INSERT_ROWS` rows, not `executemany`: the sqlite3 module
+        releases and retakes the GIL around every statement step, and under load each retake
+        waits for the inference and network threads; one step per batch waits once."""
+        for start in range(0, len(rows), INSERT_ROWS):
+            batch = rows[start : start + INSERT_ROWS]
+            self._db.execute(_INSERT_SQL[len(batch)], [v for row in batch for v in row])
+        rows.clear()
 
     def add(
         self,
@@ -145,57 +330,51 @@ class Spool:
         rid: str | None = None,
         seq: int | None = None,
     ) -> tuple[int, Eviction | None]:
-        """Store a message (and forget request `finishes`, atomically). Returns its id.
+        """Store one message now (and forget request `finishes`, atomically). Returns its id.
 
         Over the caps, `reject_new` raises SpoolFull; `drop_oldest` evicts whole streams,
-        oldest first, among the messages with id > `protected_after` (those not yet handed to
-        the publisher), and reports what it evicted.
+        oldest first, among the messages with id > `protected_after`, and reports what it
+        evicted (SpoolFull when there is nothing to evict).
         """
+        eviction = None
         with self._lock:
-            if self._full(len(payload)):
-                self._purge_acked_locked(float("inf"))  # history goes before anything pending
-            eviction = self._make_room(len(payload), protected_after, stream)
-            self._db.execute("BEGIN")
-            try:
-                cursor = self._db.execute(
-                    "INSERT INTO messages (stream, topic, payload, qos, retain, correlation,"
-                    " created, rid, seq) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (stream, topic, payload, qos, int(retain), correlation, time.time(), rid, seq),
-                )
-                if finishes is not None:
-                    self._db.execute("DELETE FROM requests WHERE key = ?", (finishes,))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self.count += 1
-            self.bytes += len(payload)
-            assert cursor.lastrowid is not None
-            return cursor.lastrowid, eviction
+            if self._over(1, len(payload)):
+                if self.policy == "reject_new":
+                    raise SpoolFull(
+                        f"spool full ({self.count} messages, {self.bytes} bytes; "
+                        f"limits {self.max_messages}, {self.max_bytes})"
+                    )
+                eviction = self._evict(1, len(payload), protected_after, {stream})
+                if eviction is None:
+                    raise SpoolFull("spool full and every message in it is already being published")
+        row = _Row(self.allocate_id(), stream, topic, payload, qos, retain, correlation, finishes,
+                   rid, seq)  # fmt: skip
+        self.write([row], (), protected_after)
+        return row.spool_id, eviction
 
-    def _full(self, extra: int) -> bool:
-        return self.count + 1 > self.max_messages or self.bytes + extra > self.max_bytes
+    def _over(self, messages: int, size: int) -> bool:
+        return self.count + messages > self.max_messages or self.bytes + size > self.max_bytes
 
-    def _make_room(self, size: int, protected_after: int, stream: str) -> Eviction | None:
-        if not self._full(size):
-            return None
-        if self.policy == "reject_new":
-            raise SpoolFull(
-                f"spool full ({self.count} messages, {self.bytes} bytes; "
-                f"limits {self.max_messages}, {self.max_bytes})"
-            )
+    def full(self, messages: int, size: int) -> bool:
+        """Whether `messages` more pending messages of `size` bytes would pass a cap."""
+        return self._over(messages, size)
+
+    def _evict(
+        self, messages: int, size: int, protected_after: int, keep: set[str]
+    ) -> Eviction | None:
+        """Drop whole streams waiting on disk, oldest first, until the batch fits."""
         streams: list[str] = []
-        messages = freed = 0
-        while self._full(size):
+        evicted = freed = 0
+        while self._over(messages, size):
+            marks = ",".join("?" * len(keep))
             row = self._db.execute(
-                "SELECT stream FROM messages WHERE id > ? AND stream != ? AND acked IS NULL "
-                "ORDER BY id LIMIT 1",
-                (protected_after, stream),
+                "SELECT stream FROM messages WHERE id > ? AND acked IS NULL"
+                + (f" AND stream NOT IN ({marks})" if keep else "")
+                + " ORDER BY id LIMIT 1",
+                (protected_after, *keep),
             ).fetchone()
             if row is None:
-                if streams:
-                    break
-                raise SpoolFull("spool full and every message in it is already being published")
+                break
             victim = row[0]
             n, b = self._db.execute(
                 "SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM messages "
@@ -208,11 +387,20 @@ class Spool:
             )
             self.count -= n
             self.bytes -= b
-            messages += n
+            evicted += n
             freed += b
             streams.append(victim)
-        self.evicted_messages += messages
-        return Eviction(tuple(streams), messages, freed)
+            keep = keep | {victim}
+        if not streams:
+            if self._over(messages, size):
+                log.warning(
+                    "spool: over its caps and every pending message is already being published;"
+                    " writing %d more",
+                    messages,
+                )
+            return None
+        self.evicted_messages += evicted
+        return Eviction(tuple(streams), evicted, freed)
 
     def ack(self, ids: Sequence[int]) -> None:
         """The broker acknowledged these: no longer pending.
@@ -222,26 +410,32 @@ class Spool:
         """
         if not ids:
             return
-        now = time.time()
         with self._lock:
-            n, b = 0, 0
             self._db.execute("BEGIN")
-            for start in range(0, len(ids), 500):
-                chunk = list(ids[start : start + 500])
-                marks = ",".join("?" * len(chunk))
-                where = f"id IN ({marks}) AND acked IS NULL"
-                row = self._db.execute(
-                    f"SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM messages "
-                    f"WHERE {where}",
-                    chunk,
-                ).fetchone()
-                self._db.execute(f"UPDATE messages SET acked = ? WHERE {where}", [now, *chunk])
-                n += row[0]
-                b += row[1]
-            self._db.execute("COMMIT")
+            try:
+                n, b = self._ack_locked(ids, time.time())
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
             self.count -= n
             self.bytes -= b
             self.history_bytes += b
+
+    def _ack_locked(self, ids: Sequence[int], now: float) -> tuple[int, int]:
+        n = b = 0
+        for start in range(0, len(ids), 990):  # within 999 host parameters a statement
+            chunk = list(ids[start : start + 990])
+            marks = ",".join("?" * len(chunk))
+            where = f"id IN ({marks}) AND acked IS NULL"
+            row = self._db.execute(
+                f"SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM messages WHERE {where}",
+                chunk,
+            ).fetchone()
+            self._db.execute(f"UPDATE messages SET acked = ? WHERE {where}", [now, *chunk])
+            n += row[0]
+            b += row[1]
+        return n, b
 
     def unack_since(self, since: float) -> int | None:
         """Make messages acknowledged at or after `since` pending again; their smallest id."""
@@ -398,22 +592,16 @@ class Spool:
         response_topic: str | None,
         correlation: bytes | None,
     ) -> bool:
-        """Store before acknowledging; False when the same request is already stored (a
-        redelivery of a message whose acknowledgement was lost)."""
+        """Store a request now (fsynced); False when it is already stored (a redelivery)."""
         with self._lock:
-            try:
-                self._requests_db.execute(
-                    "INSERT INTO requests (key, topic, payload, qos, response_topic, correlation,"
-                    " received) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (key, topic, payload, qos, response_topic, correlation, time.time()),
-                )
-            except sqlite3.IntegrityError:
+            if key in self.request_keys:
                 return False
-            return True
+            self.request_keys.add(key)
+        self.write([StoreRequest(key, topic, payload, qos, response_topic, correlation)], (), 0)
+        return True
 
     def finish_request(self, key: str) -> None:
-        with self._lock:
-            self._db.execute("DELETE FROM requests WHERE key = ?", (key,))
+        self.write([FinishRequest(key)], (), 0)
 
     def unfinished_requests(self) -> list[StoredRequest]:
         with self._lock:
@@ -425,12 +613,27 @@ class Spool:
 
     def close(self) -> None:
         with self._lock:
-            for db in (self._requests_db, self._db):
-                try:
-                    db.close()
-                except sqlite3.Error:
-                    log.exception("spool: close failed")
+            try:
+                self._db.close()
+            except sqlite3.Error:
+                log.exception("spool: close failed")
 
 
 def request_key(model: str, request_id: str) -> str:
     return f"{model}/{request_id}"
+
+
+@dataclass(frozen=True)
+class _Row:
+    """A message stored directly (`Spool.add`), without a queue."""
+
+    spool_id: int
+    stream: str
+    topic: str
+    payload: bytes
+    qos: int
+    retain: bool
+    correlation: bytes | None
+    finishes: str | None
+    rid: str | None
+    seq: int | None

@@ -1,15 +1,23 @@
 """The one owner of the MQTT connection: connect, will and birth, reconnect, publish, acks.
 
-Two named threads and paho's own network thread:
+One named thread, `mqtt-io`, does all of it, driving paho through its external-loop API
+(`loop_read`, `loop_write`, `loop_misc` around a selector) instead of `loop_start`:
 
-* `mqtt-supervisor` connects, waits while the connection lasts, and reconnects with capped
-  exponential backoff and full jitter (paho's built-in reconnect has no jitter, so a fleet of
-  boxes would reconnect in lock step after a broker restart). Before every connection attempt
-  it sets the will with the next `epoch`, so a late will of an older connection can be told
-  apart from the current state.
-* `mqtt-publisher` is the only code that calls `publish`: it takes encoded messages from the
-  outbox in order and keeps at most `max_inflight` QoS 1/2 messages unacknowledged.
-* paho's loop thread (`loop_start`) reads and writes the socket and runs the callbacks.
+* it connects, and reconnects with capped exponential backoff and full jitter (paho's built-in
+  reconnect has no jitter, so a fleet of boxes would reconnect in lock step after a broker
+  restart); before every attempt it sets the will with the next `epoch`, so a late will of an
+  older connection can be told apart from the current state;
+* it is the only caller of `publish`: it takes encoded messages from the outbox in order, a
+  batch at a time, keeps at most `max_inflight` QoS 1/2 messages unacknowledged, and writes a
+  batch to the socket with one `loop_write`;
+* it reads the socket and runs paho's callbacks: incoming requests, acknowledgements.
+
+Why not paho's own thread: with `loop_start`, every publish from another thread is a hand-off
+(a wake-up byte, a `select`, a thread switch, a GIL hand-over) per message; with one thread
+owning the socket, a chunk goes from the outbox to the socket with no hand-off, and the
+in-flight window needs no lock. The other threads reach this one through the outbox (which
+wakes it only when it said it would sleep) and `ack_later` (acknowledgements of requests once
+they are stored).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
+import selectors
 import socket
 import ssl
 import threading
@@ -38,9 +47,52 @@ from agent.outbox import Outbox, OutMessage
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+PUBLISH_BATCH = 256  # messages taken from the outbox and written with one loop_write
+MISC_S = 0.5  # keepalive, acknowledgement timeout and CONNACK deadline checks
+CONNECT_TIMEOUT_S = 10.0  # TCP connect, TLS handshake and CONNACK
+
+
+class _Client(mqtt.Client):
+    """paho's client, reading the socket in bulk.
+
+    paho reads every packet with at least three `recv` calls (its type byte, its length,
+    its body): on a stream of acknowledgements that is three system calls, and three
+    releases and retakes of the GIL, for each message published. This override of its one
+    read primitive serves those reads from one `recv` of whatever the socket holds. The io
+    loop asks `buffered()` before it waits, as it asks a TLS socket's `pending()`.
+    """
+
+    READ_SIZE = 65536
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._rbuf = b""
+        self._rpos = 0
+
+    def buffered(self) -> int:
+        return len(self._rbuf) - self._rpos
+
+    def _sock_recv(self, bufsize: int) -> bytes:
+        available = len(self._rbuf) - self._rpos
+        if available <= 0:
+            data = super()._sock_recv(self.READ_SIZE)  # BlockingIOError: nothing there yet
+            if len(data) <= bufsize:
+                return data  # the whole read is asked for (or the connection closed)
+            self._rbuf, self._rpos = data, 0
+            available = len(data)
+        n = min(bufsize, available)
+        start = self._rpos
+        self._rpos = start + n
+        return self._rbuf[start : start + n]
+
+
+@dataclass
 class Incoming:
-    """A received message, as the ingress code needs it (paho's object stays inside here)."""
+    """A received message, as the ingress code needs it (paho's object stays inside here).
+
+    `ack` is set for a QoS 1/2 message the handler may acknowledge later (`Transport.defer`):
+    otherwise the transport acknowledges it as soon as the handler returns.
+    """
 
     topic: str
     payload: bytes
@@ -48,6 +100,8 @@ class Incoming:
     response_topic: str | None = None
     correlation_data: bytes | None = None
     dup: bool = False
+    mid: int = 0
+    deferred: bool = False
 
 
 class EpochStore:
@@ -130,53 +184,56 @@ class Transport:
         self.connected = threading.Event()
         self._disconnected = threading.Event()
         self._stop = threading.Event()
-        self._publisher_stop = threading.Event()
+        # Everything below is touched by the mqtt-io thread only (other threads read counts).
         # In-flight window: at most min(max_inflight, the broker's Receive Maximum) QoS 1/2
         # publishes unacknowledged; the broker would otherwise disconnect us (MQTT 5).
-        self._window_cond = threading.Condition()
         self._window_limit = config.max_inflight
-        self._window_used = 0
         self._max_qos = 2
-        self._pending_lock = threading.Lock()
         # mid -> (publish time, spool id): QoS 1/2 awaiting the broker's acknowledgement
         self._pending: dict[int, tuple[float, int | None]] = {}
-        self._early_acks: dict[int, ReasonCode] = {}
         self._qos_warned = False
-        self._last_ack_flush = time.monotonic()
+        self._connection = 0  # counts connections: a deferred ack belongs to one
+        self._acks_lock = threading.Lock()
+        self._deferred_acks: list[tuple[int, int, int]] = []  # (connection, mid, qos)
         self.reconnects = 0
         self.lost_at: float | None = None  # wall time the last connection was lost
         self.acked = 0
         self.publish_failures = 0
         self.last_error: str | None = None
         self._ack_listeners: list[Callable[[float], None]] = []
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        # Held by whoever drives paho: the io thread except while it waits in select, or a
+        # thread that just queued a message and publishes it itself (`_on_queued`).
+        self._io_lock = threading.Lock()
+        outbox.set_on_queued(self._on_queued)
         self._client = self._make_client(client_id)
-        self._supervisor = threading.Thread(
-            target=self._supervise, name="mqtt-supervisor", daemon=True
-        )
-        self._publisher = threading.Thread(
-            target=self._publish_loop, name="mqtt-publisher", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name="mqtt-io", daemon=True)
 
     # -- setup ---------------------------------------------------------------------------
 
-    def _make_client(self, client_id: str) -> mqtt.Client:
+    def _make_client(self, client_id: str) -> _Client:
         config = self._config
-        client = mqtt.Client(
+        client = _Client(
             CallbackAPIVersion.VERSION2,
             client_id=client_id,
             protocol=MQTTProtocolVersion.MQTTv5 if self.mqtt5 else MQTTProtocolVersion.MQTTv311,
             clean_session=None if self.mqtt5 else False,
-            reconnect_on_failure=False,  # the supervisor owns reconnects (jitter, epoch, will)
-            # A request is acknowledged only after the handler stored it (see _handle_message).
+            reconnect_on_failure=False,  # this class owns reconnects (jitter, epoch, will)
+            # A request is acknowledged only after it is stored (see `defer`).
             manual_ack=True,
         )
         client.max_inflight_messages_set(config.max_inflight)
+        client.connect_timeout = CONNECT_TIMEOUT_S
         client.on_connect = self._handle_connect
         client.on_disconnect = self._handle_disconnect
         client.on_message = self._handle_message
         client.on_publish = self._handle_publish
         client.on_socket_open = self._handle_socket_open
         client.on_pre_connect = self._handle_pre_connect
+        # Publishes are only queued; the io loop writes a whole batch with one loop_write.
+        client.on_socket_register_write = _ignore_socket
         if config.username is not None:
             password = read_secret(config.password_file) if config.password_file else None
             client.username_pw_set(config.username, password)
@@ -198,22 +255,66 @@ class Transport:
         self._ack_listeners.append(listener)
 
     def start(self) -> None:
-        self._supervisor.start()
-        self._publisher.start()
+        self._thread.start()
 
-    # -- supervisor ----------------------------------------------------------------------
+    def wake(self) -> None:
+        """Interrupt the io thread's wait (any thread; cheap, never blocks)."""
+        with contextlib.suppress(OSError):  # full: a wake-up is already pending
+            self._wake_w.send(b"\0")
 
-    def _supervise(self) -> None:
+    def defer(self, incoming: Incoming) -> Callable[[], None]:
+        """Take over the acknowledgement of `incoming` (QoS 1/2): the returned function, called
+        from any thread once the message is safe, sends it. An acknowledgement that comes
+        after its connection was lost is dropped: the broker delivers the message again."""
+        incoming.deferred = True
+        connection, mid, qos = self._connection, incoming.mid, incoming.qos
+
+        def ack() -> None:
+            with self._acks_lock:
+                self._deferred_acks.append((connection, mid, qos))
+            self._on_queued()
+
+        return ack
+
+    def _on_queued(self) -> None:
+        """A message (or an acknowledgement) was queued on this thread: publish it from here
+        when nobody drives the connection (the io thread waits in select), so a chunk goes to
+        the socket without a hand-off. When the lock is taken, its holder publishes it: every
+        holder looks at the outbox again after releasing the lock."""
+        while self._io_lock.acquire(blocking=False):
+            try:
+                client = self._client
+                if self._stop.is_set() or client.socket() is None:
+                    return
+                self._pump(client)
+                blocked = client.want_write()
+            finally:
+                self._io_lock.release()
+            if blocked:
+                self.wake()  # the socket is full: the io thread waits until it drains
+                return
+            if not self._work_waiting():
+                return
+
+    def _work_waiting(self) -> bool:
+        """Something this connection could send now."""
+        if self._deferred_acks:
+            return True
+        room = self.connected.is_set() and len(self._pending) < self._window_limit
+        return room and self._outbox.has_work()
+
+    # -- the io thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
         attempt = 0
         while not self._stop.is_set():
             started = time.monotonic()
-            if self._connect_once():
-                # Wait while the connection lasts; a publish the broker never acknowledges
-                # is retried over a fresh connection (paho resends unacknowledged ones).
-                while not self._stop.is_set() and not self._disconnected.wait(0.25):
-                    self._check_ack_timeout()
-            with contextlib.suppress(Exception):
-                self._client.loop_stop()
+            with self._io_lock:  # nobody publishes on a client being replaced or connected
+                connected = self._connect_once()
+            if connected:
+                self._serve()
+            with self._io_lock:
+                self._drop_connection()
             if self._stop.is_set():
                 break
             attempt = 0 if time.monotonic() - started > 60 else attempt + 1
@@ -227,6 +328,7 @@ class Transport:
         if self._used and not self._fresh_client():
             return False
         self._used = True
+        self._connection += 1
         properties = None
         if self.mqtt5:
             properties = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
@@ -242,7 +344,6 @@ class Transport:
         except (OSError, ssl.SSLError, ValueError) as e:
             self._note_error(f"cannot connect to {config.host}:{config.port}: {e}")
             return False
-        self._client.loop_start()
         return True
 
     def _fresh_client(self) -> bool:
@@ -254,12 +355,7 @@ class Transport:
         except ConnectionError as e:
             self._note_error(str(e))
             return False
-        with self._pending_lock:
-            self._pending.clear()
-            self._early_acks.clear()
-        with self._window_cond:
-            self._window_used = 0
-            self._window_cond.notify_all()
+        self._pending.clear()
         self._client = client
         try:
             self._on_new_session(self.lost_at)
@@ -267,25 +363,164 @@ class Transport:
             log.exception("mqtt: on_new_session hook failed")
         return True
 
-    def _check_ack_timeout(self) -> None:
-        timeout = self._config.ack_timeout_s
-        if timeout <= 0 or not self.connected.is_set():
+    def _serve(self) -> None:
+        """One connection: publish, read, write, keep alive, until it ends or we stop. The io
+        lock is held throughout, except while waiting in select."""
+        client = self._client
+        sock = client.socket()
+        if sock is None:
             return
-        with self._pending_lock:
-            oldest = min((sent for sent, _ in self._pending.values()), default=None)
-        if oldest is not None and time.monotonic() - oldest > timeout:
-            self._note_error(f"no acknowledgement for {timeout:.0f} s: reconnecting")
-            with self._pending_lock:  # restart the clock for the resent messages
-                self._pending = {m: (time.monotonic(), i) for m, (_, i) in self._pending.items()}
-            with contextlib.suppress(Exception):
-                self._client.disconnect()
+        selector = selectors.DefaultSelector()
+        selector.register(self._wake_r, selectors.EVENT_READ)
+        selector.register(sock, selectors.EVENT_READ)
+        watching_write = False
+        connect_deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        next_misc = time.monotonic() + MISC_S
+        pending_tls = getattr(sock, "pending", None)
+        self._io_lock.acquire()
+        try:
+            while not self._stop.is_set() and not self._disconnected.is_set():
+                busy = self._pump(client)
+                if client.socket() is None:
+                    break  # lost while writing: paho called on_disconnect
+                wants_write = client.want_write()  # the socket took only part of it
+                if wants_write != watching_write:
+                    events = selectors.EVENT_READ | (selectors.EVENT_WRITE if wants_write else 0)
+                    selector.modify(sock, events)
+                    watching_write = wants_write
+                now = time.monotonic()
+                if now >= next_misc:
+                    next_misc = now + MISC_S
+                    if not self._misc(client, now, connect_deadline):
+                        break
+                tls_buffered = client.buffered() > 0 or (
+                    pending_tls is not None and pending_tls() > 0
+                )
+                self._io_lock.release()
+                try:
+                    # Looked at after the release: a message queued before it is seen here,
+                    # one queued after it is published by the thread that queued it.
+                    idle = not (busy or tls_buffered or self._work_waiting())
+                    ready = selector.select(max(0.0, next_misc - now) if idle else 0.0)
+                finally:
+                    self._io_lock.acquire()
+                readable = tls_buffered
+                for key, mask in ready:
+                    if key.fileobj is self._wake_r:
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(4096)
+                        continue
+                    readable = readable or bool(mask & selectors.EVENT_READ)
+                    if mask & selectors.EVENT_WRITE and client.loop_write():
+                        return  # connection lost: paho called on_disconnect
+                if readable and client.loop_read():
+                    return
+        finally:
+            self._io_lock.release()
+            selector.close()
+
+    def _pump(self, client: mqtt.Client) -> bool:
+        """Under the io lock: deferred acknowledgements, then the outbox up to the window,
+        written with one loop_write. True when more messages may be waiting."""
+        self._send_deferred_acks(client)
+        busy = self.connected.is_set() and self._publish_batch(client)
+        if client.want_write():
+            client.loop_write()  # a lost connection shows as on_disconnect
+        return busy
+
+    def _misc(self, client: mqtt.Client, now: float, connect_deadline: float) -> bool:
+        """Keepalive (paho's loop_misc), the CONNACK deadline, acknowledgement timeouts."""
+        if not self.connected.is_set() and now > connect_deadline:
+            self._note_error(f"no CONNACK within {CONNECT_TIMEOUT_S:.0f} s")
+            return False
+        if client.loop_misc() != MQTTErrorCode.MQTT_ERR_SUCCESS:
+            return False
+        timeout = self._config.ack_timeout_s
+        if timeout > 0 and self.connected.is_set() and self._pending:
+            oldest = min(sent for sent, _ in self._pending.values())
+            if now - oldest > timeout:
+                self._note_error(f"no acknowledgement for {timeout:.0f} s: reconnecting")
+                return False
+        return True
+
+    def _drop_connection(self) -> None:
+        """End the current connection, cleanly if it is still up (DISCONNECT, then close)."""
+        client = self._client
+        if client.socket() is None:
+            self.connected.clear()
+            return
+        with contextlib.suppress(Exception):
+            client.disconnect()
+            client.loop_write()
+        with contextlib.suppress(Exception):
+            sock = client.socket()
+            if sock is not None:
+                sock.close()
+        self.connected.clear()
+
+    def _send_deferred_acks(self, client: mqtt.Client) -> None:
+        if not self._deferred_acks:
+            return
+        with self._acks_lock:
+            acks, self._deferred_acks = self._deferred_acks, []
+        for connection, mid, qos in acks:
+            if connection == self._connection:
+                client.ack(mid, qos)
 
     def _note_error(self, message: str) -> None:
         if message != self.last_error:
             log.warning("mqtt: %s", message)
         self.last_error = message
 
-    # -- paho callbacks (paho's thread) ---------------------------------------------------
+    # -- publishing (io thread) ------------------------------------------------------------
+
+    def _publish_batch(self, client: mqtt.Client) -> bool:
+        """Publish what the outbox holds, up to the window; True when more may be waiting."""
+        room = self._window_limit - len(self._pending)
+        if room <= 0:
+            return False
+        messages = self._outbox.take(min(PUBLISH_BATCH, room))
+        if not messages:
+            return False
+        for n, message in enumerate(messages):
+            if not self._publish(client, message):
+                for back in reversed(messages[n:]):
+                    self._outbox.unget(back)
+                return False
+        return True
+
+    def _publish(self, client: mqtt.Client, message: OutMessage) -> bool:
+        """False when the connection is gone (the message goes back to the outbox)."""
+        qos = message.qos
+        if qos > self._max_qos:
+            if not self._qos_warned:
+                log.warning(
+                    "mqtt: the broker refuses QoS %d; publishing at QoS %d", qos, self._max_qos
+                )
+                self._qos_warned = True
+            qos = self._max_qos
+        sent = time.monotonic()
+        try:
+            info = client.publish(
+                message.topic, message.payload, qos, message.retain, message.properties
+            )
+        except (ValueError, TypeError) as e:
+            log.error("mqtt: cannot publish to %s: %s", message.topic[:200], e)
+            self.publish_failures += 1
+            if message.spool_id is not None:
+                self._outbox.acknowledged(message.spool_id)  # forgotten: it can never go out
+            return True
+        if info.rc == MQTTErrorCode.MQTT_ERR_NO_CONN:
+            return False
+        if qos == 0:
+            if message.spool_id is not None:
+                self._outbox.acknowledged(message.spool_id)  # downgraded to QoS 0: sent is all
+        else:
+            # Acknowledgements are read by this thread only after this returns: no race.
+            self._pending[info.mid] = (sent, message.spool_id)
+        return True
+
+    # -- paho callbacks (io thread) --------------------------------------------------------
 
     def _handle_pre_connect(self, client: mqtt.Client, userdata: Any) -> None:
         message = self._will(self._epoch.next())
@@ -331,9 +566,7 @@ class Transport:
         """Receive Maximum bounds the in-flight window; Maximum QoS caps what we publish."""
         receive_max = getattr(properties, "ReceiveMaximum", None) if properties else None
         max_qos = getattr(properties, "MaximumQoS", None) if properties else None
-        with self._window_cond:
-            self._window_limit = min(self._config.max_inflight, receive_max or 65535)
-            self._window_cond.notify_all()
+        self._window_limit = min(self._config.max_inflight, receive_max or 65535)
         self._max_qos = 2 if max_qos is None else int(max_qos)
         if self._max_qos < 2:
             log.info("mqtt: the broker accepts QoS <= %d", self._max_qos)
@@ -357,6 +590,7 @@ class Transport:
             # Closed before CONNACK: a refused TLS client certificate looks like this.
             self._note_error(f"the broker closed the connection before accepting it: {reason}")
         self._disconnected.set()
+        self.wake()  # noticed on another thread: the io thread may be waiting in select
 
     def _handle_message(
         self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage
@@ -373,15 +607,16 @@ class Transport:
             response_topic=response_topic,
             correlation_data=correlation,
             dup=bool(message.dup),
+            mid=message.mid,
         )
         try:
             self._on_message(incoming)
         except Exception:
             # One failing handler never stops the network loop.
             log.exception("mqtt: message handler failed for topic %s", message.topic[:200])
-        # The handler stored what it accepted before returning: only now may the broker
-        # forget the message (a crash before this line means a redelivery, not a loss).
-        if message.qos > 0:
+        # Unless the handler took it over (a request acknowledged once stored), the broker
+        # may forget the message now (a crash before this line means a redelivery, no loss).
+        if message.qos > 0 and not incoming.deferred:
             client.ack(message.mid, message.qos)
 
     def _handle_publish(
@@ -392,17 +627,10 @@ class Transport:
         reason: ReasonCode,
         properties: Properties | None,
     ) -> None:
-        with self._pending_lock:
-            pending = self._pending.pop(mid, None)
-            if pending is None:
-                self._early_acks[mid] = reason
-                return
-        self._acknowledged(pending[0], pending[1], reason)
-
-    def _acknowledged(self, sent: float, spool_id: int | None, reason: ReasonCode) -> None:
-        with self._window_cond:
-            self._window_used -= 1
-            self._window_cond.notify()
+        pending = self._pending.pop(mid, None)
+        if pending is None:
+            return  # a QoS 0 publish written to the socket: nothing to settle
+        sent, spool_id = pending
         if spool_id is not None:
             # Refused publishes are forgotten too: resending what the broker refuses (not
             # authorized, quota) would only loop; they are counted and logged.
@@ -416,89 +644,13 @@ class Transport:
         for listener in self._ack_listeners:
             listener(latency)
 
-    # -- publisher -----------------------------------------------------------------------
-
-    def _publish_loop(self) -> None:
-        while not self._publisher_stop.is_set():
-            message = self._outbox.get(timeout=0.02)
-            now = time.monotonic()
-            if message is None or now - self._last_ack_flush > 0.02:
-                self._last_ack_flush = now
-                self._outbox.flush_acks()
-            if message is None:
-                if len(self._outbox) == 0 and self._stop.is_set():
-                    return
-                continue
-            if not self._wait_connected():
-                self._outbox.unget(message)
-                return
-            self._publish(message)
-
-    def _wait_connected(self) -> bool:
-        while not self.connected.wait(0.25):
-            if self._publisher_stop.is_set():
-                return False
-        return True
-
-    def _publish(self, message: OutMessage) -> None:
-        qos = message.qos
-        if qos > self._max_qos:
-            if not self._qos_warned:
-                log.warning(
-                    "mqtt: the broker refuses QoS %d; publishing at QoS %d", qos, self._max_qos
-                )
-                self._qos_warned = True
-            qos = self._max_qos
-        if qos > 0 and not self._acquire_window():
-            self._outbox.unget(message)
-            return
-        sent = time.monotonic()
-        try:
-            info = self._client.publish(
-                message.topic, message.payload, qos, message.retain, message.properties
-            )
-        except (ValueError, TypeError) as e:
-            log.error("mqtt: cannot publish to %s: %s", message.topic[:200], e)
-            if qos > 0:
-                self._acknowledged(
-                    sent, message.spool_id, ReasonCode(PacketTypes.PUBACK, "Unspecified error")
-                )
-            return
-        if qos == 0:
-            if info.rc == MQTTErrorCode.MQTT_ERR_NO_CONN:
-                self._outbox.unget(message)  # lost the connection just now: send it later
-            elif message.spool_id is not None:
-                self._outbox.acknowledged(message.spool_id)  # downgraded to QoS 0: sent is all
-            return
-        # QoS 1/2: paho keeps it (and resends it after a reconnect) until the broker acks.
-        with self._pending_lock:
-            reason = self._early_acks.pop(info.mid, None)
-            if reason is None:
-                self._pending[info.mid] = (sent, message.spool_id)
-        if reason is not None:
-            self._acknowledged(sent, message.spool_id, reason)
-
-    def _acquire_window(self) -> bool:
-        with self._window_cond:
-            while self._window_used >= self._window_limit:
-                if self._publisher_stop.is_set():
-                    return False
-                self._window_cond.wait(0.25)
-            self._window_used += 1
-            return True
+    # -- health and stop -------------------------------------------------------------------
 
     def thread_problem(self) -> str | None:
-        """Which of the connection's threads died, if any (for the systemd watchdog).
-
-        The supervisor reconnects, the publisher drains the outbox, paho's loop thread moves
-        bytes while connected; a broker outage is not a problem, a dead thread is.
-        """
-        for thread in (self._supervisor, self._publisher):
-            if thread.ident is not None and not thread.is_alive():
-                return f"the {thread.name} thread died"
-        loop = getattr(self._client, "_thread", None)  # paho keeps its loop thread here
-        if self.connected.is_set() and isinstance(loop, threading.Thread) and not loop.is_alive():
-            return "paho's network loop thread died while connected"
+        """Whether the connection's thread died (for the systemd watchdog). A broker outage
+        is not a problem (the thread reconnects and the outbox spools); a dead thread is."""
+        if self._thread.ident is not None and not self._thread.is_alive():
+            return f"the {self._thread.name} thread died"
         return None
 
     @property
@@ -508,10 +660,7 @@ class Transport:
 
     @property
     def inflight(self) -> int:
-        with self._pending_lock:
-            return len(self._pending)
-
-    # -- stop ----------------------------------------------------------------------------
+        return len(self._pending)
 
     def flush(self, timeout: float) -> bool:
         """Wait until the outbox is empty and every QoS 1/2 publish is acknowledged."""
@@ -525,17 +674,20 @@ class Transport:
         return self.inflight == 0
 
     def close(self, final: OutMessage | None = None, timeout: float = 5.0) -> None:
-        """Publish `final` (the offline status), flush, disconnect cleanly, join the threads."""
+        """Publish `final` (the offline status), flush, disconnect cleanly, join the thread,
+        then close the outbox (the spool writer writes what it holds)."""
         if final is not None and self.connected.is_set():
             with contextlib.suppress(Exception):
                 self._outbox.put(final, timeout=timeout)
             self.flush(timeout)
         self._stop.set()
+        self.wake()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
         self._outbox.close()
-        self._publisher_stop.set()
-        self._publisher.join(timeout) if self._publisher.is_alive() else None
-        with contextlib.suppress(Exception):
-            self._client.disconnect()
-        self._supervisor.join(timeout) if self._supervisor.is_alive() else None
-        with contextlib.suppress(Exception):
-            self._client.loop_stop()
+        self._wake_r.close()
+        self._wake_w.close()
+
+
+def _ignore_socket(client: mqtt.Client, userdata: Any, sock: Any) -> None:
+    """paho's on_socket_register_write: publishes stay queued until the io loop writes them."""

@@ -20,6 +20,7 @@ from agent.service import Agent
 
 OUR_THREADS = (
     "mqtt-",
+    "spool-writer",
     "infer-worker",
     "housekeeping",
     "drain-timer",

@@ -81,8 +81,10 @@ def test_ttl_expires_waiting_messages(tmp_path: Path):
 def test_outbox_spills_to_disk_and_reads_back_in_order(tmp_path: Path):
     spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 24, max_messages=10_000)
     box = Outbox(16, reserve=4, spool=spool)
+    box.start()
     for n in range(300):  # far more than the memory window: the rest waits on disk
         box.put(message(f"s{n % 3}", n))
+    assert box.flush_acks()
     assert len(box) == 16 and spool.count == 300
     # QoS 0 never touches the disk; memory is full, so it takes the reserved headroom.
     assert box.put_nowait_reserved(OutMessage("t/volatile", b"q0", 0))
@@ -95,13 +97,15 @@ def test_outbox_spills_to_disk_and_reads_back_in_order(tmp_path: Path):
     assert [m.payload[0] for m in durable] == [n % 256 for n in range(300)]
     assert [m.spool_id for m in durable] == sorted(m.spool_id for m in durable)
     assert any(m.topic == "t/volatile" for m in got)
-    assert box.flush_acks() == 300 and spool.count == 0
+    assert box.flush_acks() and spool.count == 0
+    box.close()
     spool.close()
 
 
 def test_outbox_reject_new_blocks_until_acknowledged(tmp_path: Path):
     spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 20, max_messages=20)
     box = Outbox(16, spool=spool)
+    box.start()
     for n in range(20):
         box.put(message("a", n))
     with pytest.raises(TimeoutError):
@@ -121,6 +125,7 @@ def test_outbox_reject_new_blocks_until_acknowledged(tmp_path: Path):
     box.flush_acks()
     assert done.wait(2)
     thread.join()
+    box.close()
     spool.close()
 
 
@@ -132,9 +137,11 @@ def test_outbox_resumes_a_previous_runs_messages(tmp_path: Path):
     spool.close()
     spool = Spool(path, max_bytes=1 << 20, max_messages=100)
     box = Outbox(16, spool=spool, make_properties=lambda c: ("props", c))
-    got = [box.get(0.1) for _ in range(5)]
+    box.start()
+    got = [box.get(1.0) for _ in range(5)]
     assert [m.payload for m in got] == [bytes([n]) for n in range(5)]  # type: ignore[union-attr]
     assert all(m.properties == ("props", b"corr") for m in got)  # type: ignore[union-attr]
+    box.close()
     spool.close()
 
 

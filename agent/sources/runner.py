@@ -137,8 +137,10 @@ class SourceRunner:
         limits: wire.Limits,
         waiting: Callable[[], int] = lambda: 0,
         latency: Histogram | None = None,
+        after_written: Callable[[Callable[[], None]], None] = lambda callback: callback(),
     ) -> None:
         self.config = config
+        self._after_written = after_written  # runs a callback once queued results are on disk
         self._waiting = waiting  # jobs queued for a worker (the scheduler's depth)
         self.name = config.name
         self.limits = limits
@@ -462,7 +464,8 @@ class SourceRunner:
         self._consecutive_errors = 0
         if self._latency is not None:
             self._latency.observe(latency)
-        frame.finish("done")
+        if frame.record.on_done is not None:  # a folder's file moves once its result is stored
+            self._after_written(lambda: frame.finish("done"))
 
     def _select(self, outputs: dict[str, Array], loaded: LoadedVersion) -> dict[str, Array]:
         """`outputs` of the source, else the model's `[stream] emit`, else every output."""
@@ -594,6 +597,7 @@ class SourceManager:
         limits: wire.Limits,
         waiting: Callable[[], int] = lambda: 0,
         registry: CollectorRegistry | None = None,
+        after_written: Callable[[Callable[[], None]], None] = lambda callback: callback(),
     ) -> None:
         latency = None
         if registry is not None and any(s.enabled for s in config.sources):
@@ -615,6 +619,7 @@ class SourceManager:
                 limits=limits,
                 waiting=waiting,
                 latency=latency,
+                after_written=after_written,
             )
             for source in config.sources
             if source.enabled

@@ -1,0 +1,186 @@
+"""The one thread that writes the spool: group commit, off every latency path.
+
+Workers queue messages, the network thread queues request stores and acknowledgements; this
+thread takes everything that arrived since its last wake-up and writes it as one transaction
+(`Spool.write`), in the order it was queued. Nobody waits for it except where the contract
+says so: a request is acknowledged to the broker only from `on_stored`, after the fsync.
+
+Messages are published from memory while they are being written (write-behind). A message
+published and lost before its row is committed is one the agent crashed with: a request
+stream is then regenerated from the stored request (it is deleted only by the transaction
+that writes its terminal message, after every earlier message of the stream); the rest
+(events, live source frames) was in flight anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from agent.spool import AfterWrite, Eviction, Spool, WriteItem
+
+log = logging.getLogger(__name__)
+
+# A batch is written this long after its first item (unless someone waits for it, or it is
+# large): the writes gather, and the broker usually acknowledges a message before it is
+# written, so it is written once, as acknowledged, instead of written and then updated.
+GROUP_COMMIT_S = 0.005
+URGENT_ITEMS = 512  # a batch this large is written at once
+ACK_FLUSH_S = 0.02  # acknowledgements alone wake the writer at most this late
+RETRY_S = 0.5  # after a failed write (disk full, I/O error)
+
+
+class SpoolWriter:
+    """`start()`, `submit()`/`ack()` from any thread, `flush()` to wait, `close()`."""
+
+    def __init__(
+        self,
+        spool: Spool,
+        *,
+        protected_after: Callable[[], int],
+        on_written: Callable[[int, int], None],
+        on_eviction: Callable[[Eviction], None] | None = None,
+    ) -> None:
+        """`protected_after()`: the highest message id held in memory for publishing (never
+        evicted); `on_written(messages, bytes)`: after each batch, to release back pressure."""
+        self.spool = spool
+        self._protected_after = protected_after
+        self._on_written = on_written
+        self._on_eviction = on_eviction
+        self._cond = threading.Condition()
+        self._items: list[WriteItem] = []
+        self._acks: list[int] = []
+        self._first_ack_at = 0.0
+        self._first_item_at = 0.0
+        self._urgent = False  # someone waits: write without the group-commit delay
+        self._submitted = 0
+        self._written = 0  # items written so far (submission count reached)
+        self._closing = False
+        self.failures = 0
+        self.batches = 0  # transactions written
+        self.items = 0  # items in them
+        self._thread = threading.Thread(target=self._run, name="spool-writer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def backlog(self) -> int:
+        """Items queued and not written yet."""
+        return self._submitted - self._written
+
+    def submit(self, item: WriteItem, *, urgent: bool = False) -> None:
+        """Queue an item; `urgent`: somebody waits for it (a refill of the publisher)."""
+        with self._cond:
+            self._items.append(item)
+            self._submitted += 1
+            if urgent:
+                self._urgent = True
+            if len(self._items) == 1:
+                self._first_item_at = time.monotonic()
+                self._cond.notify()
+            elif urgent or len(self._items) == URGENT_ITEMS:
+                self._cond.notify()
+
+    def ack(self, spool_id: int) -> None:
+        """The broker acknowledged this message: marked with the next batch, or within
+        ACK_FLUSH_S (the writer looks while unacknowledged rows exist; no wake-up here)."""
+        with self._cond:
+            self._acks.append(spool_id)
+            if len(self._acks) == 1:
+                self._first_ack_at = time.monotonic()
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until everything submitted (and acknowledged) before this call is written."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            if self._acks:  # a marker, so the acknowledgements get their turn now
+                self._items.append(AfterWrite(_nothing))
+                self._submitted += 1
+            target = self._submitted
+            self._urgent = True
+            self._cond.notify_all()
+            while self._written < target:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._thread.is_alive():
+                    return False
+                self._cond.wait(min(remaining, 0.1))
+            return True
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Write what is queued, then stop the thread."""
+        if self._thread.is_alive():
+            self.flush(timeout)
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    now = time.monotonic()
+                    if self._items:
+                        due = self._first_item_at + GROUP_COMMIT_S
+                        if self._urgent or self._closing or len(self._items) >= URGENT_ITEMS:
+                            break
+                    elif self._acks:
+                        due = self._first_ack_at + ACK_FLUSH_S
+                    elif self._closing:
+                        return
+                    else:
+                        # Rows waiting for their acknowledgement: look again in a while.
+                        self._cond.wait(ACK_FLUSH_S if self.spool.count else None)
+                        continue
+                    if now >= due:
+                        break
+                    self._cond.wait(due - now)
+                self._urgent = False
+                acks, self._acks = self._acks, []  # first: each refers to a message queued before
+                items, self._items = self._items, []
+                reached = self._submitted
+            self._write(items, acks)
+            with self._cond:
+                self._written = reached
+                self._cond.notify_all()
+
+    def _write(self, items: list[WriteItem], acks: list[int]) -> None:
+        self.batches += 1
+        self.items += len(items)
+        while True:
+            try:
+                result = self.spool.write(items, acks, self._protected_after())
+                break
+            except Exception:  # sqlite3.Error, OSError: the disk is full or failing
+                self.failures += 1
+                log.exception("spool: writing %d item(s) failed; retrying", len(items))
+                time.sleep(RETRY_S)
+                with self._cond:
+                    if self._closing:
+                        return
+        self._on_written(result.written, result.written_bytes)
+        if result.eviction is not None and self._on_eviction is not None:
+            self._on_eviction(result.eviction)
+        for callback in result.stored:
+            _safely(callback)
+        for after in result.after:
+            _safely(lambda after=after: after(self.spool))  # type: ignore[misc]
+
+
+def _nothing(spool: Spool) -> None:
+    """The marker `flush` queues so that waiting acknowledgements are written now."""
+
+
+def _safely(callback: Callable[[], None]) -> None:
+    try:
+        callback()
+    except Exception:
+        log.exception("spool: a callback after a write failed")
