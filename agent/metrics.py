@@ -145,6 +145,7 @@ class AgentMetrics:
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._known_model = known_model
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         Info(PREFIX, "The agent build and device", registry=r).info(
             {"version": version, "device": device}
@@ -227,22 +228,32 @@ class AgentMetrics:
     def model_label(self, model: str) -> str:
         return model if self._known_model(model) else UNKNOWN_MODEL
 
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, remembered: `labels()` validates and locks on every call,
+        and a request records several metrics. Bounded like the label values themselves."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def request_done(self, model: str, version: int | None, outcome: str) -> None:
         label = self.model_label(model)
-        self.requests.labels(label, NO_VERSION if version is None else str(version), outcome).inc()
+        version_label = NO_VERSION if version is None else str(version)
+        self._child(self.requests, label, version_label, outcome).inc()
 
     def request_timing(
         self, model: str, queue_s: float, infer_s: float, total_s: float, chunks: int
     ) -> None:
         label = self.model_label(model)
-        self.queue.labels(label).observe(queue_s)
-        self.inference.labels(label).observe(infer_s)
-        self.total.labels(label).observe(total_s)
+        self._child(self.queue, label).observe(queue_s)
+        self._child(self.inference, label).observe(infer_s)
+        self._child(self.total, label).observe(total_s)
         if chunks:
-            self.chunks.labels(label).inc(chunks)
+            self._child(self.chunks, label).inc(chunks)
 
     def first_chunk_after(self, model: str, seconds: float) -> None:
-        self.first_chunk.labels(self.model_label(model)).observe(seconds)
+        self._child(self.first_chunk, self.model_label(model)).observe(seconds)
 
     def reply_sent(self, payload_bytes: int) -> None:
         self.reply_messages.inc()

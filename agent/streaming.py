@@ -31,6 +31,9 @@ Arrays = dict[str, Array]
 
 # Room for the envelope around a part's `data` and for the MQTT header and topic.
 PART_OVERHEAD = 512
+_CHUNK_KEYS = 9  # v, id, seq, type, model, version, ts, index, outputs
+_INDEX_KEY = wire.cbor_text("index")
+_OUTPUTS_KEY = wire.cbor_text("outputs")
 
 
 class Cancelled(Exception):
@@ -41,12 +44,16 @@ def encode_with_outputs(fields: Mapping[str, Any], outputs_cbor: bytes) -> bytes
     """CBOR of `{**fields, "outputs": <outputs_cbor>}` without decoding or re-encoding outputs.
 
     The outputs are encoded once (their size decides whether parts are needed), so the
-    envelope is assembled around those bytes instead of encoding the tensors a second time.
+    envelope is assembled around those bytes instead of encoding the tensors a second time:
+    the fields are encoded as one map and its head is given one more entry.
     """
-    count = len(fields) + 1
-    head = bytes([0xA0 + count]) if count < 24 else bytes([0xB8, count])
-    body = b"".join(cbor2.dumps(k) + cbor2.dumps(v) for k, v in fields.items())
-    return head + body + cbor2.dumps("outputs") + outputs_cbor
+    count = len(fields)
+    if count >= 23:  # the head would change size: the rare slow way
+        head = bytes([0xB8, count + 1])
+        body = b"".join(cbor2.dumps(k) + cbor2.dumps(v) for k, v in fields.items())
+        return b"".join((head, body, _OUTPUTS_KEY, outputs_cbor))
+    encoded = memoryview(cbor2.dumps(dict(fields)))
+    return b"".join((bytes((0xA0 + count + 1,)), encoded[1:], _OUTPUTS_KEY, outputs_cbor))
 
 
 @dataclass
@@ -68,6 +75,8 @@ class ReplyStream:
     chunks: int = 0
     finished: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # The constant bytes of this stream's chunk messages, for the version they were made for.
+    _prefix: tuple[int, bytes, bytes] | None = field(default=None, repr=False)
 
     def _fields(self, type_: str, **extra: Any) -> dict[str, Any]:
         fields = wire.reply_envelope(
@@ -98,11 +107,48 @@ class ReplyStream:
         )
 
     def chunk(self, outputs: Mapping[str, Array], index: int) -> None:
-        outputs_cbor = wire.encode_outputs(outputs)
-        if len(outputs_cbor) + PART_OVERHEAD <= self.max_chunk_bytes:
-            self._emit(encode_with_outputs(self._fields("chunk", index=index), outputs_cbor))
+        pieces, size = wire.outputs_pieces(outputs)
+        if size + PART_OVERHEAD <= self.max_chunk_bytes:
+            self._emit(self._chunk_payload(pieces, index))
             self.chunks += 1
             return
+        self._parts(b"".join(pieces), index)
+
+    def _chunk_payload(self, outputs: list[Any], index: int) -> bytes:
+        """`{v, id, seq, type: "chunk", model, version, ts, index, outputs}`, the same bytes
+        as `encode_with_outputs` would make, in one join around the outputs' pieces (the
+        tensor data is copied once, into the payload)."""
+        prefix = self._prefix
+        if prefix is None or prefix[0] != self.version:
+            head = b"".join(
+                (
+                    bytes((0xA0 + _CHUNK_KEYS,)),
+                    *(cbor2.dumps(x) for x in ("v", wire.PROTOCOL_VERSION, "id", self.request_id)),
+                    wire.cbor_text("seq"),
+                )
+            )
+            middle = b"".join(
+                cbor2.dumps(x)
+                for x in ("type", "chunk", "model", self.model, "version", self.version, "ts")
+            )
+            prefix = self._prefix = (self.version, head, middle)
+        seq = self.seq
+        self.seq = seq + 1
+        return b"".join(
+            (
+                prefix[1],
+                wire.cbor_uint(seq),
+                prefix[2],
+                wire.cbor_uint(time.time_ns()),
+                _INDEX_KEY,
+                wire.cbor_uint(index),
+                _OUTPUTS_KEY,
+                *outputs,
+            )
+        )
+
+    def _parts(self, outputs_cbor: bytes, index: int) -> None:
+        """A chunk too large for one message: `part: [k, n]` messages carrying its bytes."""
         pieces = wire.split_parts(outputs_cbor, self.max_chunk_bytes - PART_OVERHEAD)
         for k, data in enumerate(pieces):
             fields = self._fields("chunk", index=index, part=[k, len(pieces)], data=data)
@@ -124,7 +170,7 @@ class ReplyStream:
         outputs_cbor = wire.encode_outputs(outputs)
         if len(outputs_cbor) + PART_OVERHEAD > self.max_chunk_bytes:
             # One message cannot hold it: stream the parts, then close with `end`.
-            self.chunk(outputs, 0)
+            self._parts(outputs_cbor, 0)
             return self.end(timing)
         with self._lock:
             if self.finished:

@@ -19,6 +19,7 @@ Every failure is a :class:`WireError` carrying one of the contract's error codes
 from __future__ import annotations
 
 import re
+import struct
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -40,12 +41,15 @@ __all__ = [
     "Limits",
     "Request",
     "WireError",
+    "cbor_text",
+    "cbor_uint",
     "decode_payload",
     "decode_tensor",
     "encode_outputs",
     "encode_payload",
     "encode_tensor",
     "gone_message",
+    "outputs_pieces",
     "parse_request",
     "read_request_id",
     "reassemble_parts",
@@ -840,14 +844,16 @@ def validate_inputs(
     def bad(message: str) -> WireError:
         return WireError("bad_request", message, request_id)
 
-    takes = "; the model takes " + ", ".join(spec.describe() for spec in specs)
+    def takes() -> str:  # only for a message: describing dtypes is slow next to the checks
+        return "; the model takes " + ", ".join(spec.describe() for spec in specs)
+
     declared = {spec.name for spec in specs}
     missing = [spec.name for spec in specs if spec.name not in inputs]
     if missing:
-        raise bad("missing input(s) " + ", ".join(_show(m, 40) for m in missing) + takes)
+        raise bad("missing input(s) " + ", ".join(_show(m, 40) for m in missing) + takes())
     unexpected = [name for name in inputs if name not in declared]
     if unexpected:
-        raise bad("unexpected input(s) " + ", ".join(_show(u, 40) for u in unexpected) + takes)
+        raise bad("unexpected input(s) " + ", ".join(_show(u, 40) for u in unexpected) + takes())
 
     checked: dict[str, Array] = {}
     for spec in specs:
@@ -904,8 +910,104 @@ def gone_message(request_id: str) -> dict[str, Any]:
 
 
 def encode_outputs(outputs: Mapping[str, Array]) -> bytes:
-    """CBOR of ``{name: tensor}``: a reply's ``outputs``, or the bytes its parts carry."""
-    return cbor2.dumps({name: encode_tensor(arr) for name, arr in outputs.items()})
+    """CBOR of ``{name: tensor}``: a reply's ``outputs``, or the bytes its parts carry.
+
+    The same bytes as ``cbor2.dumps({name: encode_tensor(arr)})``, built from each array's own
+    buffer with one copy (into the result).
+    """
+    pieces, _ = outputs_pieces(outputs)
+    return b"".join(pieces)
+
+
+# -- the hot path: replies built from pieces, tensor data copied once, into the payload ------
+
+_U8 = struct.Struct(">BB")
+_U16 = struct.Struct(">BH")
+_U32 = struct.Struct(">BI")
+_U64 = struct.Struct(">BQ")
+_SMALL_UINTS = tuple(bytes((n,)) for n in range(24))
+_CACHE_LIMIT = 4096  # distinct tensor heads / names kept; past it they are built each time
+
+
+def _head(major: int, n: int) -> bytes:
+    """A CBOR item head: major type and argument, in the shortest form (RFC 8949 §3)."""
+    base = major << 5
+    if n < 24:
+        return bytes((base | n,))
+    if n < 0x100:
+        return _U8.pack(base | 24, n)
+    if n < 0x10000:
+        return _U16.pack(base | 25, n)
+    if n < 0x100000000:
+        return _U32.pack(base | 26, n)
+    return _U64.pack(base | 27, n)
+
+
+def cbor_uint(n: int) -> bytes:
+    """CBOR of an unsigned integer (seq, index, ts): the form cbor2 writes, much cheaper."""
+    return _SMALL_UINTS[n] if n < 24 else _head(0, n)
+
+
+_TEXTS: dict[str, bytes] = {}
+
+
+def cbor_text(text: str) -> bytes:
+    """CBOR of a text string, cached for the few names a model has."""
+    encoded = _TEXTS.get(text)
+    if encoded is None:
+        data = text.encode()
+        encoded = _head(3, len(data)) + data
+        if len(_TEXTS) < _CACHE_LIMIT:
+            _TEXTS[text] = encoded
+    return encoded
+
+
+# (dtype, shape) -> (everything of the tensor but its data, the dtype to convert to or None)
+_TENSOR_HEADS: dict[tuple[np.dtype[Any], tuple[int, ...]], tuple[bytes, np.dtype[Any] | None]] = {}
+
+
+def _tensor_head(arr: Array) -> tuple[bytes, np.dtype[Any] | None]:
+    key = (arr.dtype, arr.shape)
+    found = _TENSOR_HEADS.get(key)
+    if found is not None:
+        return found
+    dtype = arr.dtype
+    try:
+        tag, wire_dtype = _ENCODINGS[(dtype.kind, dtype.itemsize)]
+    except KeyError:
+        raise TypeError(f"dtype {dtype} cannot travel as an RFC 8746 tensor") from None
+    convert = _UINT8 if dtype.kind == "b" else (wire_dtype if dtype != wire_dtype else None)
+    head = b"".join(
+        (
+            _head(6, _TENSOR_TAG),
+            _head(4, 2),
+            _head(4, arr.ndim),
+            *(_head(0, d) for d in arr.shape),
+            _head(6, tag),
+            _head(2, arr.size * wire_dtype.itemsize),
+        )
+    )
+    if len(_TENSOR_HEADS) < _CACHE_LIMIT:
+        _TENSOR_HEADS[key] = (head, convert)
+    return head, convert
+
+
+def outputs_pieces(outputs: Mapping[str, Array]) -> tuple[list[Any], int]:
+    """The CBOR of ``{name: tensor}`` as pieces for one ``b"".join`` (heads as bytes, data
+    as the arrays themselves), and its length: a reply is assembled around them with a
+    single copy of the tensor data."""
+    pieces: list[Any] = [_head(5, len(outputs))]
+    size = len(pieces[0])
+    for name, arr in outputs.items():
+        text = cbor_text(name)
+        head, convert = _tensor_head(arr)
+        if convert is not None:
+            arr = arr.view(convert) if convert is _UINT8 else arr.astype(convert)
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+        pieces += (text, head, arr)
+        size += len(text) + len(head) + arr.nbytes
+    return pieces, size
 
 
 def split_parts(outputs_cbor: bytes, max_data_bytes: int) -> list[bytes]:
