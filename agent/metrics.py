@@ -13,6 +13,7 @@ limit), `version` is a loaded version or `none`, `outcome` is `ok` or a contract
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import socket
@@ -23,7 +24,12 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
@@ -39,6 +45,86 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 LOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 STATES = ("loading", "ready", "failed", "draining", "unloaded")
+
+
+class _Buckets:
+    """One labelled histogram's counts: `observe` is a bisect and two additions under one lock.
+
+    prometheus_client's Histogram loops over the bounds in Python and takes a lock per bucket
+    and per sum; on the hot path (every acknowledgement, every request) that cost showed.
+    """
+
+    __slots__ = ("_bounds", "_counts", "_lock", "_sum")
+
+    def __init__(self, bounds: list[float]) -> None:
+        self._bounds = bounds
+        self._counts = [0] * (len(bounds) + 1)  # the last one: above every bound (+Inf)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float) -> None:
+        index = bisect.bisect_left(self._bounds, value)
+        with self._lock:
+            self._counts[index] += 1
+            self._sum += value
+
+    def snapshot(self) -> tuple[list[int], float]:
+        with self._lock:
+            return list(self._counts), self._sum
+
+
+class FastHistogram:
+    """A Prometheus histogram family (the same `_bucket`, `_count`, `_sum` samples) for values
+    recorded on the hot path; `labels(...)` children are kept, `collect` exports them."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: tuple[str, ...] = (),
+        *,
+        buckets: tuple[float, ...],
+        registry: CollectorRegistry,
+    ) -> None:
+        self.name = name
+        self._documentation = documentation
+        self._labelnames = labelnames
+        self._bounds = [float(b) for b in buckets]
+        self._children: dict[tuple[str, ...], _Buckets] = {}
+        self._lock = threading.Lock()
+        if not labelnames:
+            self._children[()] = _Buckets(self._bounds)
+        registry.register(self)
+
+    def labels(self, *values: str) -> _Buckets:
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self._labelnames):
+                raise ValueError(f"{self.name}: expected labels {self._labelnames}")
+            with self._lock:
+                child = self._children.setdefault(values, _Buckets(self._bounds))
+        return child
+
+    def observe(self, value: float) -> None:
+        self._children[()].observe(value)
+
+    def describe(self) -> Iterable[Metric]:
+        return [HistogramMetricFamily(self.name, self._documentation, labels=self._labelnames)]
+
+    def collect(self) -> Iterable[Metric]:
+        family = HistogramMetricFamily(self.name, self._documentation, labels=self._labelnames)
+        for values, child in list(self._children.items()):
+            counts, total = child.snapshot()
+            cumulative, buckets = 0, []
+            for bound, count in zip([*self._bounds, float("inf")], counts, strict=True):
+                cumulative += count
+                buckets.append((_bound(bound), cumulative))
+            family.add_metric(list(values), buckets, total)
+        return [family]
+
+
+def _bound(value: float) -> str:
+    return "+Inf" if value == float("inf") else repr(value)
 
 
 @dataclass(frozen=True)
@@ -159,31 +245,31 @@ class AgentMetrics:
             ["model", "version", "outcome"],
             registry=r,
         )
-        self.first_chunk = Histogram(
+        self.first_chunk = FastHistogram(
             f"{PREFIX}_time_to_first_chunk_seconds",
             "From the request's arrival to its first chunk handed to the outbox",
-            ["model"],
+            ("model",),
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.queue = Histogram(
+        self.queue = FastHistogram(
             f"{PREFIX}_queue_seconds",
             "Time a request waited for a worker",
-            ["model"],
+            ("model",),
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.inference = Histogram(
+        self.inference = FastHistogram(
             f"{PREFIX}_inference_seconds",
             "Time spent in the model's session runs for one request",
-            ["model"],
+            ("model",),
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.total = Histogram(
+        self.total = FastHistogram(
             f"{PREFIX}_request_duration_seconds",
             "From arrival to the terminal message of a request that ran",
-            ["model"],
+            ("model",),
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -203,7 +289,7 @@ class AgentMetrics:
             "Payload bytes of reply messages handed to the outbox",
             registry=r,
         )
-        self.ack = Histogram(
+        self.ack = FastHistogram(
             f"{PREFIX}_publish_ack_seconds",
             "From a QoS 1/2 publish to the broker's acknowledgement",
             buckets=LATENCY_BUCKETS,
@@ -214,6 +300,13 @@ class AgentMetrics:
             "Loading, checking and warming up one model version",
             ["model"],
             buckets=LOAD_BUCKETS,
+            registry=r,
+        )
+        self.batch_requests = FastHistogram(
+            f"{PREFIX}_batch_requests",
+            "Requests run together in one dynamic batch ([batching] in a model's config)",
+            ("model",),
+            buckets=(2, 4, 8, 16, 32, 64, 128, 256, 1024),
             registry=r,
         )
         self.reloads = Counter(
@@ -251,6 +344,9 @@ class AgentMetrics:
         self._child(self.total, label).observe(total_s)
         if chunks:
             self._child(self.chunks, label).inc(chunks)
+
+    def batch_run(self, model: str, requests: int) -> None:
+        self._child(self.batch_requests, self.model_label(model)).observe(requests)
 
     def first_chunk_after(self, model: str, seconds: float) -> None:
         self._child(self.first_chunk, self.model_label(model)).observe(seconds)

@@ -27,6 +27,7 @@ from agent import wire
 from agent.backends.base import BackendOptions, ModelLoadError, Session, TensorSpec
 from agent.backends.registry import get_backend, warm_up
 from agent.repository import (
+    BatchingConfig,
     ModelConfig,
     ModelInfo,
     StreamConfig,
@@ -76,6 +77,17 @@ class ModelRecord:
     config: ModelConfig = field(default_factory=ModelConfig)
     serving: LoadedVersion | None = None
     versions: dict[int, VersionRecord] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What ingress checks a request against: the serving version's inputs and the model's
+    stream and batching settings (one read, no lock, for every request)."""
+
+    version: int
+    inputs: Sequence[TensorSpec]
+    stream: StreamConfig
+    batching: BatchingConfig | None  # None: off
 
 
 class Lease:
@@ -131,6 +143,8 @@ class ModelManager:
         self._sync_lock = threading.Lock()  # one sync at a time; held while loading
         self._idle = threading.Condition(self._lock)
         self._models: dict[str, ModelRecord] = {}
+        # model -> (serving version, config, what ingress needs of them): rebuilt on a change
+        self._serving: dict[str, tuple[LoadedVersion, ModelConfig, Serving]] = {}
         self._closed = False
         self._settle_s = settle_s
         self._drain_timeout_s = drain_timeout_s
@@ -181,14 +195,27 @@ class ModelManager:
                 return None
             return record.serving.session.inputs
 
-    def stream_config(self, model: str) -> StreamConfig | None:
-        with self._lock:
-            record = self._models.get(model)
-            return record.config.stream if record is not None else None
-
     def has_model(self, model: str) -> bool:
-        with self._lock:
-            return model in self._models
+        return model in self._models  # one dict lookup: atomic, no lock needed
+
+    def serving(self, model: str) -> Serving | None:
+        """The serving version of `model` as ingress needs it; None without one."""
+        record = self._models.get(model)
+        loaded = record.serving if record is not None else None
+        if record is None or loaded is None:
+            return None
+        cached = self._serving.get(model)
+        if cached is not None and cached[0] is loaded and cached[1] is record.config:
+            return cached[2]
+        batching = record.config.batching
+        info = Serving(
+            loaded.version,
+            loaded.session.inputs,
+            record.config.stream,
+            batching if batching.enabled else None,
+        )
+        self._serving[model] = (loaded, record.config, info)
+        return info
 
     def ready(self) -> bool:
         with self._lock:

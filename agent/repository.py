@@ -150,6 +150,22 @@ class StreamConfig(_Strict):
         return [name for name in output_names if name not in state_outputs]
 
 
+class BatchingConfig(_Strict):
+    """Dynamic batching (Triton's `dynamic_batching`): requests for this model that are queued
+    together run as one batch along the leading axis, and each still streams its own replies.
+
+    Off unless `max_batch` > 1. Needs a symbolic leading axis on every input and output, and
+    applies to `whole` and `steps` (a `batch` request already runs its own slices).
+    """
+
+    max_batch: int = Field(default=1, ge=1, le=65536)  # leading-axis items in one run
+    max_queue_delay_us: int = Field(default=0, ge=0, le=1_000_000)  # wait for more requests
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_batch > 1
+
+
 class TensorDecl(_Strict):
     """A declared input or output, checked against the model's real signature at load."""
 
@@ -231,6 +247,16 @@ class ModelConfig(_Strict):
     policy: PolicyConfig = PolicyConfig()
     backend_options: BackendOptionsConfig = BackendOptionsConfig()
     preprocess: PreprocessConfig | None = None  # how local sources prepare frames for it
+    batching: BatchingConfig = BatchingConfig()
+
+    @model_validator(mode="after")
+    def _batching_mode(self) -> ModelConfig:
+        if self.batching.enabled and self.stream.mode == "batch":
+            raise ValueError(
+                'batching applies to mode = "whole" and "steps" (a "batch" request runs its '
+                "own slices)"
+            )
+        return self
 
 
 def _format_errors(exc: ValidationError) -> str:
@@ -311,6 +337,14 @@ def check_signature(config: ModelConfig, session: Session) -> list[str]:
                 problems.append(
                     f"batch mode slices the leading axis, but input {spec.name!r} is a scalar"
                 )
+    if config.batching.enabled:
+        for role, specs in (("input", session.inputs), ("output", session.outputs)):
+            for spec in specs:
+                if spec.rank == 0 or isinstance(spec.shape[0], int):
+                    problems.append(
+                        f"[batching] needs a symbolic leading axis on every input and output; "
+                        f"{role} {spec.describe()} has none"
+                    )
     return problems
 
 

@@ -4,6 +4,11 @@ Priority 0-9, higher first, FIFO within a priority (a counter breaks ties). The 
 bounded: a full queue refuses at once, so the caller answers `overloaded` instead of letting
 latency grow without limit. Deadlines are checked when a job would start: a job that waited
 too long is handed back to the caller as expired, never run and never dropped.
+
+Dynamic batching: a job submitted with a `BatchSpec` may run together with others of the same
+key. The worker that takes it also takes the queued jobs of that key (best first) up to
+`max_rows`, and, when `delay_s` > 0 and the batch is not full, keeps collecting newly
+submitted ones for that long (they go straight into its batch, never into the queue).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -22,12 +27,33 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class BatchSpec:
+    """How a job may share a run: with jobs of the same `key`, up to `max_rows` items of the
+    leading axis in all (this job has `rows`), waiting up to `delay_s` for more."""
+
+    key: Hashable
+    rows: int
+    max_rows: int
+    delay_s: float
+
+
 @dataclass(order=True)
 class _Entry(Generic[T]):
     sort_key: tuple[int, int]
     job: T = field(compare=False)
     enqueued: float = field(compare=False)
     deadline: float | None = field(compare=False)
+    batch: BatchSpec | None = field(compare=False, default=None)
+
+
+@dataclass
+class _Collecting(Generic[T]):
+    """A batch a worker is filling: submissions of its key join it directly."""
+
+    entries: list[_Entry[T]]
+    rows: int
+    max_rows: int
 
 
 class Scheduler(Generic[T]):
@@ -45,9 +71,13 @@ class Scheduler(Generic[T]):
         execute: Callable[[T, float], None],
         expire: Callable[[T], None],
         cancel: Callable[[T], None],
+        execute_batch: Callable[[list[tuple[T, float]]], None] | None = None,
         name: str = "infer-worker",
     ) -> None:
+        """`execute_batch([(job, queued_s), ...])` runs two or more jobs of one batch key."""
         self._execute = execute
+        self._execute_batch = execute_batch
+        self._collecting: dict[Hashable, _Collecting[T]] = {}
         self._expire = expire
         self._cancel = cancel
         self._queue_size = queue_size
@@ -78,7 +108,13 @@ class Scheduler(Generic[T]):
         """Monotonic time of the least recent sign of life of any idle-or-finishing worker."""
         return min(self._heartbeat)
 
-    def submit(self, job: T, priority: int, deadline_s: float | None = None) -> bool:
+    def submit(
+        self,
+        job: T,
+        priority: int,
+        deadline_s: float | None = None,
+        batch: BatchSpec | None = None,
+    ) -> bool:
         """Queue a job. False when the queue is full or the scheduler is stopping."""
         now = time.monotonic()
         entry = _Entry(
@@ -86,10 +122,20 @@ class Scheduler(Generic[T]):
             job=job,
             enqueued=now,
             deadline=None if deadline_s is None else now + deadline_s,
+            batch=batch if self._execute_batch is not None else None,
         )
         with self._cond:
             if self._stopping or len(self._heap) >= self._queue_size:
                 return False
+            if entry.batch is not None:
+                collecting = self._collecting.get(entry.batch.key)
+                if collecting is not None and collecting.rows + entry.batch.rows <= (
+                    collecting.max_rows
+                ):
+                    collecting.entries.append(entry)
+                    collecting.rows += entry.batch.rows
+                    self._cond.notify_all()  # its worker may have a full batch now
+                    return True
             heapq.heappush(self._heap, entry)
             self._cond.notify()
         return True
@@ -104,12 +150,10 @@ class Scheduler(Generic[T]):
                     return
                 entry = heapq.heappop(self._heap)
                 self._busy += 1
+                spec = entry.batch
+                entries = [entry] if spec is None else self._gather(entry, spec)
             try:
-                started = time.monotonic()
-                if entry.deadline is not None and started > entry.deadline:
-                    self._expire(entry.job)
-                else:
-                    self._execute(entry.job, started - entry.enqueued)
+                self._run(entries)
             except Exception:
                 # The executor answers its own errors; this is a bug, and must not kill a worker.
                 log.exception("worker: unhandled error while running a job")
@@ -118,6 +162,49 @@ class Scheduler(Generic[T]):
                     self._busy -= 1
                     self._heartbeat[index] = time.monotonic()
                     self._cond.notify_all()
+
+    def _gather(self, first: _Entry[T], spec: BatchSpec) -> list[_Entry[T]]:
+        """Under the lock: `first` and the queued jobs of its key that fit, best first; then,
+        while not full, those submitted within `delay_s`."""
+        batch = _Collecting([first], spec.rows, spec.max_rows)
+        matching = sorted(e for e in self._heap if e.batch is not None and e.batch.key == spec.key)
+        taken = False
+        for entry in matching:
+            assert entry.batch is not None
+            if batch.rows + entry.batch.rows <= batch.max_rows:
+                batch.entries.append(entry)
+                batch.rows += entry.batch.rows
+                taken = True
+        if taken:
+            chosen = {id(e) for e in batch.entries}
+            self._heap = [e for e in self._heap if id(e) not in chosen]
+            heapq.heapify(self._heap)
+        if batch.rows < batch.max_rows and spec.delay_s > 0 and spec.key not in self._collecting:
+            self._collecting[spec.key] = batch
+            deadline = time.monotonic() + spec.delay_s
+            try:
+                while batch.rows < batch.max_rows and not self._stopping:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
+            finally:
+                del self._collecting[spec.key]
+        return batch.entries
+
+    def _run(self, entries: list[_Entry[T]]) -> None:
+        started = time.monotonic()
+        live: list[tuple[T, float]] = []
+        for entry in entries:
+            if entry.deadline is not None and started > entry.deadline:
+                self._expire(entry.job)
+            else:
+                live.append((entry.job, started - entry.enqueued))
+        if len(live) == 1:
+            self._execute(*live[0])
+        elif live:
+            assert self._execute_batch is not None
+            self._execute_batch(live)
 
     def stop(self, drain_timeout: float) -> None:
         """Refuse new jobs, cancel queued ones, wait up to `drain_timeout` for running ones."""

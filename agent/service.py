@@ -23,14 +23,14 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from pydantic import BaseModel
 
-from agent import __version__, logs, wire
+from agent import __version__, batching, logs, wire
 from agent.backends.base import BackendOptions, InferenceError, TensorSpec
 from agent.config import AgentConfig
 from agent.metrics import AgentMetrics, Gauges, MetricsServer
-from agent.models import ModelManager, summarize
+from agent.models import LoadedVersion, ModelManager, Serving, summarize
 from agent.outbox import Outbox, OutMessage
 from agent.resend import Resender, parse_resend
-from agent.scheduler import Scheduler
+from agent.scheduler import BatchSpec, Scheduler
 from agent.sources import SourceJob, SourceManager
 from agent.spool import AfterWrite, Eviction, Spool, StoreRequest, request_key
 from agent.streaming import Cancelled, Execution, ReplyStream, initial_state, merge_pieces
@@ -135,6 +135,7 @@ class Agent:
             execute=self._execute,
             expire=self._expired,
             cancel=self._cancelled,
+            execute_batch=self._execute_batch,
         )
         qos = config.mqtt.qos
         self.transport = Transport(
@@ -524,7 +525,7 @@ class Agent:
             request.correlation_data = incoming.correlation_data
             if not self._accepting:
                 raise wire.WireError("shutting_down", "the agent is stopping", request.id)
-            self._precheck(request)
+            serving = self._precheck(request)
         except wire.WireError as e:
             self._reject(incoming, model, payload, e)
             return
@@ -548,11 +549,28 @@ class Agent:
                 return  # a redelivery of a request that is already stored and running
             job.reply.request_key = key
         deadline = None if request.deadline_ms is None else request.deadline_ms / 1000.0
-        if not self.scheduler.submit(job, request.priority, deadline):
+        batch = self._batch_spec(request, serving)
+        if not self.scheduler.submit(job, request.priority, deadline, batch):
             self.count("rejected_overloaded")
             self.metrics.request_done(model, None, "overloaded")
             job.reply.send = self._send_nowait
             job.reply.error("overloaded", "the request queue is full; retry later")
+
+    @staticmethod
+    def _batch_spec(request: wire.Request, serving: Serving) -> BatchSpec | None:
+        """How the request may share a run with others (its model's `[batching]`)."""
+        config = serving.batching
+        if config is None:
+            return None
+        rows = batching.leading_rows(request.inputs)
+        if rows is None or rows >= config.max_batch:
+            return None  # nothing to join (or no room for another request)
+        return BatchSpec(
+            (request.model, request.version),
+            rows,
+            config.max_batch,
+            config.max_queue_delay_us / 1e6,
+        )
 
     def _store(self, key: str, incoming: Incoming) -> bool:
         """Queue the request for the spool writer; the broker gets its acknowledgement once
@@ -577,21 +595,22 @@ class Agent:
         )
         return True
 
-    def _precheck(self, request: wire.Request) -> None:
+    def _precheck(self, request: wire.Request) -> Serving:
         """Cheap checks against the serving version, so junk never takes a queue slot."""
-        if not self.models.has_model(request.model):
-            raise wire.WireError("unknown_model", f"no model named '{request.model}'", request.id)
-        if request.version is not None:
-            return  # checked against the pinned version when it is leased
-        specs = self.models.serving_inputs(request.model)
-        config = self.models.stream_config(request.model)
-        if specs is None or config is None:
-            raise wire.WireError(
-                "unknown_model", f"model '{request.model}' has no ready version", request.id
+        serving = self.models.serving(request.model)
+        if serving is None:
+            if not self.models.has_model(request.model):
+                message = f"no model named '{request.model}'"
+            else:
+                message = f"model '{request.model}' has no ready version"
+            raise wire.WireError("unknown_model", message, request.id)
+        if request.version is None:  # a pinned version is checked when it is leased
+            wire.validate_inputs(
+                request.id,
+                request.inputs,
+                _required(serving.inputs, serving.stream.state, request.inputs),
             )
-        wire.validate_inputs(
-            request.id, request.inputs, _required(specs, config.state, request.inputs)
-        )
+        return serving
 
     def _send_blocking(self, message: OutMessage) -> None:
         self.outbox.put(message)
@@ -663,6 +682,95 @@ class Agent:
         finally:
             with self._running_lock:
                 self._running.discard(job)
+
+    def _execute_batch(self, batch: list[tuple[Job | SourceJob, float]]) -> None:
+        """Requests of one model (and pinned version) that were queued together: one lease,
+        each checked on its own, then run in groups whose inputs can be joined."""
+        jobs = [(job, queued) for job, queued in batch if isinstance(job, Job)]
+        for job, queued in batch:
+            if isinstance(job, SourceJob):  # never batched; here only if that ever changed
+                job.run(queued)
+        if not jobs:
+            return
+        first = jobs[0][0].request
+        with self._running_lock:
+            self._running.update(job for job, _ in jobs)
+        try:
+            with self.models.lease(first.model, first.version) as lease:
+                loaded = lease.loaded
+                members: list[batching.Member] = []
+                ready: list[tuple[Job, float]] = []
+                for job, queued in jobs:
+                    member = self._member(job, loaded)
+                    if member is not None:
+                        members.append(member)
+                        ready.append((job, queued))
+                for group in batching.groups(members):
+                    self._run_group(loaded, [members[i] for i in group], [ready[i] for i in group])
+        except wire.WireError as e:  # the lease: the model or version went away meanwhile
+            for job, _ in jobs:
+                self._finish_error(job, e.code, e.message)
+        finally:
+            with self._running_lock:
+                self._running.difference_update(job for job, _ in jobs)
+
+    def _member(self, job: Job, loaded: LoadedVersion) -> batching.Member | None:
+        """The request's inputs checked against the leased version (an error answers it)."""
+        request, config = job.request, loaded.config.stream
+        job.reply.version = loaded.version
+        try:
+            specs = _required(loaded.session.inputs, config.state, request.inputs)
+            inputs = wire.validate_inputs(request.id, request.inputs, specs)
+            inputs = initial_state(loaded.session, config, inputs)
+            limit = Execution(loaded.session, config, inputs, request.params, job.cancelled)
+            return batching.Member(inputs, limit.max_steps(), job.cancelled)
+        except wire.WireError as e:
+            self._finish_error(job, e.code, e.message)
+            return None
+
+    def _run_group(
+        self, loaded: LoadedVersion, members: list[batching.Member], jobs: list[tuple[Job, float]]
+    ) -> None:
+        """One batched run; each request streams (or collects) its own pieces."""
+        config = loaded.config.stream
+        run = batching.BatchRun(loaded.session, config, members)
+        collected: dict[int, list[tuple[int, dict[str, Any]]]] = {}
+        finished: set[int] = set()
+        self.metrics.batch_run(loaded.model, len(members))
+        try:
+            for index, piece, outputs, last in run.pieces():
+                job, queued = jobs[index]
+                reply = job.reply
+                if job.request.stream:
+                    reply.chunk(outputs, piece)
+                    if piece == 0:
+                        since = time.monotonic() - job.received
+                        self.metrics.first_chunk_after(job.request.model, since)
+                    if last:
+                        reply.end(self._timing(job, queued, run.infer_s))
+                else:
+                    collected.setdefault(index, []).append((piece, outputs))
+                    if last:
+                        merged = merge_pieces(config.mode, collected.pop(index))
+                        reply.result(merged, self._timing(job, queued, run.infer_s))
+                if last:
+                    finished.add(index)
+                    self.count("requests_ok")
+                    self._record_ok(job, queued, run.infer_s)
+        except InferenceError as e:
+            failure: tuple[str, str] | None = ("model_error", str(e))
+        except Exception as e:
+            log.exception("batch of %d request(s) to %s failed", len(members), loaded.model)
+            failure = ("model_error", f"{type(e).__name__}: {e}")
+        else:
+            failure = None
+        for index, (job, _) in enumerate(jobs):
+            if index in run.failed:
+                self._finish_error(
+                    job, "shutting_down", "the agent stopped before the request finished"
+                )
+            elif index not in finished and failure is not None:
+                self._finish_error(job, *failure)
 
     def _record_ok(self, job: Job, queued_s: float, infer_s: float) -> None:
         model, total = job.request.model, time.monotonic() - job.received
