@@ -18,7 +18,6 @@ arithmetic; a batch pays it once. On a GPU each run is also a kernel launch per 
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ import numpy as np
 
 from agent.backends.base import Array, InferenceError, Session
 from agent.repository import StreamConfig
-from agent.streaming import Cancelled
+from agent.streaming import CancelFlag, Cancelled
 
 Arrays = dict[str, Array]
 
@@ -39,7 +38,7 @@ class Member:
 
     inputs: Arrays
     max_steps: int = 1
-    cancelled: threading.Event = field(default_factory=threading.Event)
+    cancelled: CancelFlag = field(default_factory=CancelFlag)
 
     @property
     def rows(self) -> int:
@@ -74,15 +73,19 @@ def join(parts: Sequence[Arrays]) -> Arrays:
     return {name: np.concatenate([p[name] for p in parts], axis=0) for name in names}
 
 
-def split(outputs: Mapping[str, Array], rows: Sequence[int]) -> list[Arrays]:
-    """Each request's rows of every output (views, no copy)."""
-    total = sum(rows)
+def check_rows(outputs: Mapping[str, Array], total: int) -> None:
+    """Every output has the batch's rows on its leading axis (else it cannot be split)."""
     for name, arr in outputs.items():
         if arr.ndim == 0 or arr.shape[0] != total:
             raise InferenceError(
                 f"output {name!r} has shape {list(arr.shape)}: a batch of {total} needs "
                 f"{total} rows (the model has no batch axis there)"
             )
+
+
+def split(outputs: Mapping[str, Array], rows: Sequence[int]) -> list[Arrays]:
+    """Each request's rows of every output (views, no copy)."""
+    check_rows(outputs, sum(rows))
     result = []
     start = 0
     for n in rows:
@@ -136,20 +139,23 @@ class BatchRun:
         step = 0
         while active:
             outputs = self._run(inputs)
-            parts = split(outputs, rows)
+            check_rows(outputs, sum(rows))
             keep: list[int] = []  # positions in `active` that go on
+            start = 0
             for position, index in enumerate(active):
-                member, part = self.members[index], parts[position]
+                member, stop = self.members[index], start + rows[position]
                 if member.cancelled.is_set():
                     self.failed[index] = Cancelled()
+                    start = stop
                     continue
                 stopped = config.stop is not None and bool(
-                    np.all(part[config.stop.output] == config.stop.value)
+                    np.all(outputs[config.stop.output][start:stop] == config.stop.value)
                 )
                 last = stopped or step + 1 >= member.max_steps
-                yield index, step, {name: part[name] for name in emit}, last
+                yield index, step, {name: outputs[name][start:stop] for name in emit}, last
                 if not last:
                     keep.append(position)
+                start = stop
             if not keep:
                 return
             if len(keep) < len(active):

@@ -82,20 +82,35 @@ def _tensor(name: str, elem_type: int, shape: list[int | str]) -> onnx.ValueInfo
     return helper.make_tensor_value_info(name, elem_type, shape)
 
 
-def mlp(inputs: int = 16, hidden: int = 64, outputs: int = 8, seed: int = 0) -> onnx.ModelProto:
-    """Two Gemm layers with a Relu between: the smallest model with a batch axis to slice."""
+def mlp(
+    inputs: int = 16,
+    hidden: int = 64,
+    outputs: int = 8,
+    seed: int = 0,
+    hidden_layers: int = 1,
+) -> onnx.ModelProto:
+    """Gemm layers with a Relu after each hidden one: by default the smallest model with a
+    batch axis to slice; `hidden_layers = 2` and 1024 wide is the 256-1024-1024-10 MLP whose
+    weights (5 MB) make a single request memory-bound, as real scoring models are."""
+    if hidden_layers < 1:
+        raise ValueError(f"hidden_layers must be >= 1, got {hidden_layers}")
     g = _Graph(np.random.default_rng(seed))
-    w1 = g.weight("w1", (inputs, hidden), inputs)
-    b1 = g.const("b1", np.zeros(hidden, dtype=np.float32))
-    w2 = g.weight("w2", (hidden, outputs), hidden)
-    b2 = g.const("b2", np.zeros(outputs, dtype=np.float32))
-    h = g.node("Relu", [g.node("Gemm", ["x", w1, b1], "fc1")], "relu1")
-    g.node("Gemm", [h, w2, b2], "y")
+    h, width = "x", inputs
+    for layer in range(1, hidden_layers + 1):
+        w = g.weight(f"w{layer}", (width, hidden), width)
+        b = g.const(f"b{layer}", np.zeros(hidden, dtype=np.float32))
+        h = g.node("Relu", [g.node("Gemm", [h, w, b], f"fc{layer}")], f"relu{layer}")
+        width = hidden
+    last = hidden_layers + 1
+    w_out = g.weight(f"w{last}", (hidden, outputs), hidden)
+    b_out = g.const(f"b{last}", np.zeros(outputs, dtype=np.float32))
+    g.node("Gemm", [h, w_out, b_out], "y")
+    sizes = "-".join(str(n) for n in (inputs, *[hidden] * hidden_layers, outputs))
     return g.model(
         "mlp",
         [_tensor("x", TensorProto.FLOAT, ["batch", inputs])],
         [_tensor("y", TensorProto.FLOAT, ["batch", outputs])],
-        f"MLP {inputs}-{hidden}-{outputs}, seed {seed}",
+        f"MLP {sizes}, seed {seed}",
     )
 
 

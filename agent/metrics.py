@@ -123,6 +123,41 @@ class FastHistogram:
         return [family]
 
 
+class ReplyTally:
+    """Reply messages and their bytes, counted on every publish with one lock (two
+    prometheus_client counters would take two), exported as two counters."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._lock = threading.Lock()
+        self.messages = 0
+        self.bytes = 0
+        registry.register(self)
+
+    def add(self, payload_bytes: int) -> None:
+        with self._lock:
+            self.messages += 1
+            self.bytes += payload_bytes
+
+    def describe(self) -> Iterable[Metric]:
+        return self.collect()
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            messages, size = self.messages, self.bytes
+        return [
+            CounterMetricFamily(
+                f"{PREFIX}_reply_messages_published",
+                "Reply messages (chunk, end, result, error) handed to the outbox",
+                value=messages,
+            ),
+            CounterMetricFamily(
+                f"{PREFIX}_reply_bytes_published",
+                "Payload bytes of reply messages handed to the outbox",
+                value=size,
+            ),
+        ]
+
+
 def _bound(value: float) -> str:
     return "+Inf" if value == float("inf") else repr(value)
 
@@ -279,16 +314,7 @@ class AgentMetrics:
             ["model"],
             registry=r,
         )
-        self.reply_messages = Counter(
-            f"{PREFIX}_reply_messages_published",
-            "Reply messages (chunk, end, result, error) handed to the outbox",
-            registry=r,
-        )
-        self.reply_bytes = Counter(
-            f"{PREFIX}_reply_bytes_published",
-            "Payload bytes of reply messages handed to the outbox",
-            registry=r,
-        )
+        self.replies = ReplyTally(r)
         self.ack = FastHistogram(
             f"{PREFIX}_publish_ack_seconds",
             "From a QoS 1/2 publish to the broker's acknowledgement",
@@ -352,8 +378,7 @@ class AgentMetrics:
         self._child(self.first_chunk, self.model_label(model)).observe(seconds)
 
     def reply_sent(self, payload_bytes: int) -> None:
-        self.reply_messages.inc()
-        self.reply_bytes.inc(payload_bytes)
+        self.replies.add(payload_bytes)
 
     def model_loaded(self, model: str, seconds: float) -> None:
         self.model_load.labels(model).observe(seconds)

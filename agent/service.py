@@ -33,7 +33,14 @@ from agent.resend import Resender, parse_resend
 from agent.scheduler import BatchSpec, Scheduler
 from agent.sources import SourceJob, SourceManager
 from agent.spool import AfterWrite, Eviction, Spool, StoreRequest, request_key
-from agent.streaming import Cancelled, Execution, ReplyStream, initial_state, merge_pieces
+from agent.streaming import (
+    CancelFlag,
+    Cancelled,
+    Execution,
+    ReplyStream,
+    initial_state,
+    merge_pieces,
+)
 from agent.systemd import Notifier, ServiceReporter
 from agent.transport import EpochStore, Incoming, Transport
 from agent.watcher import RepositoryWatcher
@@ -49,7 +56,9 @@ class Job:
     request: wire.Request
     reply: ReplyStream
     received: float  # monotonic
-    cancelled: threading.Event = field(default_factory=threading.Event)
+    cancelled: CancelFlag = field(default_factory=CancelFlag)
+    # The inputs as checked at ingress against this version: no second check if it runs on it.
+    checked: tuple[int, dict[str, Any]] | None = None
 
 
 def intra_op_threads(config: AgentConfig) -> int:
@@ -525,7 +534,7 @@ class Agent:
             request.correlation_data = incoming.correlation_data
             if not self._accepting:
                 raise wire.WireError("shutting_down", "the agent is stopping", request.id)
-            serving = self._precheck(request)
+            serving, checked = self._precheck(request)
         except wire.WireError as e:
             self._reject(incoming, model, payload, e)
             return
@@ -541,6 +550,7 @@ class Agent:
                 self._send_blocking,
             ),
             time.monotonic(),
+            checked=checked,
         )
         if self.spool is not None and incoming.qos > 0:
             key = request_key(model, request.id)
@@ -579,7 +589,7 @@ class Agent:
         assert self.spool is not None and self.outbox.writer is not None
         ack = self.transport.defer(incoming)
         if key in self.spool.request_keys:
-            self.outbox.writer.submit(AfterWrite(lambda spool: ack()))
+            self.outbox.writer.submit(AfterWrite(lambda spool: ack()), lazy=True)
             return False
         self.spool.request_keys.add(key)
         self.outbox.writer.submit(
@@ -591,12 +601,14 @@ class Agent:
                 incoming.response_topic,
                 incoming.correlation_data,
                 on_stored=ack,
-            )
+            ),
+            lazy=True,
         )
         return True
 
-    def _precheck(self, request: wire.Request) -> Serving:
-        """Cheap checks against the serving version, so junk never takes a queue slot."""
+    def _precheck(self, request: wire.Request) -> tuple[Serving, tuple[int, dict[str, Any]] | None]:
+        """Cheap checks against the serving version, so junk never takes a queue slot; the
+        checked inputs come back for a worker that leases that same version."""
         serving = self.models.serving(request.model)
         if serving is None:
             if not self.models.has_model(request.model):
@@ -604,13 +616,10 @@ class Agent:
             else:
                 message = f"model '{request.model}' has no ready version"
             raise wire.WireError("unknown_model", message, request.id)
-        if request.version is None:  # a pinned version is checked when it is leased
-            wire.validate_inputs(
-                request.id,
-                request.inputs,
-                _required(serving.inputs, serving.stream.state, request.inputs),
-            )
-        return serving
+        if request.version is not None:
+            return serving, None  # a pinned version is checked when it is leased
+        specs = _required(serving.inputs, serving.stream.state, request.inputs)
+        return serving, (serving.version, wire.validate_inputs(request.id, request.inputs, specs))
 
     def _send_blocking(self, message: OutMessage) -> None:
         self.outbox.put(message)
@@ -648,8 +657,7 @@ class Agent:
                 loaded = lease.loaded
                 reply.version = loaded.version
                 stream_config = loaded.config.stream
-                specs = _required(loaded.session.inputs, stream_config.state, request.inputs)
-                inputs = wire.validate_inputs(request.id, request.inputs, specs)
+                inputs = self._checked_inputs(job, loaded)
                 inputs = initial_state(loaded.session, stream_config, inputs)
                 execution = Execution(
                     loaded.session, stream_config, inputs, request.params, job.cancelled
@@ -714,13 +722,22 @@ class Agent:
             with self._running_lock:
                 self._running.difference_update(job for job, _ in jobs)
 
+    @staticmethod
+    def _checked_inputs(job: Job, loaded: LoadedVersion) -> dict[str, Any]:
+        """The request's inputs checked against the leased version (once: at ingress when it
+        is the version checked there)."""
+        request = job.request
+        if job.checked is not None and job.checked[0] == loaded.version:
+            return job.checked[1]
+        specs = _required(loaded.session.inputs, loaded.config.stream.state, request.inputs)
+        return wire.validate_inputs(request.id, request.inputs, specs)
+
     def _member(self, job: Job, loaded: LoadedVersion) -> batching.Member | None:
         """The request's inputs checked against the leased version (an error answers it)."""
         request, config = job.request, loaded.config.stream
         job.reply.version = loaded.version
         try:
-            specs = _required(loaded.session.inputs, config.state, request.inputs)
-            inputs = wire.validate_inputs(request.id, request.inputs, specs)
+            inputs = self._checked_inputs(job, loaded)
             inputs = initial_state(loaded.session, config, inputs)
             limit = Execution(loaded.session, config, inputs, request.params, job.cancelled)
             return batching.Member(inputs, limit.max_steps(), job.cancelled)
@@ -808,6 +825,8 @@ class Agent:
                 last_telemetry = now if late else last_telemetry + interval
                 self._publish_telemetry()
             self._maintain_spool(now)
+            if self.outbox.writer is not None:
+                self.outbox.writer.nudge()  # request stores queued lazily, if nothing else came
             if self.reporter.notifier.enabled:
                 self.reporter.tick(
                     ready=self.transport.connected.is_set(),

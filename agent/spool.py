@@ -260,23 +260,18 @@ class Spool:
             if durable:
                 self._db.execute("PRAGMA synchronous=FULL")
             now = time.time()
+            # A request answered within this batch is neither inserted nor deleted: the
+            # commit that acknowledges it holds its terminal message (and is fsynced).
+            stores: dict[str, StoreRequest] = {}
             self._db.execute("BEGIN")
             try:
                 for item in items:
                     if isinstance(item, StoreRequest):
-                        self._insert_rows(rows)
-                        self._db.execute(
-                            "INSERT OR IGNORE INTO requests (key, topic, payload, qos,"
-                            " response_topic, correlation, received) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                            (item.key, item.topic, item.payload, item.qos, item.response_topic,
-                             item.correlation, now),
-                        )  # fmt: skip
+                        stores[item.key] = item
                         if item.on_stored is not None:
                             result.stored.append(item.on_stored)
                     elif isinstance(item, FinishRequest):
-                        self._insert_rows(rows)
-                        self._db.execute("DELETE FROM requests WHERE key = ?", (item.key,))
-                        finished.append(item.key)
+                        self._finish(item.key, stores, finished)
                     elif isinstance(item, AfterWrite):
                         result.after.append(item.callback)
                     else:
@@ -288,10 +283,15 @@ class Spool:
                         if acked is not None:
                             acked_now.discard(item.spool_id)
                         if item.finishes is not None:
-                            self._insert_rows(rows)
-                            self._db.execute("DELETE FROM requests WHERE key = ?", (item.finishes,))
-                            finished.append(item.finishes)
+                            self._finish(item.finishes, stores, finished)
                 self._insert_rows(rows)
+                for store in stores.values():
+                    self._db.execute(
+                        "INSERT OR IGNORE INTO requests (key, topic, payload, qos,"
+                        " response_topic, correlation, received) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        (store.key, store.topic, store.payload, store.qos, store.response_topic,
+                         store.correlation, now),
+                    )  # fmt: skip
                 earlier = [i for i in acks if i in acked_now]  # rows of previous batches
                 marked = self._ack_locked(earlier, now) if earlier else (0, 0)
                 self._db.execute("COMMIT")
@@ -306,6 +306,12 @@ class Spool:
             self.history_bytes += result.written_bytes - pending_bytes + marked[1]
             self.request_keys.difference_update(finished)
         return result
+
+    def _finish(self, key: str, stores: dict[str, StoreRequest], finished: list[str]) -> None:
+        """A request got its terminal message: forget it (on disk, or still in this batch)."""
+        if stores.pop(key, None) is None:
+            self._db.execute("DELETE FROM requests WHERE key = ?", (key,))
+        finished.append(key)
 
     def _insert_rows(self, rows: list[tuple[object, ...]]) -> None:
         """One multi-row INSERT per `INSERT_ROWS` rows, not `executemany`: the sqlite3 module

@@ -55,6 +55,7 @@ class SpoolWriter:
         self._first_ack_at = 0.0
         self._first_item_at = 0.0
         self._urgent = False  # someone waits: write without the group-commit delay
+        self._notified = False  # the writer was woken for the items it holds
         self._submitted = 0
         self._written = 0  # items written so far (submission count reached)
         self._closing = False
@@ -71,17 +72,27 @@ class SpoolWriter:
         """Items queued and not written yet."""
         return self._submitted - self._written
 
-    def submit(self, item: WriteItem, *, urgent: bool = False) -> None:
-        """Queue an item; `urgent`: somebody waits for it (a refill of the publisher)."""
+    def submit(self, item: WriteItem, *, urgent: bool = False, lazy: bool = False) -> None:
+        """Queue an item; `urgent`: somebody waits for it (a refill of the publisher);
+        `lazy`: do not wake the writer for it (a request store: its reply, queued soon
+        after, wakes the writer once it is published, so the fsync is off the request's
+        path; `nudge` is the backstop)."""
         with self._cond:
             self._items.append(item)
             self._submitted += 1
-            if urgent:
-                self._urgent = True
             if len(self._items) == 1:
                 self._first_item_at = time.monotonic()
+            if urgent:
+                self._urgent = True
+            if urgent or len(self._items) >= URGENT_ITEMS or not (lazy or self._notified):
+                self._notified = True
                 self._cond.notify()
-            elif urgent or len(self._items) == URGENT_ITEMS:
+
+    def nudge(self) -> None:
+        """Wake the writer for items queued lazily (housekeeping calls it now and then)."""
+        with self._cond:
+            if self._items and not self._notified:
+                self._notified = True
                 self._cond.notify()
 
     def ack(self, spool_id: int) -> None:
@@ -144,6 +155,7 @@ class SpoolWriter:
                         break
                     self._cond.wait(due - now)
                 self._urgent = False
+                self._notified = False
                 acks, self._acks = self._acks, []  # first: each refers to a message queued before
                 items, self._items = self._items, []
                 reached = self._submitted

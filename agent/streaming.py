@@ -40,6 +40,22 @@ class Cancelled(Exception):
     """The agent is stopping and this request could not finish in time."""
 
 
+class CancelFlag:
+    """Set once, when the agent stops, to end a request between pieces. Only ever polled,
+    never waited on: a plain flag, not a `threading.Event` (one per request)."""
+
+    __slots__ = ("_set",)
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+
 def encode_with_outputs(fields: Mapping[str, Any], outputs_cbor: bytes) -> bytes:
     """CBOR of `{**fields, "outputs": <outputs_cbor>}` without decoding or re-encoding outputs.
 
@@ -198,7 +214,7 @@ class Execution:
     stream_config: StreamConfig
     inputs: Arrays
     params: Mapping[str, Any]
-    cancelled: threading.Event
+    cancelled: CancelFlag
     stats: RunStats = field(default_factory=RunStats)
 
     def _run(self, inputs: Mapping[str, Array]) -> Arrays:

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode, MQTTProtocolVersion
@@ -52,14 +52,27 @@ MISC_S = 0.5  # keepalive, acknowledgement timeout and CONNACK deadline checks
 CONNECT_TIMEOUT_S = 10.0  # TCP connect, TLS handshake and CONNACK
 
 
-class _Client(mqtt.Client):
-    """paho's client, reading the socket in bulk.
+_PUBACK_SUCCESS = ReasonCode(PacketTypes.PUBACK)  # "Success"; read, never changed
+_NO_PROPERTIES = Properties(PacketTypes.PUBACK)  # type: ignore[no-untyped-call]
 
-    paho reads every packet with at least three `recv` calls (its type byte, its length,
-    its body): on a stream of acknowledgements that is three system calls, and three
-    releases and retakes of the GIL, for each message published. This override of its one
-    read primitive serves those reads from one `recv` of whatever the socket holds. The io
-    loop asks `buffered()` before it waits, as it asks a TLS socket's `pending()`.
+
+class _Client(mqtt.Client):
+    """paho's client, reading and writing the socket in bulk.
+
+    paho reads every packet with at least three `recv` calls (its type byte, its length, its
+    body) and writes every packet with its own `send`: on a stream of small messages that is
+    four system calls, four releases and retakes of the GIL, for each message published.
+    These overrides of its two socket primitives serve the reads from one `recv` of whatever
+    the socket holds, and collect the writes of one `loop_write` into one `send` (the rest,
+    if the socket takes only part, goes with the next `loop_write`; `want_write` says so).
+    The io loop asks `buffered()` before it waits, as it asks a TLS socket's `pending()`.
+
+    paho also builds a ReasonCode and a Properties object (whose constructor rebuilds its
+    tables of names every time) for every QoS 0 packet it writes, to call `on_publish`, and
+    for every PUBACK it reads. The agent needs the callback only for acknowledgements, so it
+    is out of the way while `loop_write` runs; and a plain success PUBACK (two bytes, or a
+    zero reason code without properties: what Mosquitto sends) is answered with one shared
+    success ReasonCode and empty Properties.
     """
 
     READ_SIZE = 65536
@@ -68,6 +81,7 @@ class _Client(mqtt.Client):
         super().__init__(*args, **kwargs)
         self._rbuf = b""
         self._rpos = 0
+        self._wbuf: list[bytes] = []
 
     def buffered(self) -> int:
         return len(self._rbuf) - self._rpos
@@ -84,6 +98,60 @@ class _Client(mqtt.Client):
         start = self._rpos
         self._rpos = start + n
         return self._rbuf[start : start + n]
+
+    def _sock_send(self, buf: bytes | bytearray) -> int:
+        if self._sock is None:
+            raise ConnectionError("self._sock is None")
+        self._wbuf.append(bytes(buf))
+        return len(buf)
+
+    def loop_write(self) -> MQTTErrorCode:
+        on_publish, self._on_publish = self._on_publish, None
+        try:
+            rc = super().loop_write()
+        finally:
+            self._on_publish = on_publish
+        if rc != MQTTErrorCode.MQTT_ERR_SUCCESS or not self._wbuf:
+            return rc
+        return self._flush()
+
+    def _flush(self) -> MQTTErrorCode:
+        sock = self._sock
+        if sock is None:
+            self._wbuf = []
+            return MQTTErrorCode.MQTT_ERR_NO_CONN
+        data = self._wbuf[0] if len(self._wbuf) == 1 else b"".join(self._wbuf)
+        try:
+            sent = sock.send(data)
+        except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
+            sent = 0
+        except OSError as e:
+            log.debug("mqtt: send failed: %s", e)
+            self._wbuf = []
+            return self._loop_rc_handle(MQTTErrorCode.MQTT_ERR_CONN_LOST)
+        self._wbuf = [data[sent:]] if sent < len(data) else []
+        return MQTTErrorCode.MQTT_ERR_SUCCESS
+
+    def want_write(self) -> bool:
+        return bool(self._wbuf) or super().want_write()
+
+    def _handle_pubackcomp(self, cmd: Literal["PUBACK", "PUBCOMP"]) -> MQTTErrorCode:
+        packet = self._in_packet["packet"]
+        if cmd != "PUBACK" or not (len(packet) == 2 or (len(packet) == 3 and packet[2] == 0)):
+            return super()._handle_pubackcomp(cmd)
+        mid = (packet[0] << 8) | packet[1]
+        with self._out_message_mutex:
+            if mid in self._out_messages:
+                return self._do_on_publish(mid, _PUBACK_SUCCESS, _NO_PROPERTIES)
+        return MQTTErrorCode.MQTT_ERR_SUCCESS
+
+    def _sock_close(self) -> None:
+        """Best effort with what is still buffered (a DISCONNECT, say), then close."""
+        if self._wbuf and self._sock is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self._sock.send(b"".join(self._wbuf))
+        self._wbuf = []
+        super()._sock_close()
 
 
 @dataclass

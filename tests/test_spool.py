@@ -220,3 +220,31 @@ def test_history_bytes_track_the_table(tmp_path: Path):
     assert spool.history_bytes == truth() == 0
     spool.close()
     assert Spool(tmp_path / "s.sqlite", max_bytes=1 << 24, max_messages=10).history_bytes == 0
+
+
+def test_a_request_answered_in_the_same_batch_is_never_written(tmp_path: Path):
+    """Group commit: the store and the terminal message in one transaction cancel out (the
+    commit is still fsynced before the acknowledgement); across batches the row comes and
+    goes."""
+    from agent.spool import FinishRequest, StoreRequest
+
+    spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 20, max_messages=100)
+    acked: list[str] = []
+
+    def store(key: str) -> StoreRequest:
+        return StoreRequest(key, "t", b"req", 1, None, None, on_stored=lambda: acked.append(key))
+
+    spool.request_keys.update({"m/a", "m/b"})
+    terminal = message("m/a", 1)
+    terminal.spool_id = spool.allocate_id()
+    terminal.finishes = "m/a"
+    result = spool.write([store("m/a"), terminal, store("m/b")], (), 0)
+    for callback in result.stored:
+        callback()
+    assert acked == ["m/a", "m/b"]
+    assert [r.key for r in spool.unfinished_requests()] == ["m/b"]
+    assert spool.request_keys == {"m/b"}
+    spool.write([FinishRequest("m/b")], (), 0)
+    assert spool.unfinished_requests() == [] and spool.request_keys == set()
+    assert spool.count == 1  # the terminal message itself waits for its acknowledgement
+    spool.close()
