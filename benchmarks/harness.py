@@ -80,7 +80,9 @@ class StampSubscriber:
         if expect is not None:
             command += ["-C", str(expect + 1)]  # + the probe
         self.stamps: list[float] = []
-        self._process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        self._process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
         self._reader = threading.Thread(target=self._read, name="bench-stamps", daemon=True)
         self._reader.start()
         probe = mqtt_client(broker)
@@ -89,7 +91,9 @@ class StampSubscriber:
             while not self.stamps:
                 if time.monotonic() > deadline or self._process.poll() is not None:
                     raise RuntimeError(f"mosquitto_sub did not subscribe to {topic}")
-                probe.publish(topic, b"probe", 1).wait_for_publish(5)
+                # A filter's wildcards stand for one concrete probe topic.
+                concrete = "/".join("probe" if p in ("+", "#") else p for p in topic.split("/"))
+                probe.publish(concrete, b"probe", 1).wait_for_publish(5)
                 time.sleep(0.05)
         finally:
             close_client(probe)

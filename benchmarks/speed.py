@@ -49,13 +49,18 @@ from benchmarks.harness import (
 )
 
 STREAM = "decoder-stream"  # tiny GRU step (vocab 32, embed 16, hidden 32), long streams
+STREAMS = 16  # concurrent streams for the rate figures (their steps batched, see [batching])
 TTFC = "decoder-edge-lm"  # a step about as costly as a small language model's on an edge CPU
 TTFC_DIMS = (4096, 256, 1024)
 TTFC_STEPS = 32
 TINY = "mlp-tiny"  # 16-64-8, `whole`: one chunk per request
-SMALL = "mlp-small"  # 128-512-10 for the batching figure, without and with [batching]
-SMALL_BATCHED = "mlp-small-batched"
-SMALL_DIMS = (128, 512, 10)
+# The batching figure: shared/DESIGN.md's reference MLP (its 5 MB of weights make a single
+# request memory-bound, as with real scoring models) and, as a reference, a tiny one whose run
+# costs less than the agent's own per-request work. Each without and with [batching].
+SCORING = "mlp-scoring"
+SCORING_DIMS = (256, 1024, 10)  # inputs, hidden (two layers), outputs
+SMALL = "mlp-small"
+SMALL_DIMS = (128, 512, 10)  # one hidden layer
 CONCURRENCY = 64
 BATCHING = "[batching]\nmax_batch = 64\nmax_queue_delay_us = 2000\n"
 MEMORY_CHUNKS = 100_000
@@ -84,6 +89,7 @@ class SpeedResult:
     naive: dict[str, float] = field(default_factory=dict)
     latency: dict[str, float] = field(default_factory=dict)
     batching: dict[str, Any] = field(default_factory=dict)
+    batching_small: dict[str, Any] = field(default_factory=dict)
     memory: dict[str, float] = field(default_factory=dict)
     idle: dict[str, float] = field(default_factory=dict)
     ready: dict[str, Any] = field(default_factory=dict)
@@ -132,14 +138,16 @@ def build_repository(root: Path) -> Path:
         if config is not None:
             (root / name / "config.toml").write_text(config)
 
-    add(STREAM, demo_models.gru_decoder(), DECODER_CONFIG.format(steps=MEMORY_CHUNKS))
+    stream_config = DECODER_CONFIG.format(steps=MEMORY_CHUNKS) + BATCHING
+    add(STREAM, demo_models.gru_decoder(), stream_config)
     vocab, embed, hidden = TTFC_DIMS
     ttfc_model = demo_models.gru_decoder(vocab=vocab, embed=embed, hidden=hidden)
     add(TTFC, ttfc_model, DECODER_CONFIG.format(steps=TTFC_STEPS))
     add(TINY, demo_models.mlp(), None)
-    i, h, o = SMALL_DIMS
-    add(SMALL, demo_models.mlp(inputs=i, hidden=h, outputs=o), None)
-    add(SMALL_BATCHED, demo_models.mlp(inputs=i, hidden=h, outputs=o), BATCHING)
+    for name, (i, h, o), layers in ((SCORING, SCORING_DIMS, 2), (SMALL, SMALL_DIMS, 1)):
+        model = demo_models.mlp(inputs=i, hidden=h, outputs=o, hidden_layers=layers)
+        add(name, model, None)
+        add(f"{name}-batched", model, BATCHING)
     return root
 
 
@@ -305,20 +313,38 @@ def measure_raw(broker: EmbeddedBroker, workdir: Path, payload: bytes, qos: int,
         sub.close()
 
 
-def measure_agent_stream(broker: EmbeddedBroker, root: str, qos: int, steps: int) -> float:
-    """Chunks/s of one long streamed request at reply QoS `qos`, at the C subscriber."""
-    request_id = unique_id()
-    sub = StampSubscriber(broker, f"{root}/result/{STREAM}/{request_id}", qos, expect=steps + 1)
+def measure_agent_stream(
+    broker: EmbeddedBroker, root: str, qos: int, steps: int, streams: int = 1
+) -> float:
+    """Chunks/s of `streams` concurrent streamed requests of `steps` chunks each, at reply QoS
+    `qos`, counted at the C subscriber."""
+    expect = streams * (steps + 1)  # + one `end` each
+    sub = StampSubscriber(broker, f"{root}/result/{STREAM}/+", qos, expect=expect)
     client = mqtt_client(broker)
     try:
-        body = {"id": request_id, "inputs": _token(), "params": {"max_steps": steps}, "qos": qos}
-        client.publish(f"{root}/infer/{STREAM}", wire.encode_payload(body), 1)
-        if not sub.wait_for(steps + 1, max(60.0, steps / 1000)):
-            raise RuntimeError(f"agent QoS {qos}: {sub.count} of {steps + 1} messages arrived")
+        for _ in range(streams):
+            body = {
+                "id": unique_id(),
+                "inputs": _token(),
+                "params": {"max_steps": steps},
+                "qos": qos,
+            }
+            client.publish(f"{root}/infer/{STREAM}", wire.encode_payload(body), 1)
+        if not sub.wait_for(expect, max(60.0, expect / 1000)):
+            raise RuntimeError(f"agent QoS {qos}: {sub.count} of {expect} messages arrived")
         return sub.rate()
     finally:
         close_client(client)
         sub.close()
+
+
+def measure_agent_rate(
+    broker: EmbeddedBroker, root: str, qos: int, seconds: float, streams: int
+) -> tuple[float, int]:
+    """Sized by a short probe to last about `seconds`: (chunks/s, chunks)."""
+    probe = measure_agent_stream(broker, root, qos, max(50, 2000 // streams), streams)
+    steps = int(min(max(1000, probe * seconds) / streams, MEMORY_CHUNKS))
+    return measure_agent_stream(broker, root, qos, steps, streams), steps * streams
 
 
 def measure_naive(broker: EmbeddedBroker, model: Path, seconds: float) -> float:
@@ -333,70 +359,79 @@ def measure_naive(broker: EmbeddedBroker, model: Path, seconds: float) -> float:
         sub.close()
 
 
-def _round_trips(
-    broker: EmbeddedBroker, topic: str, reply_topic: str, requests: Requests, seconds: float
-) -> list[float]:
-    """Publish a request (QoS 1), wait for the first message on `reply_topic`, again."""
-    client = mqtt_client(broker)
-    got = threading.Event()
-    client.on_message = lambda c, u, m: got.set()
-    subscribe(client, reply_topic, 1)
-    times: list[float] = []
-    try:
-        for _ in range(30):  # warm-up
-            got.clear()
-            client.publish(topic, requests.next()[1], 1)
-            if not got.wait(10):
-                raise RuntimeError(f"no reply on {reply_topic}")
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
+class Requester:
+    """A paho client (TCP_NODELAY) timing request/reply round trips: publish at QoS 1, wait
+    for the first message on the reply topic."""
+
+    def __init__(self, broker: EmbeddedBroker, reply_topics: list[str]) -> None:
+        self.client = mqtt_client(broker)
+        self._got = threading.Event()
+        self.client.on_message = lambda c, u, m: self._got.set()
+        for topic in reply_topics:
+            subscribe(self.client, topic, 1)
+
+    def times(self, topic: str, requests: Requests, n: int) -> list[float]:
+        out = []
+        for _ in range(n):
             _, payload = requests.next()
-            got.clear()
+            self._got.clear()
             started = time.perf_counter()
-            client.publish(topic, payload, 1)
-            if not got.wait(10):
-                raise RuntimeError(f"no reply on {reply_topic}")
-            times.append(time.perf_counter() - started)
-    finally:
-        close_client(client)
-    return times
+            self.client.publish(topic, payload, 1)
+            if not self._got.wait(10):
+                raise RuntimeError(f"no reply to a request on {topic}")
+            out.append(time.perf_counter() - started)
+        return out
+
+    def close(self) -> None:
+        close_client(self.client)
 
 
 def measure_latency(
     agent: AgentProcess, broker: EmbeddedBroker, workdir: Path, seconds: float
 ) -> dict[str, float]:
     """1-chunk request to a tiny model through the agent, against bare inference plus a paho
-    echo round trip carrying the same request and reply bytes (both QoS 1 both ways)."""
+    echo round trip carrying the same request and reply bytes (QoS 1 both ways). Blocks of
+    agent and echo round trips alternate, so both see the same machine."""
     x = np.random.default_rng(0).standard_normal((1, 16)).astype(np.float32)
     reply_topic = f"{agent.root}/latency/{unique_id()}"
     requests = Requests(_template({"x": x}, stream=False, reply_to=reply_topic))
-    agent_times = _round_trips(broker, f"{agent.root}/infer/{TINY}", reply_topic, requests, seconds)
-    # The agent's own reply bytes, for the echo to send back.
-    client = mqtt_client(broker)
-    replies: list[bytes] = []
-    client.on_message = lambda c, u, m: replies.append(bytes(m.payload))
-    subscribe(client, reply_topic, 1)
-    client.publish(f"{agent.root}/infer/{TINY}", requests.next()[1], 1)
-    deadline = time.monotonic() + 10
-    while not replies and time.monotonic() < deadline:
-        time.sleep(0.01)
-    close_client(client)
-    reply_file = workdir / "reply.bin"
-    reply_file.write_bytes(replies[0])
     a, b = f"bench/echo/{unique_id()}", f"bench/echo/{unique_id()}"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    echo = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.peers", "echo", "--port", str(broker.port),
-         "--topic", a, "--reply-topic", b, "--payload", str(reply_file)],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    requester = Requester(broker, [reply_topic, b])
+    agent_topic = f"{agent.root}/infer/{TINY}"
+    echo = None
     try:
+        requester.times(agent_topic, requests, 30)  # warm-up, and the agent's reply bytes:
+        replies: list[bytes] = []
+        probe = mqtt_client(broker)
+        probe.on_message = lambda c, u, m: replies.append(bytes(m.payload))
+        subscribe(probe, reply_topic, 1)
+        requester.times(agent_topic, requests, 1)
+        deadline = time.monotonic() + 10
+        while not replies and time.monotonic() < deadline:
+            time.sleep(0.01)
+        close_client(probe)
+        reply_file = workdir / "reply.bin"
+        reply_file.write_bytes(replies[0])
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        echo = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.peers", "echo", "--port", str(broker.port),
+             "--topic", a, "--reply-topic", b, "--payload", str(reply_file)],
+            env=env, cwd=REPO, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
         assert echo.stdout is not None
         echo.stdout.readline()  # {"ready": true}: subscribed
-        echo_times = _round_trips(broker, a, b, requests, seconds)
+        requester.times(a, requests, 30)  # warm-up
+        agent_times: list[float] = []
+        echo_times: list[float] = []
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            agent_times += requester.times(agent_topic, requests, 50)
+            echo_times += requester.times(a, requests, 50)
     finally:
-        echo.terminate()
-        echo.wait(10)
+        requester.close()
+        if echo is not None:
+            echo.terminate()
+            echo.wait(10)
     bare = bare_ms(agent.repository / TINY / "1" / "model.onnx", {"x": x})
     return {
         "agent_ms": statistics.median(agent_times) * 1000,
@@ -408,20 +443,25 @@ def measure_latency(
 
 
 def measure_batching(
-    agent: AgentProcess, broker: EmbeddedBroker, workdir: Path, seconds: float
+    agent: AgentProcess,
+    broker: EmbeddedBroker,
+    workdir: Path,
+    seconds: float,
+    model: str,
+    dims: tuple[int, int, int],
 ) -> dict[str, Any]:
     """Requests/s with `CONCURRENCY` requests outstanding, the same model without and with
     dynamic batching ([batching] in the model's config.toml)."""
-    x = np.random.default_rng(1).standard_normal((1, SMALL_DIMS[0])).astype(np.float32)
+    x = np.random.default_rng(1).standard_normal((1, dims[0])).astype(np.float32)
     template = _template({"x": x}, stream=False)
     path = workdir / "load-request.bin"
     path.write_bytes(template)
-    result: dict[str, Any] = {"concurrency": CONCURRENCY}
-    for key, model in (("off", SMALL), ("on", SMALL_BATCHED)):
-        if not wait_model(broker, agent.root, model, {"x": x}, stream=False):
+    result: dict[str, Any] = {"concurrency": CONCURRENCY, "model": model, "dims": list(dims)}
+    for key, name in (("off", model), ("on", f"{model}-batched")):
+        if not wait_model(broker, agent.root, name, {"x": x}, stream=False):
             result[key] = None  # an agent without [batching] refuses the model's config
             continue
-        done = _peer(broker, "load", "--root", agent.root, "--model", model,
+        done = _peer(broker, "load", "--root", agent.root, "--model", name,
                      "--payload", str(path), "--concurrency", str(CONCURRENCY),
                      "--seconds", str(seconds))  # fmt: skip
         result[key] = done["completed"] / done["seconds"]
@@ -430,12 +470,12 @@ def measure_batching(
 
 
 def measure_memory(agent: AgentProcess, broker: EmbeddedBroker) -> dict[str, float]:
-    """The agent's resident memory before and after 100,000 chunks (one stream, QoS 1), after
-    a warm-up stream of 20,000."""
-    measure_agent_stream(broker, agent.root, 1, 20_000)
+    """The agent's resident memory before and after 100,000 chunks (QoS 1, `STREAMS`
+    streams), after 20,000 to warm up."""
+    measure_agent_stream(broker, agent.root, 1, 20_000 // STREAMS, STREAMS)
     time.sleep(1.0)
     before = agent.rss_mb()
-    measure_agent_stream(broker, agent.root, 1, MEMORY_CHUNKS)
+    measure_agent_stream(broker, agent.root, 1, MEMORY_CHUNKS // STREAMS, STREAMS)
     time.sleep(1.0)
     after = agent.rss_mb()
     return {"before_mb": before, "after_mb": after, "growth_mb": after - before}
@@ -485,12 +525,15 @@ def measure(broker: EmbeddedBroker, workdir: Path, quick: bool, tree: Path = REP
         payload = chunk_payload(broker, agent.root)
         for qos in (0, 1, 2):
             raw = measure_raw(broker, workdir, payload, qos, seconds)
-            probe = measure_agent_stream(broker, agent.root, qos, 1000)
-            steps = int(min(max(1000, probe * seconds), MEMORY_CHUNKS))
-            agent_rate = measure_agent_stream(broker, agent.root, qos, steps)
-            result.rates[str(qos)] = {"raw": raw, "agent": agent_rate, "chunks": steps,
-                                      "payload_bytes": len(payload)}  # fmt: skip
-            print(f"QoS {qos}: agent {agent_rate:.0f}/s, raw {raw:.0f}/s", flush=True)
+            rate, chunks = measure_agent_rate(broker, agent.root, qos, seconds, STREAMS)
+            entry = {"raw": raw, "agent": rate, "chunks": chunks, "streams": STREAMS,
+                     "payload_bytes": len(payload)}  # fmt: skip
+            if qos == 1:  # one stream alone: each step waits for the one before it
+                entry["single"], entry["single_chunks"] = measure_agent_rate(
+                    broker, agent.root, qos, seconds, 1
+                )
+            result.rates[str(qos)] = entry
+            print(f"QoS {qos}: agent {rate:.0f}/s, raw {raw:.0f}/s", flush=True)
         naive = measure_naive(broker, repository / STREAM / "1" / "model.onnx", seconds)
         result.naive = {"rate": naive}
         print(f"naive loop: {naive:.0f} steps/s", flush=True)
@@ -501,8 +544,10 @@ def measure(broker: EmbeddedBroker, workdir: Path, quick: bool, tree: Path = REP
         lat = result.latency
         print(f"latency: agent {lat['agent_ms']:.2f} ms, echo {lat['round_trip_ms']:.2f} ms, "
               f"bare {lat['bare_ms'] * 1000:.0f} us", flush=True)  # fmt: skip
-        result.batching = measure_batching(agent, broker, workdir, seconds)
+        result.batching = measure_batching(agent, broker, workdir, seconds, SCORING, SCORING_DIMS)
         print(f"batching: {result.batching}", flush=True)
+        result.batching_small = measure_batching(agent, broker, workdir, seconds, SMALL, SMALL_DIMS)
+        print(f"batching, tiny model: {result.batching_small}", flush=True)
         result.memory = measure_memory(agent, broker)
         print(f"memory: {result.memory}", flush=True)
     return result
@@ -537,8 +582,9 @@ def verdict(name: str, value: float | None) -> str:
 def section(result: SpeedResult, plot_name: str | None) -> list[str]:
     f = result.figures()
     r = result.rates
-    t, lat, b = result.ttfc, result.latency, result.batching
+    t, lat = result.ttfc, result.latency
     payload = r.get("1", {}).get("payload_bytes", 0)
+    streams = r.get("1", {}).get("streams", 1)
 
     def rate_row(qos: str, label: str) -> str:
         q = r.get(qos, {})
@@ -548,10 +594,22 @@ def section(result: SpeedResult, plot_name: str | None) -> list[str]:
             f"{verdict('qos' + qos, f['qos' + qos])} |"
         )
 
-    def batch_rate(key: str) -> str:
-        value = b.get(key)
-        return "n/a" if value is None else f"{value:.0f} req/s"
+    def batch_row(b: dict[str, Any], target: bool) -> str:
+        dims = b.get("dims", [0, 0, 0])
+        layers = 2 if b.get("model") == SCORING else 1
+        sizes = "-".join(str(n) for n in (dims[0], *[dims[1]] * layers, dims[2]))
+        on, off = b.get("on"), b.get("off")
+        ratio = on / off if on and off else None
+        rate = lambda v: "n/a" if v is None else f"{v:.0f} req/s"  # noqa: E731
+        judged = verdict("batching", ratio) if target else "reference: overhead-bound"
+        return (
+            f"| requests/s, {CONCURRENCY} concurrent small requests (MLP {sizes}, "
+            f"`stream: false`): batching on / off | {rate(on)} | {rate(off)} | "
+            f"**{fmt('batching', ratio)}** | {judged} |"
+        )
 
+    one = r.get("1", {})
+    single = one.get("single")
     lines = [
         "## Speed against the baselines",
         "",
@@ -560,12 +618,14 @@ def section(result: SpeedResult, plot_name: str | None) -> list[str]:
         "on every socket. Message rates are counted by `mosquitto_sub` (C) from its receive "
         "times, so they measure the publisher, not a Python subscriber. **raw**: paho "
         f"publishing the agent's own chunk message ({payload} bytes, a real reply of the tiny "
-        "decoder) as fast as paho takes it, same in-flight window (64). **agent**: one long "
-        f"streamed request to a tiny GRU decoder step (`{STREAM}`, vocab 32, hidden 32, "
-        "one chunk per step). **naive**: the hand-written loop (`session.run`, "
+        "decoder) as fast as paho takes it, same in-flight window (64). **agent**: "
+        f"{streams} concurrent streamed requests to a tiny GRU decoder step (`{STREAM}`, vocab "
+        "32, hidden 32, one chunk per step, `[batching]` on, so the streams' steps run "
+        "together). **naive**: the hand-written loop (`session.run`, "
         "`json.dumps(token.tolist())`, publish QoS 1, `wait_for_publish`, next) on the same "
         "model. **bare**: `InferenceSession.run` alone. **round trip**: a paho echo process "
-        "answering the same request bytes with the agent's reply bytes, QoS 1 both ways.",
+        "answering the same request bytes with the agent's reply bytes, QoS 1 both ways, in "
+        "blocks alternating with the agent's.",
         "",
         "| figure | agent | baseline | ratio | target |",
         "|---|---|---|---|---|",
@@ -577,18 +637,15 @@ def section(result: SpeedResult, plot_name: str | None) -> list[str]:
         rate_row("1", "chunks/s, QoS 1: agent / raw paho"),
         rate_row("0", "chunks/s, QoS 0: agent / raw paho"),
         rate_row("2", "chunks/s, QoS 2: agent / raw paho"),
-        f"| chunks/s, QoS 1: agent / naive loop | {r.get('1', {}).get('agent', 0):.0f} "
-        f"chunks/s | {result.naive.get('rate', 0):.0f} steps/s | "
-        f"**{fmt('naive', f['naive'])}** | {verdict('naive', f['naive'])} |",
+        f"| chunks/s, QoS 1: agent / naive loop | {one.get('agent', 0):.0f} chunks/s | "
+        f"{result.naive.get('rate', 0):.0f} steps/s | **{fmt('naive', f['naive'])}** | "
+        f"{verdict('naive', f['naive'])} |",
         f"| median latency, 1-chunk tiny model (`{TINY}`): agent / (bare + round trip) | "
         f"{lat.get('agent_ms', 0):.2f} ms (p99 {lat.get('agent_p99_ms', 0):.2f} ms, "
         f"{lat.get('requests', 0):.0f} requests) | {lat.get('bare_ms', 0) * 1000:.0f} µs + "
         f"{lat.get('round_trip_ms', 0):.2f} ms | **{fmt('latency', f['latency'])}** | "
         f"{verdict('latency', f['latency'])} |",
-        f"| requests/s, {CONCURRENCY} concurrent small requests (MLP "
-        f"{'-'.join(map(str, SMALL_DIMS))}, `stream: false`): batching on / off | "
-        f"{batch_rate('on')} | {batch_rate('off')} | **{fmt('batching', f['batching'])}** | "
-        f"{verdict('batching', f['batching'])} |",
+        batch_row(result.batching, True),
         f"| resident memory growth over {MEMORY_CHUNKS:,} chunks (QoS 1) | "
         f"{result.memory.get('after_mb', 0):.0f} MB after | "
         f"{result.memory.get('before_mb', 0):.0f} MB before | "
@@ -601,7 +658,20 @@ def section(result: SpeedResult, plot_name: str | None) -> list[str]:
         f"{result.ready.get('runs', 0)} | {fmt('ready_s', f['ready_s'])} | | "
         f"**{fmt('ready_s', f['ready_s'])}** | {verdict('ready_s', f['ready_s'])} |",
         "",
+        "Reference rows (no target):",
+        "",
+        "| figure | agent | baseline | ratio |",
+        "|---|---|---|---|",
     ]
+    if single:
+        lines.append(
+            f"| chunks/s, QoS 1, one stream alone: agent / raw paho | {single:.0f} chunks/s "
+            f"({one.get('single_chunks', 0)} chunks) | {one.get('raw', 0):.0f} msg/s | "
+            f"{single / one['raw']:.2f} |"
+        )
+    if result.batching_small:
+        lines.append(batch_row(result.batching_small, False).rsplit(" | ", 1)[0] + " |")
+    lines.append("")
     if plot_name:
         lines += [f"![time to first chunk and message rates]({plot_name})", ""]
     return lines
