@@ -19,7 +19,7 @@ arithmetic; a batch pays it once. On a GPU each run is also a kernel launch per 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,6 +109,8 @@ class BatchRun:
     infer_s: float = 0.0
     runs: int = 0
     failed: dict[int, Exception] = field(default_factory=dict)
+    # Called after each run's pieces were handed out (the caller publishes them together).
+    after_run: Callable[[], None] = lambda: None
 
     def _run(self, inputs: Mapping[str, Array]) -> Arrays:
         started = time.perf_counter()
@@ -128,6 +130,7 @@ class BatchRun:
         outputs = self._run(join([m.inputs for m in members]))
         for index, part in enumerate(split(outputs, [m.rows for m in members])):
             yield index, 0, part, True
+        self.after_run()
 
     def _steps(self) -> Iterator[tuple[int, int, Arrays, bool]]:
         config = self.stream_config
@@ -156,6 +159,7 @@ class BatchRun:
                 if not last:
                     keep.append(position)
                 start = stop
+            self.after_run()
             if not keep:
                 return
             if len(keep) < len(active):

@@ -156,9 +156,10 @@ class Outbox:
 
     # -- putting -------------------------------------------------------------------------------
 
-    def put(self, message: OutMessage, timeout: float | None = None) -> None:
+    def put(self, message: OutMessage, timeout: float | None = None, *, kick: bool = True) -> None:
         """Queue a message. Blocks while memory (QoS 0), the spool (`reject_new`) or the spool
-        writer is full. Raises OutboxClosed once closed, TimeoutError when `timeout` passes."""
+        writer is full. Raises OutboxClosed once closed, TimeoutError when `timeout` passes.
+        `kick=False`: the caller queues more right away and calls `kick()` after the last."""
         deadline = None if timeout is None else time.monotonic() + timeout
         durable = self._durable(message)
         with self._cond:
@@ -176,6 +177,11 @@ class Outbox:
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError("outbox full")
                 self._cond.wait(0.1 if remaining is None else min(remaining, 0.1))
+        if kick:
+            self._on_queued()
+
+    def kick(self) -> None:
+        """Have what was queued with `kick=False` published (from this thread if it can)."""
         self._on_queued()
 
     def _room_on_disk(self, message: OutMessage) -> bool:

@@ -625,6 +625,11 @@ class Agent:
         self.outbox.put(message)
         self.metrics.reply_sent(len(message.payload))
 
+    def _send_quietly(self, message: OutMessage) -> None:
+        """Queued now, published with the others at the next `outbox.kick()`."""
+        self.outbox.put(message, kick=False)
+        self.metrics.reply_sent(len(message.payload))
+
     # -- execution (worker threads) ----------------------------------------------------------
 
     def _finish_error(self, job: Job, code: str, message: str) -> None:
@@ -750,7 +755,10 @@ class Agent:
     ) -> None:
         """One batched run; each request streams (or collects) its own pieces."""
         config = loaded.config.stream
-        run = batching.BatchRun(loaded.session, config, members)
+        # Each run's replies are queued together and published with one write.
+        run = batching.BatchRun(loaded.session, config, members, after_run=self.outbox.kick)
+        for job, _ in jobs:
+            job.reply.send = self._send_quietly
         collected: dict[int, list[tuple[int, dict[str, Any]]]] = {}
         finished: set[int] = set()
         self.metrics.batch_run(loaded.model, len(members))
@@ -781,7 +789,9 @@ class Agent:
             failure = ("model_error", f"{type(e).__name__}: {e}")
         else:
             failure = None
+        self.outbox.kick()
         for index, (job, _) in enumerate(jobs):
+            job.reply.send = self._send_blocking  # any error below goes out at once
             if index in run.failed:
                 self._finish_error(
                     job, "shutting_down", "the agent stopped before the request finished"
