@@ -176,6 +176,8 @@ class Outbox:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError("outbox full")
+                if durable and self.writer is not None:
+                    self.writer.nudge()  # room comes from the writer (or from acknowledgements)
                 self._cond.wait(0.1 if remaining is None else min(remaining, 0.1))
         if kick:
             self._on_queued()
@@ -204,6 +206,8 @@ class Outbox:
         self._unwritten += 1
         self._unwritten_bytes += len(message.payload)
         self.writer.submit(message)
+        if self._unwritten >= self._max // 2:
+            self.writer.nudge()  # well before producers would have to wait for it
         if not self._spilling and len(self._queue) < self._max:
             self._queue.append(message)
             self._loaded_up_to = spool_id

@@ -481,6 +481,7 @@ class Agent:
             callback()
         else:
             writer.submit(AfterWrite(lambda spool: callback()))
+            writer.nudge()  # someone waits for it (a folder's file, a resend)
 
     def _reply_allowed(self, topic: str) -> bool:
         return (
@@ -589,7 +590,7 @@ class Agent:
         assert self.spool is not None and self.outbox.writer is not None
         ack = self.transport.defer(incoming)
         if key in self.spool.request_keys:
-            self.outbox.writer.submit(AfterWrite(lambda spool: ack()), lazy=True)
+            self.outbox.writer.submit(AfterWrite(lambda spool: ack()))
             return False
         self.spool.request_keys.add(key)
         self.outbox.writer.submit(
@@ -601,8 +602,7 @@ class Agent:
                 incoming.response_topic,
                 incoming.correlation_data,
                 on_stored=ack,
-            ),
-            lazy=True,
+            )
         )
         return True
 
@@ -651,9 +651,19 @@ class Agent:
             self._finish_error(job, "shutting_down", "the agent is stopping")
 
     def _execute(self, job: Job | SourceJob, queued_s: float) -> None:
-        if isinstance(job, SourceJob):
-            job.run(queued_s)  # a local source's frame (agent.sources)
-            return
+        try:
+            if isinstance(job, SourceJob):
+                job.run(queued_s)  # a local source's frame (agent.sources)
+            else:
+                self._run_request(job, queued_s)
+        finally:
+            self._nudge_writer()  # the replies are out: now the spool may take its turn
+
+    def _nudge_writer(self) -> None:
+        if self.outbox.writer is not None:
+            self.outbox.writer.nudge()
+
+    def _run_request(self, job: Job, queued_s: float) -> None:
         request, reply = job.request, job.reply
         with self._running_lock:
             self._running.add(job)
@@ -726,6 +736,7 @@ class Agent:
         finally:
             with self._running_lock:
                 self._running.difference_update(job for job, _ in jobs)
+            self._nudge_writer()
 
     @staticmethod
     def _checked_inputs(job: Job, loaded: LoadedVersion) -> dict[str, Any]:
@@ -835,8 +846,7 @@ class Agent:
                 last_telemetry = now if late else last_telemetry + interval
                 self._publish_telemetry()
             self._maintain_spool(now)
-            if self.outbox.writer is not None:
-                self.outbox.writer.nudge()  # request stores queued lazily, if nothing else came
+            self._nudge_writer()  # whatever was queued outside a request (events, resends)
             if self.reporter.notifier.enabled:
                 self.reporter.tick(
                     ready=self.transport.connected.is_set(),

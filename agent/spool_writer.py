@@ -72,11 +72,11 @@ class SpoolWriter:
         """Items queued and not written yet."""
         return self._submitted - self._written
 
-    def submit(self, item: WriteItem, *, urgent: bool = False, lazy: bool = False) -> None:
-        """Queue an item; `urgent`: somebody waits for it (a refill of the publisher);
-        `lazy`: do not wake the writer for it (a request store: its reply, queued soon
-        after, wakes the writer once it is published, so the fsync is off the request's
-        path; `nudge` is the backstop)."""
+    def submit(self, item: WriteItem, *, urgent: bool = False) -> None:
+        """Queue an item. The writer is not woken for it: `nudge()` does that once the work
+        that queued it is done (a request answered, a batch run, a housekeeping tick), so a
+        request's own path never waits for this thread to take the GIL. `urgent`: somebody
+        waits for it (a refill of the publisher, a flush)."""
         with self._cond:
             self._items.append(item)
             self._submitted += 1
@@ -84,14 +84,15 @@ class SpoolWriter:
                 self._first_item_at = time.monotonic()
             if urgent:
                 self._urgent = True
-            if urgent or len(self._items) >= URGENT_ITEMS or not (lazy or self._notified):
+            if urgent or len(self._items) == URGENT_ITEMS:
                 self._notified = True
                 self._cond.notify()
 
     def nudge(self) -> None:
-        """Wake the writer for items queued lazily (housekeeping calls it now and then)."""
+        """Wake the writer for what was queued since its last batch (it still waits out the
+        group-commit delay)."""
         with self._cond:
-            if self._items and not self._notified:
+            if (self._items or self._acks) and not self._notified:
                 self._notified = True
                 self._cond.notify()
 
