@@ -38,6 +38,14 @@ mode = "batch"
 micro_batch = 4
 """
 
+CLASSIFIER_CONFIG = """\
+# One image in, one class score vector out. Requests queued together run as one batch
+# (dynamic batching); each still gets its own reply stream.
+[batching]
+max_batch = 16
+max_queue_delay_us = 1000
+"""
+
 
 def build(out: Path) -> list[tuple[Path, bytes]]:
     """Every file of the example repository with its content."""
@@ -49,6 +57,7 @@ def build(out: Path) -> list[tuple[Path, bytes]]:
         (out / "mlp" / "config.toml", MLP_CONFIG.encode()),
         (out / "mlp" / "1" / "model.onnx", mlp),
         (out / "mlp" / "1" / "model.sha256", f"{digest}  model.onnx\n".encode()),
+        (out / "classifier" / "config.toml", CLASSIFIER_CONFIG.encode()),
         (out / "classifier" / "1" / "model.onnx", demo_models.to_bytes(demo_models.conv_net())),
     ]
 
