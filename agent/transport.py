@@ -86,6 +86,10 @@ class _Client(mqtt.Client):
     def buffered(self) -> int:
         return len(self._rbuf) - self._rpos
 
+    def unsent(self) -> int:
+        """Bytes written by paho that the socket has not taken yet."""
+        return sum(len(chunk) for chunk in self._wbuf)
+
     def _sock_recv(self, bufsize: int) -> bytes:
         available = len(self._rbuf) - self._rpos
         if available <= 0:
@@ -368,8 +372,9 @@ class Transport:
         """Something this connection could send now."""
         if self._deferred_acks:
             return True
-        room = self.connected.is_set() and len(self._pending) < self._window_limit
-        return room and self._outbox.has_work()
+        if not self.connected.is_set() or len(self._pending) >= self._window_limit:
+            return False
+        return not self._client.want_write() and self._outbox.has_work()
 
     # -- the io thread ---------------------------------------------------------------------
 
@@ -545,7 +550,10 @@ class Transport:
     def _publish_batch(self, client: mqtt.Client) -> bool:
         """Publish what the outbox holds, up to the window; True when more may be waiting."""
         room = self._window_limit - len(self._pending)
-        if room <= 0:
+        if room <= 0 or client.want_write():
+            # The window is full, or the socket has not taken the last write yet: messages
+            # stay in the outbox, whose bound pushes back on the producers (QoS 0 has no
+            # window, so a stalled broker would otherwise grow paho's buffer without end).
             return False
         messages = self._outbox.take(min(PUBLISH_BATCH, room))
         if not messages:
@@ -729,6 +737,11 @@ class Transport:
     @property
     def inflight(self) -> int:
         return len(self._pending)
+
+    @property
+    def unsent_bytes(self) -> int:
+        """Published bytes the socket has not taken yet (a slow or stalled broker)."""
+        return self._client.unsent()
 
     def flush(self, timeout: float) -> bool:
         """Wait until the outbox is empty and every QoS 1/2 publish is acknowledged."""
