@@ -195,10 +195,9 @@ def met(name: str, data: dict[str, Any]) -> bool:
         figures = speed.from_json(data).figures()
         return all(speed.meets(k, v) is not False for k, v in figures.items())
     if name == "hot-swap":
-        swap, memory = data["swap"], data["memory"]
-        return bool(hot_swap.SwapResult(**swap).ratio <= 2 and swap["failed"] == 0) and bool(
-            memory["growth_mb"] <= 10
-        )
+        swap = hot_swap.SwapResult(**data["swap"])
+        memory = hot_swap.MemoryResult(**data["memory"])
+        return swap.ratio <= 2 and swap.failed == 0 and memory.growth_mb <= 10
     if name == "resend":
         return resend.ResendFloodResult(**data).ratio <= 2
     if name == "drain":

@@ -49,6 +49,7 @@ from benchmarks.harness import (
 )
 
 STREAM = "decoder-stream"  # tiny GRU step (vocab 32, embed 16, hidden 32), long streams
+STREAM_BATCHED = "decoder-stream-batched"  # the same with [batching] (absent in old agents)
 STREAMS = 16  # concurrent streams for the rate figures (their steps batched, see [batching])
 TTFC = "decoder-edge-lm"  # a step about as costly as a small language model's on an edge CPU
 TTFC_DIMS = (4096, 256, 1024)
@@ -138,8 +139,9 @@ def build_repository(root: Path) -> Path:
         if config is not None:
             (root / name / "config.toml").write_text(config)
 
-    stream_config = DECODER_CONFIG.format(steps=MEMORY_CHUNKS) + BATCHING
+    stream_config = DECODER_CONFIG.format(steps=MEMORY_CHUNKS)
     add(STREAM, demo_models.gru_decoder(), stream_config)
+    add(STREAM_BATCHED, demo_models.gru_decoder(), stream_config + BATCHING)
     vocab, embed, hidden = TTFC_DIMS
     ttfc_model = demo_models.gru_decoder(vocab=vocab, embed=embed, hidden=hidden)
     add(TTFC, ttfc_model, DECODER_CONFIG.format(steps=TTFC_STEPS))
@@ -213,16 +215,19 @@ class Requests:
 def wait_model(
     broker: EmbeddedBroker, root: str, model: str, inputs: dict[str, np.ndarray], **fields: Any
 ) -> bool:
-    """Until the model answers (True), or a minute passes (False: it never loaded)."""
+    """Until the model answers (True); False when it has no ready version (the agent loads
+    its repository before it comes online, so that is final), or after 20 s."""
     client = mqtt_client(broker)
     got = threading.Event()
     reply = f"{root}/bench-wait/{unique_id()}"
     ok: list[bool] = []
+    missing: list[bool] = []
 
     def on_message(c: Any, u: Any, message: Any) -> None:
-        kind = wire.decode_payload(message.payload, wire.Limits()).get("type")
-        if kind in ("result", "end", "error"):
-            ok.append(kind != "error")
+        body = wire.decode_payload(message.payload, wire.Limits())
+        if body.get("type") in ("result", "end", "error"):
+            ok.append(body["type"] != "error")
+            missing.append(body.get("code") == "unknown_model")
             got.set()
 
     client.on_message = on_message
@@ -234,8 +239,11 @@ def wait_model(
             ok.clear()
             body = {"id": unique_id(), "inputs": inputs, "reply_to": reply, **fields}
             client.publish(f"{root}/infer/{model}", wire.encode_payload(body), 1)
-            if got.wait(5) and ok and ok[0]:
-                return True
+            if got.wait(5) and ok:
+                if ok[0]:
+                    return True
+                if missing[0]:
+                    return False
             time.sleep(0.3)
         return False
     finally:
@@ -279,15 +287,15 @@ def measure_ttfc(agent: AgentProcess, broker: EmbeddedBroker, repeats: int) -> d
     }
 
 
-def chunk_payload(broker: EmbeddedBroker, root: str) -> bytes:
+def chunk_payload(broker: EmbeddedBroker, root: str, model: str) -> bytes:
     """A real chunk message of the tiny decoder, as the agent publishes it."""
     request_id = unique_id()
     client = mqtt_client(broker)
     got: list[bytes] = []
     client.on_message = lambda c, u, m: got.append(bytes(m.payload))
-    subscribe(client, f"{root}/result/{STREAM}/{request_id}", 1)
+    subscribe(client, f"{root}/result/{model}/{request_id}", 1)
     body = {"id": request_id, "inputs": _token(), "params": {"max_steps": 8}}
-    client.publish(f"{root}/infer/{STREAM}", wire.encode_payload(body), 1)
+    client.publish(f"{root}/infer/{model}", wire.encode_payload(body), 1)
     deadline = time.monotonic() + 30
     while len(got) < 9 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -314,12 +322,12 @@ def measure_raw(broker: EmbeddedBroker, workdir: Path, payload: bytes, qos: int,
 
 
 def measure_agent_stream(
-    broker: EmbeddedBroker, root: str, qos: int, steps: int, streams: int = 1
+    broker: EmbeddedBroker, root: str, qos: int, steps: int, streams: int = 1, model: str = STREAM
 ) -> float:
     """Chunks/s of `streams` concurrent streamed requests of `steps` chunks each, at reply QoS
     `qos`, counted at the C subscriber."""
     expect = streams * (steps + 1)  # + one `end` each
-    sub = StampSubscriber(broker, f"{root}/result/{STREAM}/+", qos, expect=expect)
+    sub = StampSubscriber(broker, f"{root}/result/{model}/+", qos, expect=expect)
     client = mqtt_client(broker)
     try:
         for _ in range(streams):
@@ -329,7 +337,7 @@ def measure_agent_stream(
                 "params": {"max_steps": steps},
                 "qos": qos,
             }
-            client.publish(f"{root}/infer/{STREAM}", wire.encode_payload(body), 1)
+            client.publish(f"{root}/infer/{model}", wire.encode_payload(body), 1)
         if not sub.wait_for(expect, max(60.0, expect / 1000)):
             raise RuntimeError(f"agent QoS {qos}: {sub.count} of {expect} messages arrived")
         return sub.rate()
@@ -339,12 +347,12 @@ def measure_agent_stream(
 
 
 def measure_agent_rate(
-    broker: EmbeddedBroker, root: str, qos: int, seconds: float, streams: int
+    broker: EmbeddedBroker, root: str, qos: int, seconds: float, streams: int, model: str
 ) -> tuple[float, int]:
     """Sized by a short probe to last about `seconds`: (chunks/s, chunks)."""
-    probe = measure_agent_stream(broker, root, qos, max(50, 2000 // streams), streams)
+    probe = measure_agent_stream(broker, root, qos, max(50, 2000 // streams), streams, model)
     steps = int(min(max(1000, probe * seconds) / streams, MEMORY_CHUNKS))
-    return measure_agent_stream(broker, root, qos, steps, streams), steps * streams
+    return measure_agent_stream(broker, root, qos, steps, streams, model), steps * streams
 
 
 def measure_naive(broker: EmbeddedBroker, model: Path, seconds: float) -> float:
@@ -469,13 +477,13 @@ def measure_batching(
     return result
 
 
-def measure_memory(agent: AgentProcess, broker: EmbeddedBroker) -> dict[str, float]:
+def measure_memory(agent: AgentProcess, broker: EmbeddedBroker, model: str) -> dict[str, float]:
     """The agent's resident memory before and after 100,000 chunks (QoS 1, `STREAMS`
     streams), after 20,000 to warm up."""
-    measure_agent_stream(broker, agent.root, 1, 20_000 // STREAMS, STREAMS)
+    measure_agent_stream(broker, agent.root, 1, 20_000 // STREAMS, STREAMS, model)
     time.sleep(1.0)
     before = agent.rss_mb()
-    measure_agent_stream(broker, agent.root, 1, MEMORY_CHUNKS // STREAMS, STREAMS)
+    measure_agent_stream(broker, agent.root, 1, MEMORY_CHUNKS // STREAMS, STREAMS, model)
     time.sleep(1.0)
     after = agent.rss_mb()
     return {"before_mb": before, "after_mb": after, "growth_mb": after - before}
@@ -519,18 +527,23 @@ def measure(broker: EmbeddedBroker, workdir: Path, quick: bool, tree: Path = REP
         for model in (STREAM, TTFC):
             if not wait_model(broker, agent.root, model, _token(), params={"max_steps": 1}):
                 raise RuntimeError(f"{model} did not load")
+        # Streams batched where the agent has [batching] (an older one refuses the model).
+        batched = wait_model(broker, agent.root, STREAM_BATCHED, _token(), params={"max_steps": 1})
+        stream_model = STREAM_BATCHED if batched else STREAM
         result.ttfc = measure_ttfc(agent, broker, 10 if quick else 40)
         t = result.ttfc
         print(f"ttfc: first {t['first_ms']:.2f} ms, whole {t['whole_ms']:.2f} ms", flush=True)
-        payload = chunk_payload(broker, agent.root)
+        payload = chunk_payload(broker, agent.root, stream_model)
         for qos in (0, 1, 2):
             raw = measure_raw(broker, workdir, payload, qos, seconds)
-            rate, chunks = measure_agent_rate(broker, agent.root, qos, seconds, STREAMS)
+            rate, chunks = measure_agent_rate(
+                broker, agent.root, qos, seconds, STREAMS, stream_model
+            )
             entry = {"raw": raw, "agent": rate, "chunks": chunks, "streams": STREAMS,
-                     "payload_bytes": len(payload)}  # fmt: skip
+                     "payload_bytes": len(payload), "batched": batched}  # fmt: skip
             if qos == 1:  # one stream alone: each step waits for the one before it
                 entry["single"], entry["single_chunks"] = measure_agent_rate(
-                    broker, agent.root, qos, seconds, 1
+                    broker, agent.root, qos, seconds, 1, STREAM
                 )
             result.rates[str(qos)] = entry
             print(f"QoS {qos}: agent {rate:.0f}/s, raw {raw:.0f}/s", flush=True)
@@ -548,7 +561,7 @@ def measure(broker: EmbeddedBroker, workdir: Path, quick: bool, tree: Path = REP
         print(f"batching: {result.batching}", flush=True)
         result.batching_small = measure_batching(agent, broker, workdir, seconds, SMALL, SMALL_DIMS)
         print(f"batching, tiny model: {result.batching_small}", flush=True)
-        result.memory = measure_memory(agent, broker)
+        result.memory = measure_memory(agent, broker, stream_model)
         print(f"memory: {result.memory}", flush=True)
     return result
 
@@ -619,8 +632,8 @@ def section(result: SpeedResult, plot_name: str | None) -> list[str]:
         "times, so they measure the publisher, not a Python subscriber. **raw**: paho "
         f"publishing the agent's own chunk message ({payload} bytes, a real reply of the tiny "
         "decoder) as fast as paho takes it, same in-flight window (64). **agent**: "
-        f"{streams} concurrent streamed requests to a tiny GRU decoder step (`{STREAM}`, vocab "
-        "32, hidden 32, one chunk per step, `[batching]` on, so the streams' steps run "
+        f"{streams} concurrent streamed requests to a tiny GRU decoder step (`{STREAM_BATCHED}`, "
+        "vocab 32, hidden 32, one chunk per step, `[batching]` on, so the streams' steps run "
         "together). **naive**: the hand-written loop (`session.run`, "
         "`json.dumps(token.tolist())`, publish QoS 1, `wait_for_publish`, next) on the same "
         "model. **bare**: `InferenceSession.run` alone. **round trip**: a paho echo process "
