@@ -80,13 +80,25 @@ def section(history: dict[str, Any]) -> list[str]:
         "The speed suite against the agent of each commit below (this checkout's harness, "
         "models and baselines; only the agent differs), oldest first. Every row is a "
         "separate agent run, so compare rows for the direction and size of a change, and the "
-        "section above for the current figures.",
+        "section above for the current figures. Before dynamic batching existed, the agent "
+        "ran the 16 streams unbatched and had no batching figure (n/a). The last two columns "
+        "are absolute: requests a second to the 256-1024-1024-10 MLP without batching, and "
+        "one stream alone.",
         "",
-        "| commit | " + " | ".join(label for _, label in COLUMNS) + " |",
-        "|---|" + "---|" * len(COLUMNS),
+        "| commit | "
+        + " | ".join(label for _, label in COLUMNS)
+        + " | req/s, 64 concurrent, no batching | chunks/s, one stream, QoS 1 |",
+        "|---|" + "---|" * (len(COLUMNS) + 2),
     ]
     for row in history["rows"]:
         cells = [speed.fmt(key, row["figures"].get(key)) for key, _ in COLUMNS]
+        data = row["data"]
+        off = data.get("batching", {}).get("off")
+        single = data.get("rates", {}).get("1", {}).get("single")
+        cells += [
+            "n/a" if off is None else f"{off:.0f}",
+            "n/a" if single is None else f"{single:.0f}",
+        ]
         lines.append(f"| `{row['rev']}` {row['subject']} | " + " | ".join(cells) + " |")
     lines.append("")
     return lines
