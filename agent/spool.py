@@ -131,15 +131,9 @@ class MessageRow(Protocol):
 
 
 @dataclass(frozen=True)
-class StoreRequest:
+class StoreRequest(StoredRequest):
     """Store a received request; `on_stored` runs once it is on disk (fsynced)."""
 
-    key: str
-    topic: str
-    payload: bytes
-    qos: int
-    response_topic: str | None
-    correlation: bytes | None
     on_stored: Callable[[], None] | None = None
 
 
@@ -257,14 +251,14 @@ class Spool:
                 self._purge_acked_locked(float("inf"))  # history goes before anything pending
                 if self.policy == "drop_oldest":
                     result.eviction = self._evict(pending, pending_bytes, protected_after, streams)
-            if durable:
-                self._db.execute("PRAGMA synchronous=FULL")
             now = time.time()
             # A request answered within this batch is neither inserted nor deleted: the
             # commit that acknowledges it holds its terminal message (and is fsynced).
             stores: dict[str, StoreRequest] = {}
-            self._db.execute("BEGIN")
+            if durable:
+                self._db.execute("PRAGMA synchronous=FULL")
             try:
+                self._db.execute("BEGIN")
                 for item in items:
                     if isinstance(item, StoreRequest):
                         stores[item.key] = item
@@ -296,7 +290,8 @@ class Spool:
                 marked = self._ack_locked(earlier, now) if earlier else (0, 0)
                 self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
                 raise
             finally:
                 if durable:

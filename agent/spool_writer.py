@@ -2,8 +2,11 @@
 
 Workers queue messages, the network thread queues request stores and acknowledgements; this
 thread takes everything that arrived since its last wake-up and writes it as one transaction
-(`Spool.write`), in the order it was queued. Nobody waits for it except where the contract
-says so: a request is acknowledged to the broker only from `on_stored`, after the fsync.
+(`Spool.write`), in the order it was queued. It is woken when a request's replies are out (or
+a batch run ended, or a producer would have to wait for it, or on a housekeeping tick), never
+on a request's own path, and then waits out GROUP_COMMIT_S. Nobody waits for it except where
+the contract says so: a request is acknowledged to the broker only from `on_stored`, after
+the fsync.
 
 Messages are published from memory while they are being written (write-behind). A message
 published and lost before its row is committed is one the agent crashed with: a request
@@ -30,6 +33,7 @@ GROUP_COMMIT_S = 0.005
 URGENT_ITEMS = 512  # a batch this large is written at once
 ACK_FLUSH_S = 0.02  # acknowledgements alone wake the writer at most this late
 RETRY_S = 0.5  # after a failed write (disk full, I/O error)
+FAILURE_LOG_S = 30.0  # a failing disk is logged again at most this often
 
 
 class SpoolWriter:
@@ -60,6 +64,7 @@ class SpoolWriter:
         self._written = 0  # items written so far (submission count reached)
         self._closing = False
         self.failures = 0
+        self._failure_logged = -FAILURE_LOG_S
         self.batches = 0  # transactions written
         self.items = 0  # items in them
         self._thread = threading.Thread(target=self._run, name="spool-writer", daemon=True)
@@ -174,7 +179,14 @@ class SpoolWriter:
                 break
             except Exception:  # sqlite3.Error, OSError: the disk is full or failing
                 self.failures += 1
-                log.exception("spool: writing %d item(s) failed; retrying", len(items))
+                now = time.monotonic()
+                if now - self._failure_logged >= FAILURE_LOG_S:
+                    self._failure_logged = now
+                    log.exception(
+                        "spool: writing %d item(s) failed (%d time(s) so far); retrying",
+                        len(items),
+                        self.failures,
+                    )
                 time.sleep(RETRY_S)
                 with self._cond:
                     if self._closing:

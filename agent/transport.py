@@ -1,23 +1,24 @@
 """The one owner of the MQTT connection: connect, will and birth, reconnect, publish, acks.
 
-One named thread, `mqtt-io`, does all of it, driving paho through its external-loop API
-(`loop_read`, `loop_write`, `loop_misc` around a selector) instead of `loop_start`:
+paho is driven through its external-loop API (`loop_read`, `loop_write`, `loop_misc` around a
+selector), never `loop_start`, and only by the holder of one lock, the io lock:
 
-* it connects, and reconnects with capped exponential backoff and full jitter (paho's built-in
-  reconnect has no jitter, so a fleet of boxes would reconnect in lock step after a broker
-  restart); before every attempt it sets the will with the next `epoch`, so a late will of an
-  older connection can be told apart from the current state;
-* it is the only caller of `publish`: it takes encoded messages from the outbox in order, a
-  batch at a time, keeps at most `max_inflight` QoS 1/2 messages unacknowledged, and writes a
-  batch to the socket with one `loop_write`;
-* it reads the socket and runs paho's callbacks: incoming requests, acknowledgements.
+* the `mqtt-io` thread holds it except while it waits in `select`. It connects, and
+  reconnects with capped exponential backoff and full jitter (paho's built-in reconnect has no
+  jitter, so a fleet of boxes would reconnect in lock step after a broker restart); before
+  every attempt it sets the will with the next `epoch`, so a late will of an older connection
+  can be told apart from the current state. It reads the socket and runs paho's callbacks
+  (incoming requests, acknowledgements), and publishes what the outbox holds.
+* a thread that queued a message (a worker with a chunk, the spool writer with a request's
+  acknowledgement) takes the lock when it is free and publishes from there: the chunk reaches
+  the socket with no hand-off. Whoever holds the lock takes the outbox in order, a batch at a
+  time, keeps at most `max_inflight` QoS 1/2 messages unacknowledged and writes the batch with
+  one `loop_write`; every holder looks at the outbox again after releasing the lock, so
+  nothing queued meanwhile is left behind.
 
 Why not paho's own thread: with `loop_start`, every publish from another thread is a hand-off
-(a wake-up byte, a `select`, a thread switch, a GIL hand-over) per message; with one thread
-owning the socket, a chunk goes from the outbox to the socket with no hand-off, and the
-in-flight window needs no lock. The other threads reach this one through the outbox (which
-wakes it only when it said it would sleep) and `ack_later` (acknowledgements of requests once
-they are stored).
+(a wake-up byte, a `select`, a thread switch, a GIL hand-over) per message. One lock also
+keeps per-stream order (the outbox is FIFO) and frees the in-flight window from locks.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class _Client(mqtt.Client):
         super().__init__(*args, **kwargs)
         self._rbuf = b""
         self._rpos = 0
-        self._wbuf: list[bytes] = []
+        self._wbuf: list[bytes | bytearray] = []
 
     def buffered(self) -> int:
         return len(self._rbuf) - self._rpos
@@ -106,7 +107,7 @@ class _Client(mqtt.Client):
     def _sock_send(self, buf: bytes | bytearray) -> int:
         if self._sock is None:
             raise ConnectionError("self._sock is None")
-        self._wbuf.append(bytes(buf))
+        self._wbuf.append(buf)  # paho passes a fresh slice of its packet: no copy needed
         return len(buf)
 
     def loop_write(self) -> MQTTErrorCode:
@@ -162,8 +163,9 @@ class _Client(mqtt.Client):
 class Incoming:
     """A received message, as the ingress code needs it (paho's object stays inside here).
 
-    `ack` is set for a QoS 1/2 message the handler may acknowledge later (`Transport.defer`):
-    otherwise the transport acknowledges it as soon as the handler returns.
+    `deferred` is set when the handler took over the acknowledgement of a QoS 1/2 message
+    (`Transport.defer`); otherwise the transport acknowledges it as soon as the handler
+    returns.
     """
 
     topic: str
@@ -256,7 +258,7 @@ class Transport:
         self.connected = threading.Event()
         self._disconnected = threading.Event()
         self._stop = threading.Event()
-        # Everything below is touched by the mqtt-io thread only (other threads read counts).
+        # Everything below is touched only under the io lock (other threads read counts).
         # In-flight window: at most min(max_inflight, the broker's Receive Maximum) QoS 1/2
         # publishes unacknowledged; the broker would otherwise disconnect us (MQTT 5).
         self._window_limit = config.max_inflight
@@ -304,7 +306,7 @@ class Transport:
         client.on_publish = self._handle_publish
         client.on_socket_open = self._handle_socket_open
         client.on_pre_connect = self._handle_pre_connect
-        # Publishes are only queued; the io loop writes a whole batch with one loop_write.
+        # Publishes are only queued; the io lock's holder writes a batch with one loop_write.
         client.on_socket_register_write = _ignore_socket
         if config.username is not None:
             password = read_secret(config.password_file) if config.password_file else None
@@ -385,7 +387,10 @@ class Transport:
             with self._io_lock:  # nobody publishes on a client being replaced or connected
                 connected = self._connect_once()
             if connected:
-                self._serve()
+                try:
+                    self._serve()
+                except Exception:  # a bug must cost the connection, never the thread
+                    log.exception("mqtt: the connection loop failed; reconnecting")
             with self._io_lock:
                 self._drop_connection()
             if self._stop.is_set():
@@ -545,7 +550,7 @@ class Transport:
             log.warning("mqtt: %s", message)
         self.last_error = message
 
-    # -- publishing (io thread) ------------------------------------------------------------
+    # -- publishing (under the io lock) ----------------------------------------------------
 
     def _publish_batch(self, client: mqtt.Client) -> bool:
         """Publish what the outbox holds, up to the window; True when more may be waiting."""
@@ -596,7 +601,7 @@ class Transport:
             self._pending[info.mid] = (sent, message.spool_id)
         return True
 
-    # -- paho callbacks (io thread) --------------------------------------------------------
+    # -- paho callbacks (under the io lock) ------------------------------------------------
 
     def _handle_pre_connect(self, client: mqtt.Client, userdata: Any) -> None:
         message = self._will(self._epoch.next())

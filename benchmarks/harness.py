@@ -28,17 +28,25 @@ def _nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def mqtt_client(broker: EmbeddedBroker) -> mqtt.Client:
+INFLIGHT = 64  # the agent's default [mqtt] max_inflight, for every paho client here
+
+
+def connect(port: int, host: str = "127.0.0.1") -> mqtt.Client:
     """A connected paho client (MQTT 5, TCP_NODELAY, its own network thread)."""
     client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
     client.on_socket_open = _nodelay
+    client.max_inflight_messages_set(INFLIGHT)
     connected = threading.Event()
     client.on_connect = lambda c, u, f, rc, p: connected.set()
-    client.connect(broker.host, broker.port)
+    client.connect(host, port)
     client.loop_start()
     if not connected.wait(10):
         raise RuntimeError("no CONNACK from the benchmark broker")
     return client
+
+
+def mqtt_client(broker: EmbeddedBroker) -> mqtt.Client:
+    return connect(broker.port, broker.host)
 
 
 def close_client(client: mqtt.Client) -> None:

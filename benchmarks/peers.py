@@ -23,41 +23,16 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import socket
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import cbor2
 import paho.mqtt.client as mqtt
 
-INFLIGHT = 64  # the agent's default [mqtt] max_inflight
-
-
-def _nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-def connect(port: int, host: str = "127.0.0.1") -> mqtt.Client:
-    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
-    client.on_socket_open = _nodelay
-    client.max_inflight_messages_set(INFLIGHT)
-    connected = threading.Event()
-    client.on_connect = lambda c, u, f, rc, p: connected.set()
-    client.connect(host, port)
-    client.loop_start()
-    if not connected.wait(10):
-        raise SystemExit("no CONNACK from the broker")
-    return client
-
-
-def subscribe(client: mqtt.Client, topic: str, qos: int) -> None:
-    done = threading.Event()
-    client.on_subscribe = lambda c, u, mid, rc, p: done.set()
-    client.subscribe(topic, qos)
-    if not done.wait(10):
-        raise SystemExit(f"no SUBACK for {topic}")
+from benchmarks.harness import connect, subscribe
 
 
 def run_raw(args: argparse.Namespace) -> dict[str, Any]:
@@ -139,7 +114,7 @@ def run_load(args: argparse.Namespace) -> dict[str, Any]:
 
     def on_message(c: mqtt.Client, userdata: Any, message: Any) -> None:
         nonlocal errors
-        if b"error" in message.payload[:120] and b"code" in message.payload:
+        if cbor2.loads(message.payload).get("type") == "error":
             errors += 1
         with lock:
             done_at.append(time.perf_counter())

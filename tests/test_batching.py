@@ -17,19 +17,12 @@ import pytest
 from onnx import TensorProto, helper
 
 from agent import batching, demo_models
+from agent.demo import DECODER_CONFIG
 from agent.repository import ModelConfigError, parse_model_config
 from agent.scheduler import BatchSpec, Scheduler
 from tests.conftest import decoder_reference
 
 BATCHING = "[batching]\nmax_batch = 64\nmax_queue_delay_us = 150000\n"
-DECODER_STEPS = """\
-[stream]
-mode = "steps"
-max_steps = 32
-feed = { token = "next_token" }
-state = { h = "h_out" }
-emit = ["next_token"]
-"""
 COUNTDOWN_STEPS = """\
 [stream]
 mode = "steps"
@@ -61,7 +54,7 @@ def write_models(root: Path) -> Path:
         (root / name / "config.toml").write_text(config)
 
     add("mlp", demo_models.mlp(), BATCHING)
-    add("decoder", demo_models.gru_decoder(), DECODER_STEPS + BATCHING)
+    add("decoder", demo_models.gru_decoder(), DECODER_CONFIG.format(steps=32) + BATCHING)
     add("countdown", countdown(), COUNTDOWN_STEPS + BATCHING)
     add("fixed", fixed_batch_mlp(), BATCHING)  # a batch axis of fixed size 1: refused
     return root
