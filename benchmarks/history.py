@@ -99,7 +99,8 @@ def section(history: dict[str, Any]) -> list[str]:
             "n/a" if off is None else f"{off:.0f}",
             "n/a" if single is None else f"{single:.0f}",
         ]
-        lines.append(f"| `{row['rev']}` {row['subject']} | " + " | ".join(cells) + " |")
+        subject = row["subject"] if len(row["subject"]) <= 90 else row["subject"][:88] + "…"
+        lines.append(f"| `{row['rev']}` {subject} | " + " | ".join(cells) + " |")
     lines.append("")
     return lines
 

@@ -684,6 +684,21 @@ def section(result: SpeedResult, plot_name: str | None) -> list[str]:
         )
     if result.batching_small:
         lines.append(batch_row(result.batching_small, False).rsplit(" | ", 1)[0] + " |")
+    lines += [
+        "",
+        f"Reading it: the rates are the agent serving {streams} streams at once, as a box "
+        "answering several backends does; their steps run as one batch and each step's "
+        "replies leave in one socket write, where paho alone sends one message a write. One "
+        "stream alone (reference row) is bounded by the agent's work per step done one step "
+        "after the other: the model run, encoding, publishing. The latency figure adds to the "
+        "echo's round trip the request's decoding and checks, a hand-off to a worker thread "
+        "and the model run; on this 2-core virtual machine each of them runs cold after the "
+        "wait for the next request (a model run of a few µs hot takes tens of µs), and they "
+        "stay near the echo's round trip again. Batching pays where a run costs more than "
+        "the agent's own per-request work: the 256-1024-1024-10 MLP (5 MB of weights, "
+        "memory-bound one request at a time) is the target row; the tiny MLP's run costs less "
+        "than decoding and publishing a request (reference row).",
+    ]
     lines.append("")
     if plot_name:
         lines += [f"![time to first chunk and message rates]({plot_name})", ""]
