@@ -144,7 +144,7 @@ def run_load(args: argparse.Namespace) -> dict[str, Any]:
         last = len(done_at)
         elapsed = time.perf_counter() - started
     stop.set()
-    time.sleep(0.5)  # let what is in flight finish before the agent is asked anything else
+    time.sleep(0.2)  # let what is in flight finish before the agent is asked anything else
     client.disconnect()
     client.loop_stop()
     return {"completed": last - first, "seconds": elapsed, "errors": errors}

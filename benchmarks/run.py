@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Benchmarks of the agent, measured side by side; results go to docs/benchmarks.md.
 
-    python benchmarks/run.py                       # every section, full length (~6 min)
-    python benchmarks/run.py --quick               # every section, short (~3 min)
-    python benchmarks/run.py --quick --only speed  # the speed targets alone, under a minute
+    python benchmarks/run.py                        # every section, full length (~5 min)
+    python benchmarks/run.py --quick                # the speed targets, short: under a minute
+    python benchmarks/run.py --quick --only hot-swap,drain   # other sections, short
 
 Each section is measured in one run on one machine and saved to
 `benchmarks/results/SECTION.json`; the report is written from every saved section, so running
@@ -207,14 +207,19 @@ def met(name: str, data: dict[str, Any]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="shorter measurements")
     parser.add_argument(
-        "--only", default=",".join(SECTIONS), help=f"comma-separated: {', '.join(SECTIONS)}"
+        "--quick", action="store_true", help="shorter measurements (alone: the speed section)"
+    )
+    parser.add_argument(
+        "--only",
+        default=None,
+        help=f"comma-separated sections: {', '.join(SECTIONS)} (default: all; speed with --quick)",
     )
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks.md")
     parser.add_argument("--report-only", action="store_true", help="rewrite the report only")
     args = parser.parse_args(argv)
-    chosen = [s.strip() for s in args.only.split(",") if s.strip()]
+    only = args.only or ("speed" if args.quick else ",".join(SECTIONS))
+    chosen = [s.strip() for s in only.split(",") if s.strip()]
     unknown = [s for s in chosen if s not in SECTIONS]
     if unknown:
         parser.error(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}")

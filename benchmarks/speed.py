@@ -471,7 +471,7 @@ def measure_batching(
             continue
         done = _peer(broker, "load", "--root", agent.root, "--model", name,
                      "--payload", str(path), "--concurrency", str(CONCURRENCY),
-                     "--seconds", str(seconds))  # fmt: skip
+                     "--seconds", str(seconds), "--warmup", str(min(1.0, seconds / 4)))  # fmt: skip
         result[key] = done["completed"] / done["seconds"]
         result[f"{key}_errors"] = done["errors"]
     return result
@@ -481,10 +481,10 @@ def measure_memory(agent: AgentProcess, broker: EmbeddedBroker, model: str) -> d
     """The agent's resident memory before and after 100,000 chunks (QoS 1, `STREAMS`
     streams), after 20,000 to warm up."""
     measure_agent_stream(broker, agent.root, 1, 20_000 // STREAMS, STREAMS, model)
-    time.sleep(1.0)
+    time.sleep(0.5)
     before = agent.rss_mb()
     measure_agent_stream(broker, agent.root, 1, MEMORY_CHUNKS // STREAMS, STREAMS, model)
-    time.sleep(1.0)
+    time.sleep(0.5)
     after = agent.rss_mb()
     return {"before_mb": before, "after_mb": after, "growth_mb": after - before}
 
@@ -510,7 +510,7 @@ def measure_idle(broker: EmbeddedBroker, workdir: Path, tree: Path) -> dict[str,
         x = np.zeros((1, 16), np.float32)
         if not wait_model(broker, agent.root, TINY, {"x": x}, stream=False):
             raise RuntimeError("the idle agent did not serve its model")
-        time.sleep(2.0)
+        time.sleep(1.0)
         return {"rss_mb": agent.rss_mb()}
 
 
