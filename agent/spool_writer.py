@@ -65,8 +65,6 @@ class SpoolWriter:
         self._closing = False
         self.failures = 0
         self._failure_logged = -FAILURE_LOG_S
-        self.batches = 0  # transactions written
-        self.items = 0  # items in them
         self._thread = threading.Thread(target=self._run, name="spool-writer", daemon=True)
 
     def start(self) -> None:
@@ -171,8 +169,6 @@ class SpoolWriter:
                 self._cond.notify_all()
 
     def _write(self, items: list[WriteItem], acks: list[int]) -> None:
-        self.batches += 1
-        self.items += len(items)
         while True:
             try:
                 result = self.spool.write(items, acks, self._protected_after())
