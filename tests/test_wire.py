@@ -840,3 +840,48 @@ def test_fuzz_only_wire_errors() -> None:
             assert e.request_id is None or wire.ID_PATTERN.match(e.request_id)
             outcomes["error"] += 1
     assert outcomes["ok"] > 0 and outcomes["error"] > 1000
+
+
+# ----------------------------------------------------------------------------- reply encoding
+
+
+@pytest.mark.parametrize(
+    "arr",
+    [
+        np.arange(6, dtype=np.float32).reshape(2, 3),
+        np.array(5, dtype=np.int64),
+        np.zeros((0, 3), dtype=np.int32),
+        np.array([True, False]),
+        np.arange(10, dtype=">f4"),  # big-endian: swapped once
+        np.arange(12, dtype=np.int16).reshape(3, 4).T,  # not contiguous: gathered once
+        np.zeros((1, 70000), dtype=np.uint8),  # a byte-string head of 4 bytes
+        np.array([1, 2], dtype=np.float16),
+        np.arange(5, dtype=np.uint64),
+    ],
+)
+def test_outputs_are_built_from_buffers_with_cbor2s_bytes(arr: np.ndarray) -> None:
+    """The hand-built encoding is the one cbor2 makes from `encode_tensor` tags, byte for byte."""
+    outputs = {"x": arr, "second": arr}
+    expected = cbor2.dumps({name: wire.encode_tensor(a) for name, a in outputs.items()})
+    assert wire.encode_outputs(outputs) == expected
+    pieces, size = wire.outputs_pieces(outputs)
+    assert size == len(expected) == len(b"".join(pieces))
+
+
+def test_a_chunk_envelope_is_the_generic_encoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agent import streaming
+
+    monkeypatch.setattr(time, "time_ns", lambda: 1_234_567_890_123_456_789)
+    sent: list = []
+    reply = streaming.ReplyStream(
+        request_id="abc", model="m", version=3, topic="t", qos=1,
+        max_chunk_bytes=1 << 20, send=sent.append,
+    )  # fmt: skip
+    outputs = {"next_token": np.array([[7]], np.int64), "p": np.ones((2, 3), np.float32)}
+    reply.chunk(outputs, 5)
+    reply.seq = 0
+    generic = streaming.encode_with_outputs(
+        reply._fields("chunk", index=5), wire.encode_outputs(outputs)
+    )
+    assert sent[0].payload == generic
+    assert wire.decode_payload(generic, LIMITS)["index"] == 5
