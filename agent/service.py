@@ -39,6 +39,7 @@ from agent.streaming import (
     Execution,
     ReplyStream,
     initial_state,
+    max_steps,
     merge_pieces,
 )
 from agent.systemd import Notifier, ServiceReporter
@@ -755,8 +756,7 @@ class Agent:
         try:
             inputs = self._checked_inputs(job, loaded)
             inputs = initial_state(loaded.session, config, inputs)
-            limit = Execution(loaded.session, config, inputs, request.params, job.cancelled)
-            return batching.Member(inputs, limit.max_steps(), job.cancelled)
+            return batching.Member(inputs, max_steps(config, request.params), job.cancelled)
         except wire.WireError as e:
             self._finish_error(job, e.code, e.message)
             return None

@@ -248,23 +248,12 @@ class Execution:
             part = {k: v[start : start + step] for k, v in self.inputs.items()}
             yield start, self._run(part)
 
-    def max_steps(self) -> int:
-        limit = self.stream_config.max_steps
-        asked = self.params.get("max_steps")
-        if asked is None:
-            return limit
-        if isinstance(asked, bool) or not isinstance(asked, int) or not 1 <= asked <= limit:
-            raise wire.WireError(
-                "bad_request", f"params.max_steps must be an integer from 1 to {limit}"
-            )
-        return asked
-
     def _steps(self) -> Iterator[tuple[int, Arrays]]:
         config = self.stream_config
         state_outputs = set(config.state.values())
         emit = config.emit if config.emit is not None else None
         inputs = dict(self.inputs)
-        for step in range(self.max_steps()):
+        for step in range(max_steps(config, self.params)):
             outputs = self._run(inputs)
             names = emit if emit is not None else [n for n in outputs if n not in state_outputs]
             yield step, {n: outputs[n] for n in names}
@@ -281,6 +270,19 @@ class Execution:
                         f"into input '{target}' {expected.dtype}{list(expected.shape)}"
                     )
                 inputs[target] = value
+
+
+def max_steps(config: StreamConfig, params: Mapping[str, Any]) -> int:
+    """Steps a request may run: `params.max_steps` (checked), else the model's bound."""
+    limit = config.max_steps
+    asked = params.get("max_steps")
+    if asked is None:
+        return limit
+    if isinstance(asked, bool) or not isinstance(asked, int) or not 1 <= asked <= limit:
+        raise wire.WireError(
+            "bad_request", f"params.max_steps must be an integer from 1 to {limit}"
+        )
+    return asked
 
 
 def _all_equal(array: Array, value: float) -> bool:
