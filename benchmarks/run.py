@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Benchmarks of the agent, measured side by side; results go to docs/benchmarks.md.
 
+    scripts/bench [ARGS]                            # the same, installing what it needs first
     python benchmarks/run.py                        # every section, full length (~5 min)
     python benchmarks/run.py --quick                # the speed targets, short: under a minute
     python benchmarks/run.py --quick --only hot-swap,drain   # other sections, short
@@ -168,7 +169,7 @@ def write_report(out: Path) -> None:
     lines = [
         "# Benchmarks",
         "",
-        "Produced by `python benchmarks/run.py` (sections: "
+        "Produced by `scripts/bench` (`benchmarks/run.py`; sections: "
         + ", ".join(f"`{s}`" for s in SECTIONS)
         + "). Every figure in a table comes from one run on one machine, side by side; "
         "absolute times on this shared machine are noisy, ratios much less so.",
