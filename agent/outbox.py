@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from agent.spool import AfterWrite, Eviction, FinishRequest, Spool, SpooledMessage
+from agent.spool import AfterWrite, Eviction, FinishRequest, Spool, SpooledMessage, stored_bytes
 from agent.spool_writer import SpoolWriter
 
 REFILL_BATCH = 256
@@ -195,7 +195,7 @@ class Outbox:
         if self._spool.policy != "reject_new":
             return True
         return not self._spool.full(
-            self._unwritten + 1, self._unwritten_bytes + len(message.payload)
+            self._unwritten + 1, self._unwritten_bytes + stored_bytes(message)
         )
 
     def _put_durable(self, message: OutMessage) -> None:
@@ -204,7 +204,7 @@ class Outbox:
         message.spool_id = spool_id = self._spool.allocate_id()
         self._last_id = spool_id
         self._unwritten += 1
-        self._unwritten_bytes += len(message.payload)
+        self._unwritten_bytes += stored_bytes(message)
         self.writer.submit(message)
         if self._unwritten >= self._max // 2:
             self.writer.nudge()  # well before producers would have to wait for it
@@ -236,7 +236,7 @@ class Outbox:
             if self._durable(message):
                 assert self._spool is not None
                 full = self._spool.policy == "reject_new" and self._spool.full(
-                    self._unwritten + 1, self._unwritten_bytes + len(message.payload)
+                    self._unwritten + 1, self._unwritten_bytes + stored_bytes(message)
                 )
                 if full or self._unwritten >= self._hard_max:
                     self.rejected += 1

@@ -73,6 +73,34 @@ _INSERT_SQL = [""] + [
 ]
 
 
+# What a message row costs on disk besides the strings it holds: the id, the timestamps and
+# small columns, the entries of the three indexes (which repeat the stream key and request
+# id, counted twice below), and the b-tree's own headers and free space. Measured with small
+# chunks (tests/test_spool.py checks the estimate against the file). The caps count this
+# estimate, so `max_bytes` bounds the file rather than the payloads alone: a 134-byte chunk
+# takes about 400 bytes of disk.
+ROW_OVERHEAD_BYTES = 120
+STORED_BYTES_SQL = (
+    "(LENGTH(payload) + LENGTH(topic) + 2 * LENGTH(stream) + 2 * COALESCE(LENGTH(rid), 0)"
+    " + COALESCE(LENGTH(correlation), 0)"
+    f" + {ROW_OVERHEAD_BYTES})"
+)
+_SUM_STORED = f"COALESCE(SUM({STORED_BYTES_SQL}), 0)"
+
+
+def stored_bytes(row: MessageRow) -> int:
+    """The disk a message's row takes, as the caps count it (STORED_BYTES_SQL in Python; text
+    is counted in characters, as SQLite's LENGTH does, so both always agree)."""
+    size = len(row.payload) + len(row.topic) + ROW_OVERHEAD_BYTES
+    if row.stream is not None:
+        size += 2 * len(row.stream)
+    if row.rid is not None:
+        size += 2 * len(row.rid)
+    if row.correlation is not None:
+        size += len(row.correlation)
+    return size
+
+
 class SpoolFull(Exception):
     """No room for the message under the `reject_new` policy (or nothing left to evict)."""
 
@@ -186,12 +214,10 @@ class Spool:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
-        row = self._db.execute(
-            "SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM messages WHERE acked IS NULL"
-        )
+        row = self._db.execute(f"SELECT COUNT(*), {_SUM_STORED} FROM messages WHERE acked IS NULL")
         self.count, self.bytes = (int(v) for v in row.fetchone())  # pending messages only
         (history,) = self._db.execute(
-            "SELECT COALESCE(SUM(LENGTH(payload)), 0) FROM messages WHERE acked IS NOT NULL"
+            f"SELECT {_SUM_STORED} FROM messages WHERE acked IS NOT NULL"
         ).fetchone()
         self.history_bytes = int(history)  # acknowledged, kept for resend
         (last,) = self._db.execute(
@@ -239,7 +265,7 @@ class Spool:
                 if isinstance(item, StoreRequest):
                     durable = True
                 elif not isinstance(item, FinishRequest | AfterWrite):
-                    size = len(item.payload)
+                    size = stored_bytes(item)
                     result.written += 1
                     result.written_bytes += size
                     if item.spool_id not in acked_now:
@@ -338,18 +364,19 @@ class Spool:
         evicted (SpoolFull when there is nothing to evict).
         """
         eviction = None
+        row = _Row(self.allocate_id(), stream, topic, payload, qos, retain, correlation, finishes,
+                   rid, seq)  # fmt: skip
+        size = stored_bytes(row)
         with self._lock:
-            if self._over(1, len(payload)):
+            if self._over(1, size):
                 if self.policy == "reject_new":
                     raise SpoolFull(
                         f"spool full ({self.count} messages, {self.bytes} bytes; "
                         f"limits {self.max_messages}, {self.max_bytes})"
                     )
-                eviction = self._evict(1, len(payload), protected_after, {stream})
+                eviction = self._evict(1, size, protected_after, {stream})
                 if eviction is None:
                     raise SpoolFull("spool full and every message in it is already being published")
-        row = _Row(self.allocate_id(), stream, topic, payload, qos, retain, correlation, finishes,
-                   rid, seq)  # fmt: skip
         self.write([row], (), protected_after)
         return row.spool_id, eviction
 
@@ -378,7 +405,7 @@ class Spool:
                 break
             victim = row[0]
             n, b = self._db.execute(
-                "SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM messages "
+                f"SELECT COUNT(*), {_SUM_STORED} FROM messages "
                 "WHERE stream = ? AND id > ? AND acked IS NULL",
                 (victim, protected_after),
             ).fetchone()
@@ -430,7 +457,7 @@ class Spool:
             marks = ",".join("?" * len(chunk))
             where = f"id IN ({marks}) AND acked IS NULL"
             row = self._db.execute(
-                f"SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM messages WHERE {where}",
+                f"SELECT COUNT(*), {_SUM_STORED} FROM messages WHERE {where}",
                 chunk,
             ).fetchone()
             self._db.execute(f"UPDATE messages SET acked = ? WHERE {where}", [now, *chunk])
@@ -442,8 +469,7 @@ class Spool:
         """Make messages acknowledged at or after `since` pending again; their smallest id."""
         with self._lock:
             n, b, first = self._db.execute(
-                "SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0), MIN(id) FROM messages "
-                "WHERE acked >= ?",
+                f"SELECT COUNT(*), {_SUM_STORED}, MIN(id) FROM messages WHERE acked >= ?",
                 (since,),
             ).fetchone()
             if not n:
@@ -463,7 +489,7 @@ class Spool:
                 history = self.history_bytes
                 while history > max_bytes:
                     rows = self._db.execute(
-                        "SELECT id, LENGTH(payload) FROM messages WHERE acked IS NOT NULL "
+                        f"SELECT id, {STORED_BYTES_SQL} FROM messages WHERE acked IS NOT NULL "
                         "ORDER BY id LIMIT 1000"
                     ).fetchall()
                     if not rows:
@@ -522,8 +548,7 @@ class Spool:
     def _purge_acked_locked(self, cutoff: float) -> int:
         # A range on the `acked` index: only the rows being forgotten are read.
         (freed,) = self._db.execute(
-            "SELECT COALESCE(SUM(LENGTH(payload)), 0) FROM messages "
-            "WHERE acked IS NOT NULL AND acked < ?",
+            f"SELECT {_SUM_STORED} FROM messages WHERE acked IS NOT NULL AND acked < ?",
             (cutoff,),
         ).fetchone()
         cursor = self._db.execute(
@@ -546,13 +571,11 @@ class Spool:
         """Forget the pending messages of a stream that is about to run again from the start."""
         with self._lock:
             n, b = self._db.execute(
-                "SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM messages "
-                "WHERE stream = ? AND acked IS NULL",
+                f"SELECT COUNT(*), {_SUM_STORED} FROM messages WHERE stream = ? AND acked IS NULL",
                 (stream,),
             ).fetchone()
             (acked,) = self._db.execute(
-                "SELECT COALESCE(SUM(LENGTH(payload)), 0) FROM messages "
-                "WHERE stream = ? AND acked IS NOT NULL",
+                f"SELECT {_SUM_STORED} FROM messages WHERE stream = ? AND acked IS NOT NULL",
                 (stream,),
             ).fetchone()
             self._db.execute("DELETE FROM messages WHERE stream = ?", (stream,))
@@ -568,7 +591,7 @@ class Spool:
         cutoff = time.time() - self.ttl_s
         with self._lock:
             n, b = self._db.execute(
-                "SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM messages "
+                f"SELECT COUNT(*), {_SUM_STORED} FROM messages "
                 "WHERE created < ? AND id > ? AND acked IS NULL",
                 (cutoff, protected_after),
             ).fetchone()
