@@ -189,6 +189,7 @@ class WriteResult:
     stored: list[Callable[[], None]] = field(default_factory=list)  # on_stored callbacks
     after: list[Callable[[Spool], None]] = field(default_factory=list)
     eviction: Eviction | None = None
+    synced: bool = False  # the commit was fsynced (a stored request needed it)
 
 
 class Spool:
@@ -249,7 +250,8 @@ class Spool:
         before it was written (write-behind: the usual case while the broker keeps up) is
         inserted as acknowledged, so it costs one row write, not two. A message that
         `finishes` a stored request deletes it in the same transaction. Where a request is
-        stored, the commit is fsynced. Over the caps, `drop_oldest` first evicts whole streams
+        stored, the commit is fsynced (unless the request is settled within the batch: answered,
+        every reply acknowledged). Over the caps, `drop_oldest` first evicts whole streams
         that are only on disk (ids above `protected_after`, not in this batch); `reject_new`
         is the queue's job (it waits for room before it queues), so a batch is always written.
         """
@@ -257,14 +259,17 @@ class Spool:
         acked_now = set(acks)
         rows: list[tuple[object, ...]] = []
         finished: list[str] = []
-        durable = False
+        answered: dict[str, bool] = {}  # requests stored in this batch: answered in it?
         streams: set[str] = set()
         pending = pending_bytes = 0  # of the messages written, those still unacknowledged
         with self._lock:
             for item in items:
                 if isinstance(item, StoreRequest):
-                    durable = True
-                elif not isinstance(item, FinishRequest | AfterWrite):
+                    answered[item.key] = False
+                elif isinstance(item, FinishRequest):
+                    if item.key in answered:
+                        answered[item.key] = True
+                elif not isinstance(item, AfterWrite):
                     size = stored_bytes(item)
                     result.written += 1
                     result.written_bytes += size
@@ -273,16 +278,25 @@ class Spool:
                         pending_bytes += size
                         if item.stream is not None:
                             streams.add(item.stream)
+                    if item.finishes is not None and item.finishes in answered:
+                        answered[item.finishes] = True
+            # `streams`: those with a reply the broker has not acknowledged yet.
+            durable = any(not done or key in streams for key, done in answered.items())
             if pending and self._over(pending, pending_bytes):
                 self._purge_acked_locked(float("inf"))  # history goes before anything pending
                 if self.policy == "drop_oldest":
                     result.eviction = self._evict(pending, pending_bytes, protected_after, streams)
             now = time.time()
-            # A request answered within this batch is neither inserted nor deleted: the
-            # commit that acknowledges it holds its terminal message (and is fsynced).
+            # A request answered within this batch is neither inserted nor deleted. The commit
+            # is fsynced before the requests stored in it are acknowledged to the broker,
+            # except when each of them is answered in this batch and the broker already
+            # acknowledged all their replies: then nothing of theirs needs the disk (a crash
+            # before the commit loses only rows kept for resend), and a burst of fast requests
+            # does not cost an fsync each (flash wear, CPU).
             stores: dict[str, StoreRequest] = {}
             if durable:
                 self._db.execute("PRAGMA synchronous=FULL")
+                result.synced = True
             try:
                 self._db.execute("BEGIN")
                 for item in items:

@@ -6,7 +6,8 @@ thread takes everything that arrived since its last wake-up and writes it as one
 a batch run ended, or a producer would have to wait for it, or on a housekeeping tick), never
 on a request's own path, and then waits out GROUP_COMMIT_S. Nobody waits for it except where
 the contract says so: a request is acknowledged to the broker only from `on_stored`, after
-the fsync.
+the fsync (or, for a request already answered with every reply acknowledged, after the
+commit: it needs nothing on disk any more).
 
 Messages are published from memory while they are being written (write-behind). A message
 published and lost before its row is committed is one the agent crashed with: a request

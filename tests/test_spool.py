@@ -225,8 +225,8 @@ def test_history_bytes_track_the_table(tmp_path: Path):
 
 def test_a_request_answered_in_the_same_batch_is_never_written(tmp_path: Path):
     """Group commit: the store and the terminal message in one transaction cancel out (the
-    commit is still fsynced before the acknowledgement); across batches the row comes and
-    goes."""
+    commit is still fsynced before the acknowledgement: the terminal message is not
+    acknowledged yet); across batches the row comes and goes."""
     from agent.spool import FinishRequest, StoreRequest
 
     spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 20, max_messages=100)
@@ -240,6 +240,7 @@ def test_a_request_answered_in_the_same_batch_is_never_written(tmp_path: Path):
     terminal.spool_id = spool.allocate_id()
     terminal.finishes = "m/a"
     result = spool.write([store("m/a"), terminal, store("m/b")], (), 0)
+    assert result.synced
     for callback in result.stored:
         callback()
     assert acked == ["m/a", "m/b"]
@@ -248,6 +249,64 @@ def test_a_request_answered_in_the_same_batch_is_never_written(tmp_path: Path):
     spool.write([FinishRequest("m/b")], (), 0)
     assert spool.unfinished_requests() == [] and spool.request_keys == set()
     assert spool.count == 1  # the terminal message itself waits for its acknowledgement
+    spool.close()
+
+
+class _Statements:
+    """The spool's connection, recording what it executes."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+        self.executed: list[str] = []
+
+    def execute(self, sql: str, *args: object) -> sqlite3.Cursor:
+        self.executed.append(sql)
+        return self.db.execute(sql, *args)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.db, name)
+
+
+def test_an_fsync_only_where_a_stored_request_still_needs_the_disk(tmp_path: Path):
+    """A request stored and settled in one batch (answered, each reply acknowledged by the
+    broker, or answered at QoS 0) needs nothing on disk: no fsync before its acknowledgement.
+    One with a reply the broker may not have, or not answered yet, is fsynced."""
+    from agent.spool import FinishRequest, StoreRequest
+
+    spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 20, max_messages=100)
+    statements = _Statements(spool._db)
+    spool._db = statements  # type: ignore[assignment]
+    acknowledged: list[str] = []
+
+    def store(key: str) -> StoreRequest:
+        spool.request_keys.add(key)
+        return StoreRequest(key, "t", b"req", 1, None, None, lambda: acknowledged.append(key))
+
+    def reply(key: str, last: bool) -> OutMessage:
+        out = message(key, 1)
+        out.spool_id = spool.allocate_id()
+        out.finishes = key if last else None
+        return out
+
+    def batch(items: list[object], acks: list[int]) -> bool:
+        statements.executed.clear()
+        result = spool.write(items, acks, 0)  # type: ignore[arg-type]
+        for callback in result.stored:
+            callback()
+        fsynced = "PRAGMA synchronous=FULL" in statements.executed
+        assert fsynced == result.synced
+        return result.synced
+
+    first, last = reply("m/a", False), reply("m/a", True)
+    assert not batch([store("m/a"), first, last], [first.spool_id, last.spool_id])
+    assert not batch([store("m/q0"), FinishRequest("m/q0")], [])  # a QoS 0 answer
+    first, last = reply("m/b", False), reply("m/b", True)
+    assert batch([store("m/b"), first, last], [last.spool_id])  # `first` not acknowledged
+    assert batch([store("m/c"), reply("m/d", True)], [])  # m/c not answered yet
+    assert acknowledged == ["m/a", "m/q0", "m/b", "m/c"]
+    assert [r.key for r in spool.unfinished_requests()] == ["m/c"]
+    assert spool.request_keys == {"m/c"}
+    spool._db = statements.db
     spool.close()
 
 
