@@ -172,7 +172,11 @@ def write_report(out: Path) -> None:
         "Produced by `scripts/bench` (`benchmarks/run.py`; sections: "
         + ", ".join(f"`{s}`" for s in SECTIONS)
         + "). Every figure in a table comes from one run on one machine, side by side; "
-        "absolute times on this shared machine are noisy, ratios much less so.",
+        "absolute times on this shared machine are noisy, ratios much less so. Ratios that "
+        "depend on the agent's threads handing work to each other (the message rates, "
+        "batching, latency) still vary from day to day on this VM, by up to a half: to compare "
+        "code, measure it side by side with `benchmarks/history.py` (its table is at the end), "
+        "not against an older report.",
         "",
         f"- machine: {newest['machine']}, no GPU",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in newest["versions"].items()),
