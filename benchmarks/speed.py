@@ -516,7 +516,7 @@ def measure_idle(broker: EmbeddedBroker, workdir: Path, tree: Path) -> dict[str,
 
 def measure(broker: EmbeddedBroker, workdir: Path, quick: bool, tree: Path = REPO) -> SpeedResult:
     result = SpeedResult(quick=quick)
-    seconds = 2.0 if quick else 6.0
+    seconds = 1.5 if quick else 6.0
     result.ready = measure_ready(broker, workdir, 3 if quick else 7, tree)
     print(f"start to ready: {result.ready['median_s']:.2f} s", flush=True)
     result.idle = measure_idle(broker, workdir, tree)
