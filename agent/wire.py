@@ -18,6 +18,7 @@ Every failure is a :class:`WireError` carrying one of the contract's error codes
 
 from __future__ import annotations
 
+import io
 import re
 import struct
 import threading
@@ -620,6 +621,57 @@ _LOADS_OPTIONS = _loads_options()
 _HAS_MAX_DEPTH = bool(_LOADS_OPTIONS)
 
 
+# Payloads up to this size are decoded by cbor2 first and their limits checked on the objects
+# (`_decode_small`): for a small request the header walk (`_scan`) cost three times the
+# decoding itself, and what such a payload decodes to is bounded by its size (at most one
+# item a byte). Any failure falls back to the walk, which gives the precise error and the id.
+DECODE_FIRST_BYTES = 4096
+_FROZEN_MAP = type(cbor2.loads(b"\xa1\xa0\x00").popitem()[0])  # a map used as a map key
+_NESTING = frozenset({dict, list, tuple, cbor2.CBORTag, _FROZEN_MAP})
+
+
+def _decode_small(buf: memoryview, limits: Limits) -> dict[str, Any] | None:
+    """The decoded map when it holds every rule `_scan` enforces, else None. cbor2 checks
+    well-formedness, UTF-8, duplicate keys and depth (counted as the walk counts it); the
+    position after the map shows trailing bytes; the walk over the objects checks the keys
+    per map and the refused tags. Items need no count: at most one per byte."""
+    if not buf or buf[0] >> 5 != 5:
+        return None
+    stream = io.BytesIO(buf)
+    try:
+        obj = cbor2.CBORDecoder(stream, max_depth=limits.max_depth, **_LOADS_OPTIONS).decode()
+    except Exception:  # cbor2 raises several types; the walk will name the problem
+        return None
+    if stream.tell() != buf.nbytes or not isinstance(obj, dict):
+        return None
+    for key in obj:
+        if type(key) is not str:
+            return None
+    max_keys = limits.max_map_keys
+    pending: list[Any] = [obj]
+    while pending:  # exact types: the decoder makes no subclasses, and ABC checks are slow
+        item = pending.pop()
+        kind = type(item)
+        if kind is dict or kind is _FROZEN_MAP:
+            if len(item) > max_keys:
+                return None
+            for key, value in item.items():
+                if type(key) in _NESTING:
+                    pending.append(key)
+                if type(value) in _NESTING:
+                    pending.append(value)
+        elif kind is cbor2.CBORTag:
+            if item.tag in _STRUCTURAL_TAGS:
+                return None
+            if type(item.value) in _NESTING:
+                pending.append(item.value)
+        else:  # list or tuple
+            for value in item:
+                if type(value) in _NESTING:
+                    pending.append(value)
+    return obj
+
+
 def decode_payload(data: bytes | bytearray | memoryview, limits: Limits) -> dict[str, Any]:
     """One payload of the contract (a CBOR map, or a zstd frame holding one) as a dict.
 
@@ -642,6 +694,11 @@ def decode_payload(data: bytes | bytearray | memoryview, limits: Limits) -> dict
         buf = memoryview(_decompress(buf, limits))
     if buf[:3] == _SELF_DESCRIBED:
         buf = buf[3:]
+    if buf.nbytes <= min(DECODE_FIRST_BYTES, limits.max_items) and _HAS_MAX_DEPTH:
+        decoded = _decode_small(buf, limits)
+        if decoded is not None:
+            return decoded
+        # Something is wrong with it: the walk below says what, with the id where it can.
     request_id = _scan(
         buf,
         max_depth=limits.max_depth,

@@ -439,6 +439,55 @@ def test_truncated_and_trailing_bytes() -> None:
     assert decode_error(data + data).code == "bad_request"
 
 
+def _walk_then_decode(data: bytes) -> Any:
+    """The path for payloads over DECODE_FIRST_BYTES: the header walk, then cbor2."""
+    buf = memoryview(data)
+    wire._scan(
+        buf,
+        max_depth=LIMITS.max_depth,
+        max_map_keys=LIMITS.max_map_keys,
+        max_items=LIMITS.max_items,
+    )
+    return cbor2.loads(buf, max_depth=LIMITS.max_depth, **wire._LOADS_OPTIONS)
+
+
+def test_small_payloads_decoded_first_accept_nothing_the_walk_refuses() -> None:
+    """Small payloads are decoded before their limits are checked; whatever that path accepts,
+    the walk accepts too and decodes to the same map (mutated requests, nested tags, keys that
+    are maps or arrays, refused tags, too many keys, trailing bytes)."""
+    rng = random.Random(11)
+    seeds = [
+        cbor2.dumps(request()),
+        cbor2.dumps({"id": "t-1", "params": {"a": [1, 2.5, None, True], "b": {"c": b"x"}}}),
+        cbor2.dumps({"id": "t-2", "v": CBORTag(99, [CBORTag(28, 1)])}),
+        b"\xa2\x61a\x01\xa1\x82\x01\x02\x01" + b"",  # a map whose key is an array
+        b"\xa1\xa1\x61k\xd8\x19\x00\x01",  # a map key holding a refused tag
+        cbor2.dumps({f"k{j}": 1 for j in range(65)}),
+        cbor2.dumps({"id": "t-3"}) + b"\xff",
+        b"\xbf\x62id\x63t-4\x61l\x9f\x01\xff\xff",
+    ]
+    accepted = 0
+    for seed in seeds:
+        for trial in range(400):
+            data = bytearray(seed)
+            if trial:
+                for _ in range(rng.randint(1, 3)):
+                    pos = rng.randrange(len(data))
+                    op = rng.random()
+                    if op < 0.6:
+                        data[pos] = rng.randrange(256)
+                    elif op < 0.8:
+                        del data[pos]
+                    else:
+                        data.insert(pos, rng.randrange(256))
+            small = wire._decode_small(memoryview(bytes(data)), LIMITS)
+            if small is None:
+                continue
+            accepted += 1
+            assert _walk_then_decode(bytes(data)) == small, bytes(data)
+    assert accepted > 100  # the valid seeds unmutated, and mutations that stay valid
+
+
 def test_duplicate_keys_are_refused() -> None:
     data = b"\xa2\x62id\x63one\x62id\x63two"
     error = decode_error(data)
