@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -125,11 +126,29 @@ def load_results() -> dict[str, dict[str, Any]]:
     return found
 
 
+def measured_commit() -> str | None:
+    """The commit whose agent is measured, `+changes` when `agent/` differs from it."""
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--", "agent"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except OSError:  # no git: a copy of the tree
+        return None
+    return (sha + ("+changes" if changed else "")) or None
+
+
 def save_result(name: str, data: dict[str, Any], quick: bool) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     record = {
         "date": datetime.date.today().isoformat(),
         "quick": quick,
+        "commit": measured_commit(),
         "machine": machine(),
         "versions": versions(),
         "data": data,
@@ -139,7 +158,9 @@ def save_result(name: str, data: dict[str, Any], quick: bool) -> None:
 
 def _measured(record: dict[str, Any]) -> str:
     mode = "--quick" if record["quick"] else "full"
-    return f"_Measured {record['date']} ({mode} run) on {record['machine']}._"
+    commit = record.get("commit")
+    at = f", agent at `{commit}`" if commit else ""
+    return f"_Measured {record['date']} ({mode} run{at}) on {record['machine']}._"
 
 
 def section_lines(name: str, record: dict[str, Any], docs: Path) -> list[str]:
