@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import logging
+import os
 import queue
 import signal
 import sys
@@ -45,8 +47,28 @@ def _with_overrides(config: AgentConfig, args: argparse.Namespace) -> AgentConfi
     return config.model_copy(update={k: v for k, v in update.items() if v is not None})
 
 
+MALLOC_ARENAS = 2
+_M_ARENA_MAX = -8  # glibc's mallopt parameter number
+
+
+def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
+    """Cap glibc's malloc arenas for this long-running process with many threads. By default
+    glibc lets threads use up to eight arenas a core, and the native allocations of SQLite and
+    ONNX Runtime spread over them fragment: streaming through the spool, the agent's RSS crept
+    by about 1 MB every 100,000 chunks without end, and stayed flat with two arenas
+    (docs/operations.md). MALLOC_ARENA_MAX in the environment wins. True when applied."""
+    if "MALLOC_ARENA_MAX" in os.environ or not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    return bool(mallopt(_M_ARENA_MAX, arenas))
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """SIGTERM/SIGINT: drain and stop, exit 0. SIGHUP: reload what is safe, report the rest."""
+    limit_malloc_arenas()  # first: before the agent's threads make their arenas
     config = _with_overrides(_load(args), args)
     setup_logging(config.log_level, config.log_format, secrets=logs.config_secrets(config))
     from agent.service import Agent

@@ -123,3 +123,17 @@ def test_local_models_listing(repository, tmp_path: Path):
     result = run_cli("models", "--local", "--config", str(config))
     assert result.returncode == 0
     assert "decoder" in result.stdout and "v1  onnxruntime" in result.stdout
+
+
+def test_malloc_arenas_are_capped_unless_the_environment_sets_them(monkeypatch):
+    """`edge-agent run` caps glibc's arenas (a long-running process with many threads
+    fragments them); an operator's MALLOC_ARENA_MAX wins."""
+    import platform
+
+    from agent.cli import limit_malloc_arenas
+
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    assert not limit_malloc_arenas()
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    on_glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+    assert limit_malloc_arenas() == on_glibc
