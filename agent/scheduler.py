@@ -158,10 +158,9 @@ class Scheduler(Generic[T]):
                 # The executor answers its own errors; this is a bug, and must not kill a worker.
                 log.exception("worker: unhandled error while running a job")
             finally:
-                with self._cond:
+                with self._cond:  # nobody waits for a job's end: no wake-up of idle workers
                     self._busy -= 1
                     self._heartbeat[index] = time.monotonic()
-                    self._cond.notify_all()
 
     def _gather(self, first: _Entry[T], spec: BatchSpec) -> list[_Entry[T]]:
         """Under the lock: `first` and the queued jobs of its key that fit, best first; then,
