@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Benchmarks of the agent, measured side by side; results go to docs/benchmarks.md.
 
-    scripts/bench [ARGS]                            # the same, installing what it needs first
     python benchmarks/run.py                        # every section, full length (~5 min)
     python benchmarks/run.py --quick                # the speed targets, short: under a minute
     python benchmarks/run.py --quick --only hot-swap,drain   # other sections, short
+    scripts/bench [ARGS]                            # any of these, installing what it needs first
 
 Each section is measured in one run on one machine and saved to
 `benchmarks/results/SECTION.json`; the report is written from every saved section, so running
