@@ -162,13 +162,16 @@ class Outbox:
         `kick=False`: the caller queues more right away and calls `kick()` after the last."""
         deadline = None if timeout is None else time.monotonic() + timeout
         durable = self._durable(message)
+        size = stored_bytes(message) if durable else 0
         with self._cond:
             while True:
                 if self._closed:
                     raise OutboxClosed
                 if durable:
-                    if self._room_on_disk(message):
-                        self._put_durable(message)
+                    # The writer is not too far behind (else the disk is slower than the
+                    # producers: they wait for it), and the caps hold.
+                    if self._unwritten < self._max and not self._caps_passed(size):
+                        self._put_durable(message, size)
                         break
                 elif len(self._queue) < self._max:
                     self._append_volatile(message)
@@ -186,25 +189,22 @@ class Outbox:
         """Have what was queued with `kick=False` published (from this thread if it can)."""
         self._on_queued()
 
-    def _room_on_disk(self, message: OutMessage) -> bool:
-        """Under the lock: the writer is not too far behind, and (`reject_new`) the spool's
-        caps hold with everything queued for it."""
+    def _caps_passed(self, size: int) -> bool:
+        """Under the lock: (`reject_new`) one more message of `size` stored bytes would pass
+        the spool's caps, counting everything queued for the writer."""
         assert self._spool is not None
-        if self._unwritten >= self._max:
-            return False  # the disk is slower than the producers: they wait for it
-        if self._spool.policy != "reject_new":
-            return True
-        return not self._spool.full(
-            self._unwritten + 1, self._unwritten_bytes + stored_bytes(message)
+        return self._spool.policy == "reject_new" and self._spool.full(
+            self._unwritten + 1, self._unwritten_bytes + size
         )
 
-    def _put_durable(self, message: OutMessage) -> None:
-        """Under the lock, so the spool order and the memory order agree."""
+    def _put_durable(self, message: OutMessage, size: int) -> None:
+        """Under the lock, so the spool order and the memory order agree; `size`: its
+        `stored_bytes`."""
         assert self._spool is not None and self.writer is not None
         message.spool_id = spool_id = self._spool.allocate_id()
         self._last_id = spool_id
         self._unwritten += 1
-        self._unwritten_bytes += stored_bytes(message)
+        self._unwritten_bytes += size
         self.writer.submit(message)
         if self._unwritten >= self._max // 2:
             self.writer.nudge()  # well before producers would have to wait for it
@@ -234,14 +234,11 @@ class Outbox:
                 self.rejected += 1
                 return False
             if self._durable(message):
-                assert self._spool is not None
-                full = self._spool.policy == "reject_new" and self._spool.full(
-                    self._unwritten + 1, self._unwritten_bytes + stored_bytes(message)
-                )
-                if full or self._unwritten >= self._hard_max:
+                size = stored_bytes(message)
+                if self._caps_passed(size) or self._unwritten >= self._hard_max:
                     self.rejected += 1
                     return False
-                self._put_durable(message)
+                self._put_durable(message, size)
             elif len(self._queue) >= self._hard_max:
                 self.rejected += 1
                 return False
