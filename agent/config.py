@@ -122,6 +122,9 @@ class SchedulerConfig(_Section):
     workers: int = Field(default=2, ge=1, le=64)
     queue_size: int = Field(default=256, ge=1)
     drain_timeout_s: float = Field(default=10.0, ge=0)
+    # A request whose model's recent requests took at most this long runs on the network
+    # thread when nothing is queued (no hand-off to a worker); 0: every request goes to one.
+    inline_max_ms: float = Field(default=1.0, ge=0, le=50)
 
 
 class LimitsConfig(_Section):

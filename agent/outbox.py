@@ -226,6 +226,22 @@ class Outbox:
     def _notify(self) -> None:
         self._cond.notify_all()
 
+    def has_room(self, messages: int, size: int) -> bool:
+        """Whether `messages` more, of up to `size` stored bytes each, would be queued without
+        waiting. The network thread runs a short request only then: it cannot wait for room
+        that only it could make (by publishing, or by reading acknowledgements)."""
+        with self._cond:
+            if self._closed or len(self._queue) + messages > self._max:
+                return False
+            if self._spool is None:
+                return True
+            return self._unwritten + messages <= self._max and not (
+                self._spool.policy == "reject_new"
+                and self._spool.full(
+                    self._unwritten + messages, self._unwritten_bytes + messages * size
+                )
+            )
+
     def put_nowait_reserved(self, message: OutMessage) -> bool:
         """Never blocks: for the network thread. False (and counted) only when there is no
         room even in the headroom (or in the spool)."""

@@ -9,6 +9,10 @@ Dynamic batching: a job submitted with a `BatchSpec` may run together with other
 key. The worker that takes it also takes the queued jobs of that key (best first) up to
 `max_rows`, and, when `delay_s` > 0 and the batch is not full, keeps collecting newly
 submitted ones for that long (they go straight into its batch, never into the queue).
+
+`run_here` runs a job on the calling thread instead (the network thread, for a request known
+to be short: see agent.short_runs) when nothing is queued and a worker slot is free; it takes
+that slot, so `workers` stays the bound on jobs running at once.
 """
 
 from __future__ import annotations
@@ -140,10 +144,29 @@ class Scheduler(Generic[T]):
             self._cond.notify()
         return True
 
+    def run_here(self, job: T) -> bool:
+        """Run `job` now on this thread when nothing is queued (nothing it would overtake) and
+        a worker slot is free. False, without running it, otherwise."""
+        with self._cond:
+            if self._stopping or self._heap or self._busy >= len(self._threads):
+                return False
+            self._busy += 1
+        try:
+            self._execute(job, 0.0)
+        except Exception:
+            log.exception("worker: unhandled error while running a job")
+        finally:
+            with self._cond:
+                self._busy -= 1
+                if self._heap:
+                    self._cond.notify()  # a job queued meanwhile waited for this slot
+        return True
+
     def _work(self, index: int) -> None:
+        slots = len(self._threads)
         while True:
             with self._cond:
-                while not self._heap and not self._stopping:
+                while (not self._heap or self._busy >= slots) and not self._stopping:
                     self._heartbeat[index] = time.monotonic()
                     self._cond.wait(1.0)
                 if not self._heap:

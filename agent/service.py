@@ -23,7 +23,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from pydantic import BaseModel
 
-from agent import __version__, batching, logs, wire
+from agent import __version__, batching, logs, short_runs, wire
 from agent.backends.base import BackendOptions, InferenceError, TensorSpec
 from agent.config import AgentConfig
 from agent.metrics import AgentMetrics, Gauges, MetricsServer
@@ -31,6 +31,7 @@ from agent.models import LoadedVersion, ModelManager, Serving, summarize
 from agent.outbox import Outbox, OutMessage
 from agent.resend import Resender, parse_resend
 from agent.scheduler import BatchSpec, Scheduler
+from agent.short_runs import ShortRuns
 from agent.sources import SourceJob, SourceManager
 from agent.spool import AfterWrite, Eviction, Spool, StoreRequest, request_key
 from agent.streaming import (
@@ -60,6 +61,7 @@ class Job:
     cancelled: CancelFlag = field(default_factory=CancelFlag)
     # The inputs as checked at ingress against this version: no second check if it runs on it.
     checked: tuple[int, dict[str, Any]] | None = None
+    payload_bytes: int = 0  # the request's size on the wire
 
 
 def intra_op_threads(config: AgentConfig) -> int:
@@ -139,6 +141,7 @@ class Agent:
             poll_interval_s=config.models.poll_interval_s,
             rescan_s=config.models.rescan_s,
         )
+        self.short_runs = ShortRuns(config.scheduler.inline_max_ms / 1000.0)
         self.scheduler: Scheduler[Job | SourceJob] = Scheduler(
             workers=config.scheduler.workers,
             queue_size=config.scheduler.queue_size,
@@ -553,6 +556,7 @@ class Agent:
             ),
             time.monotonic(),
             checked=checked,
+            payload_bytes=len(incoming.payload),
         )
         if self.spool is not None and incoming.qos > 0:
             key = request_key(model, request.id)
@@ -562,6 +566,10 @@ class Agent:
             job.reply.request_key = key
         deadline = None if request.deadline_ms is None else request.deadline_ms / 1000.0
         batch = self._batch_spec(request, serving)
+        short = batch is None and not replay and self._short(request, serving, job.payload_bytes)
+        if short and self.scheduler.run_here(job):
+            self.count("requests_inline")  # it ran here, on the network thread: no hand-off
+            return
         if not self.scheduler.submit(job, request.priority, deadline, batch):
             self.count("rejected_overloaded")
             self.metrics.request_done(model, None, "overloaded")
@@ -582,6 +590,21 @@ class Agent:
             rows,
             config.max_batch,
             config.max_queue_delay_us / 1e6,
+        )
+
+    def _short(self, request: wire.Request, serving: Serving, payload_bytes: int) -> bool:
+        """Whether the request may run on this, the network thread (agent.short_runs): not a
+        `steps` model (whose run count the request chooses), expected to be short, and room in
+        the outbox for what it sends (this thread could not wait for room: only it makes some)."""
+        version = serving.version if request.version is None else request.version
+        return (
+            serving.stream.mode != "steps"
+            and self.short_runs.is_short(request.model, version, payload_bytes)
+            and self.outbox.has_room(
+                short_runs.MAX_MESSAGES,
+                # A message's payload, and generously its topic, ids and correlation data.
+                self.config.limits.max_chunk_bytes + 4096,
+            )
         )
 
     def _store(self, key: str, incoming: Incoming) -> bool:
@@ -656,7 +679,17 @@ class Agent:
             if isinstance(job, SourceJob):
                 job.run(queued_s)  # a local source's frame (agent.sources)
             else:
+                started = time.monotonic()
                 self._run_request(job, queued_s)
+                reply = job.reply
+                if isinstance(reply.version, int):  # it leased a version
+                    self.short_runs.record(
+                        job.request.model,
+                        reply.version,
+                        time.monotonic() - started,
+                        reply.seq,
+                        job.payload_bytes,
+                    )
         finally:
             self._nudge_writer()  # the replies are out: now the spool may take its turn
 
@@ -959,9 +992,9 @@ class Agent:
 
         Applied at once: log level and format, the QoS of replies, events, status and
         telemetry, the telemetry period, the input limits, the allowed reply prefixes, the
-        drain timeout and `systemd.stuck_after_s`. Everything else (broker connection,
-        models, workers, queue, spool, metrics endpoint, the request subscription's QoS)
-        keeps its old value until a restart.
+        drain timeout, `scheduler.inline_max_ms` and `systemd.stuck_after_s`. Everything else
+        (broker connection, models, workers, queue, spool, metrics endpoint, the request
+        subscription's QoS) keeps its old value until a restart.
         """
         # RELOADING/READY bracket a reload only after the first READY (never announce early).
         announce = self.reporter.ready_sent
@@ -972,6 +1005,7 @@ class Agent:
             logs.reconfigure(merged.log_level, merged.log_format)
         self.config = merged
         self.limits = _limits(merged)
+        self.short_runs.max_s = merged.scheduler.inline_max_ms / 1000.0
         report = ReloadReport(applied, restart)
         if restart:
             log.warning(
@@ -1042,6 +1076,7 @@ RELOADABLE = (
     "telemetry",
     "limits",
     "scheduler.drain_timeout_s",
+    "scheduler.inline_max_ms",
     "systemd.stuck_after_s",
 )
 
