@@ -73,7 +73,10 @@ class _Client(mqtt.Client):
     for every PUBACK it reads. The agent needs the callback only for acknowledgements, so it
     is out of the way while `loop_write` runs; and a plain success PUBACK (two bytes, or a
     zero reason code without properties: what Mosquitto sends) is answered with one shared
-    success ReasonCode and empty Properties.
+    success ReasonCode and empty Properties. Likewise an MQTT 5 PUBLISH at QoS 0 or 1 whose
+    properties are at most a response topic and correlation data (what requests carry) is
+    read without a Properties object: 2 µs instead of 12 µs per request. Anything else
+    (QoS 2, other properties, a malformed packet) takes paho's way, with its errors.
     """
 
     READ_SIZE = 65536
@@ -150,6 +153,27 @@ class _Client(mqtt.Client):
                 return self._do_on_publish(mid, _PUBACK_SUCCESS, _NO_PROPERTIES)
         return MQTTErrorCode.MQTT_ERR_SUCCESS
 
+    def _handle_publish(self) -> MQTTErrorCode:
+        header = self._in_packet["command"]
+        qos = (header & 0x06) >> 1
+        if self._protocol != MQTTProtocolVersion.MQTTv5 or qos > 1:
+            return super()._handle_publish()
+        parsed = parse_publish(self._in_packet["packet"], qos)
+        if parsed is None:
+            return super()._handle_publish()
+        topic, mid, properties, payload = parsed
+        message = mqtt.MQTTMessage(mid, topic)
+        message.dup = bool(header & 0x08)
+        message.qos = qos
+        message.retain = bool(header & 0x01)
+        message.properties = properties  # type: ignore[assignment]  # read by Transport only
+        message.payload = payload
+        message.timestamp = time.monotonic()  # paho's clock
+        self._handle_on_message(message)
+        if qos == 0 or self._manual_ack:
+            return MQTTErrorCode.MQTT_ERR_SUCCESS
+        return self._send_puback(mid)
+
     def _sock_close(self) -> None:
         """Best effort with what is still buffered (a DISCONNECT, say), then close."""
         if self._wbuf and self._sock is not None:
@@ -157,6 +181,71 @@ class _Client(mqtt.Client):
                 self._sock.send(b"".join(self._wbuf))
         self._wbuf = []
         super()._sock_close()
+
+
+@dataclass(frozen=True)
+class RequestProperties:
+    """The MQTT 5 PUBLISH properties a request may carry, as paho's Properties names them."""
+
+    ResponseTopic: str | None = None  # paho's attribute names
+    CorrelationData: bytes | None = None
+
+
+_RESPONSE_TOPIC, _CORRELATION_DATA = 0x08, 0x09
+
+
+def parse_publish(
+    packet: bytes | bytearray, qos: int
+) -> tuple[bytes, int, RequestProperties | None, bytes | bytearray] | None:
+    """`(topic, mid, properties, payload)` of an MQTT 5 PUBLISH body (after the fixed header)
+    whose properties are at most one response topic and one correlation data; None for any
+    other (paho decodes those, and reports what is malformed)."""
+    try:
+        end_topic = 2 + ((packet[0] << 8) | packet[1])
+        if end_topic > len(packet):
+            return None
+        topic = bytes(packet[2:end_topic])
+        pos, mid = end_topic, 0
+        if qos:
+            mid = (packet[pos] << 8) | packet[pos + 1]
+            pos += 2
+        length = shift = 0
+        for _ in range(4):  # the properties' length: a variable byte integer
+            byte = packet[pos]
+            pos += 1
+            length |= (byte & 0x7F) << shift
+            shift += 7
+            if not byte & 0x80:
+                break
+        else:
+            return None
+        end = pos + length
+        if end > len(packet):
+            return None
+        if not length:
+            return topic, mid, None, packet[end:]
+        response_topic: str | None = None
+        correlation: bytes | None = None
+        while pos < end:
+            ident = packet[pos]
+            size = (packet[pos + 1] << 8) | packet[pos + 2]
+            value = bytes(packet[pos + 3 : pos + 3 + size])
+            pos += 3 + size
+            if len(value) != size:
+                return None
+            if ident == _RESPONSE_TOPIC and response_topic is None:
+                response_topic = value.decode("utf-8")
+                if "\0" in response_topic:
+                    return None
+            elif ident == _CORRELATION_DATA and correlation is None:
+                correlation = value
+            else:
+                return None
+        if pos != end:
+            return None
+        return topic, mid, RequestProperties(response_topic, correlation), packet[end:]
+    except (IndexError, UnicodeDecodeError):
+        return None
 
 
 @dataclass

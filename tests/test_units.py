@@ -1,18 +1,31 @@
-"""Unit tests of the pieces with no broker: scheduler, outbox, config, backoff, epoch."""
+"""Unit tests of the pieces with no broker: scheduler, outbox, config, backoff, epoch, and
+the MQTT 5 PUBLISH reader."""
 
 from __future__ import annotations
 
 import random
+import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import paho.mqtt.client as mqtt
 import pytest
+from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode, MQTTProtocolVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 from agent.config import ConfigError, load_config, masked_dict, to_toml
 from agent.outbox import Outbox, OutboxClosed, OutMessage
 from agent.scheduler import Scheduler
-from agent.transport import EpochStore, backoff_delays
+from agent.transport import (
+    EpochStore,
+    RequestProperties,
+    _Client,
+    backoff_delays,
+    parse_publish,
+)
 
 
 def test_scheduler_priority_then_fifo_and_deadlines():
@@ -135,3 +148,78 @@ def test_config_rejects_bad_toml_and_missing_file(tmp_path: Path):
         load_config(path, {})
     with pytest.raises(ConfigError, match="file not found"):
         load_config(tmp_path / "missing.toml", {})
+
+
+def _publish_body(
+    topic: bytes, qos: int, payload: bytes, props: Properties | None, raw_props: bytes | None = None
+) -> bytes:
+    body = struct.pack("!H", len(topic)) + topic + (struct.pack("!H", 7) if qos else b"")
+    if raw_props is not None:
+        body += raw_props
+    else:
+        body += props.pack() if props is not None else b"\x00"
+    return body + payload
+
+
+def _received(
+    handle: Callable[[mqtt.Client], object], header: int, body: bytes, manual_ack: bool
+) -> object:
+    """What `handle` (paho's or the agent's PUBLISH reader) hands on_message and acknowledges."""
+    client = _Client(
+        CallbackAPIVersion.VERSION2,
+        client_id="t",
+        protocol=MQTTProtocolVersion.MQTTv5,
+        manual_ack=manual_ack,
+    )
+    seen: list[tuple[object, ...]] = []
+    acks: list[int] = []
+    client.on_message = lambda c, u, m: seen.append(
+        (m.topic, bytes(m.payload), m.qos, m.dup, m.retain, m.mid,
+         getattr(m.properties, "ResponseTopic", None),
+         getattr(m.properties, "CorrelationData", None))
+    )  # fmt: skip
+    client._send_puback = lambda mid: acks.append(mid) or MQTTErrorCode.MQTT_ERR_SUCCESS  # type: ignore[method-assign]
+    client._in_packet = {"command": header, "packet": body}
+    try:
+        rc = handle(client)
+    except Exception as e:  # paho's own reports of a malformed packet
+        return type(e).__name__
+    return rc, seen, acks
+
+
+def test_mqtt5_publish_fast_path_reads_what_paho_reads():
+    """The agent reads request PUBLISH packets without paho's Properties object; for every
+    packet the result (or the error) is paho's own."""
+    both = Properties(PacketTypes.PUBLISH)
+    both.ResponseTopic = "edge/reply/é"
+    both.CorrelationData = b"\x00\x01corr"
+    only_topic = Properties(PacketTypes.PUBLISH)
+    only_topic.ResponseTopic = "r/1"
+    user = Properties(PacketTypes.PUBLISH)
+    user.UserProperty = ("k", "v")
+    alias = Properties(PacketTypes.PUBLISH)
+    alias.TopicAlias = 3
+    cases = [
+        (0x32, _publish_body(b"edge/d/infer/m", 1, b"\xa1\x62id\x61x", None)),
+        (0x30, _publish_body(b"edge/d/infer/m", 0, b"payload", None)),
+        (0x3A, _publish_body(b"t", 1, b"dup", None)),
+        (0x31, _publish_body(b"t", 0, b"retain", None)),
+        (0x32, _publish_body(b"t", 1, b"p", both)),
+        (0x32, _publish_body(b"t", 1, b"", only_topic)),
+        (0x32, _publish_body(b"t", 1, b"p", user)),  # other properties: paho's way
+        (0x32, _publish_body(b"t", 1, b"p", alias)),
+        (0x34, _publish_body(b"t", 1, b"qos 2", both)),
+        (0x32, _publish_body(b"t", 1, b"p", None, raw_props=b"\x80\x80\x80\x80\x01")),
+        (0x32, _publish_body(b"t", 1, b"", None, raw_props=b"\x05\x08\x00\x09ab")),  # short
+        (0x32, _publish_body(b"t", 1, b"", None, raw_props=b"\x04\x08\x00\x02\xff\xfe")),
+        (0x32, _publish_body(b"t", 1, b"", None, raw_props=b"\x06\x09\x00\x01a\x09\x00")),
+        (0x32, b"\x00\x09short"),  # the topic runs past the packet
+        (0x32, b"\x00\x01t"),  # no packet id
+    ]
+    for header, body in cases:
+        for manual_ack in (False, True):  # the agent acknowledges a request once it is stored
+            ours = _received(_Client._handle_publish, header, body, manual_ack)
+            theirs = _received(mqtt.Client._handle_publish, header, body, manual_ack)
+            assert ours == theirs, (header, body, manual_ack)
+    fast = parse_publish(_publish_body(b"t", 1, b"p", both)[:], 1)
+    assert fast is not None and fast[2] == RequestProperties("edge/reply/é", b"\x00\x01corr")
