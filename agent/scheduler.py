@@ -158,7 +158,9 @@ class Scheduler(Generic[T]):
         finally:
             with self._cond:
                 self._busy -= 1
-                if self._heap:
+                if self._stopping:
+                    self._cond.notify_all()  # `stop` waits for this job too
+                elif self._heap:
                     self._cond.notify()  # a job queued meanwhile waited for this slot
         return True
 
@@ -229,7 +231,8 @@ class Scheduler(Generic[T]):
             self._execute_batch(live)
 
     def stop(self, drain_timeout: float) -> None:
-        """Refuse new jobs, cancel queued ones, wait up to `drain_timeout` for running ones."""
+        """Refuse new jobs, cancel queued ones, wait up to `drain_timeout` for running ones
+        (those run here included)."""
         with self._cond:
             self._stopping = True
             queued = [heapq.heappop(self._heap).job for _ in range(len(self._heap))]
@@ -243,6 +246,9 @@ class Scheduler(Generic[T]):
         for thread in self._threads:
             if thread.is_alive():
                 thread.join(max(0.0, deadline - time.monotonic()))
+        with self._cond:  # and for a job running on another thread (`run_here`)
+            while self._busy and time.monotonic() < deadline:
+                self._cond.wait(max(0.0, deadline - time.monotonic()))
 
     @property
     def alive(self) -> bool:

@@ -131,3 +131,24 @@ def test_with_inline_max_ms_zero_every_request_goes_to_a_worker_until_a_reload(
     for _ in range(5):
         client.infer("classifier", {"image": image})
     assert agent.telemetry()["counters"].get("requests_inline", 0) >= 1
+
+
+def test_stop_waits_for_a_job_run_here():
+    finished = threading.Event()
+    running = threading.Event()
+
+    def execute(job: str, queued_s: float) -> None:
+        running.set()
+        time.sleep(0.3)
+        finished.set()
+
+    scheduler: Scheduler[str] = Scheduler(
+        workers=2, queue_size=4, execute=execute, expire=lambda j: None, cancel=lambda j: None
+    )
+    scheduler.start()
+    holder = threading.Thread(target=scheduler.run_here, args=("job",), name="holder")
+    holder.start()
+    assert running.wait(5)
+    scheduler.stop(5)
+    assert finished.is_set()  # its reply is out before the agent closes the connection
+    holder.join(5)
