@@ -691,13 +691,16 @@ def section(result: SpeedResult, plot_name: str | None) -> list[str]:
         "replies leave in one socket write, where paho alone sends one message a write. One "
         "stream alone (reference row) is bounded by the agent's work per step done one step "
         "after the other: the model run, encoding, publishing. The latency figure adds to the "
-        "echo's round trip the request's decoding and checks, a hand-off to a worker thread "
-        "and the model run; on this 2-core virtual machine each of them runs cold after the "
-        "wait for the next request (a model run of a few µs hot takes tens of µs), and they "
-        "stay near the echo's round trip again. Batching pays where a run costs more than "
-        "the agent's own per-request work: the 256-1024-1024-10 MLP (5 MB of weights, "
-        "memory-bound one request at a time) is the target row; the tiny MLP's run costs less "
-        "than decoding and publishing a request (reference row).",
+        "echo's round trip the request's decoding and checks, storing it and the model run, "
+        "all on the network thread (a short request is not handed to a worker: "
+        "docs/architecture.md); on this 2-core virtual machine each of them runs cold after "
+        "the wait for the next request (a model run of a few µs hot takes tens of µs). "
+        "Batching pays where a run costs more than the per-request work of the agent, its "
+        "client and the broker: the 256-1024-1024-10 MLP (5 MB of weights, memory-bound one "
+        "request at a time) is the target row; the tiny MLP's run costs less than decoding "
+        "and publishing a request (reference row). Where the runs are cheap, both rows are "
+        "bound by the agent's per-request Python work (one core: the GIL) and the ratio "
+        "falls; on this VM the balance moves from day to day.",
     ]
     lines.append("")
     if plot_name:
