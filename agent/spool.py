@@ -163,6 +163,7 @@ class StoreRequest(StoredRequest):
     """Store a received request; `on_stored` runs once it is on disk (fsynced)."""
 
     on_stored: Callable[[], None] | None = None
+    queued_at: float = field(default_factory=time.monotonic, compare=False)
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,52 @@ class AfterWrite:
 
 
 WriteItem = MessageRow | StoreRequest | FinishRequest | AfterWrite
+
+
+def settled_prefix(
+    items: Sequence[WriteItem], acks: Sequence[int], now: float, grace_s: float
+) -> int:
+    """How many of `items` (in order) to write now. All of them, unless a request stored among
+    them is not settled yet (unanswered, or a reply the broker has not acknowledged) and was
+    queued less than `grace_s` ago: then the batch ends before it, where every request stored
+    in the batch is settled, so its commit needs no fsync, and the rest waits for the next
+    batch (by then a fast request is answered and needs no fsync either). A request that is
+    older and still unsettled needs the disk anyway: everything is written, and fsynced."""
+    acked = set(acks)
+    cut = len(items)
+    while True:
+        first = _first_unsettled(items, cut, acked)
+        if first is None:
+            return cut
+        position, queued_at = first
+        if now - queued_at >= grace_s:
+            return len(items)
+        cut = position  # its stores' answers may lie past the new end: look again
+
+
+def _first_unsettled(
+    items: Sequence[WriteItem], end: int, acked: set[int]
+) -> tuple[int, float] | None:
+    """The position and queue time of the first request stored in `items[:end]` that is not
+    settled within them (the rule `Spool.write` fsyncs by)."""
+    answered: dict[str, bool] = {}
+    stored: dict[str, tuple[int, float]] = {}
+    streams: set[str] = set()  # with a message the broker has not acknowledged
+    for position in range(end):
+        item = items[position]
+        if isinstance(item, StoreRequest):
+            answered[item.key] = False
+            stored[item.key] = (position, item.queued_at)
+        elif isinstance(item, FinishRequest):
+            if item.key in answered:
+                answered[item.key] = True
+        elif not isinstance(item, AfterWrite):
+            if item.spool_id not in acked and item.stream is not None:
+                streams.add(item.stream)
+            if item.finishes is not None and item.finishes in answered:
+                answered[item.finishes] = True
+    unsettled = [stored[key] for key, done in answered.items() if not done or key in streams]
+    return min(unsettled) if unsettled else None
 
 
 @dataclass

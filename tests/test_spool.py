@@ -336,3 +336,91 @@ def test_the_caps_count_what_the_rows_take_on_disk(tmp_path: Path, payload_size:
     spool.close()
     on_disk = (pages - free) * page_size
     assert 0.8 < on_disk / counted < 1.25, (on_disk, counted)
+
+
+def test_a_young_unsettled_request_waits_for_the_next_batch_instead_of_an_fsync():
+    """The batch ends before a request stored moments ago and not answered yet, where every
+    request before it is settled; an old unsettled one makes the whole batch durable."""
+    from agent.spool import FinishRequest, StoreRequest, settled_prefix
+
+    def store(key: str, queued_at: float) -> StoreRequest:
+        return StoreRequest(key, "t", b"req", 1, None, None, queued_at=queued_at)
+
+    def reply(key: str, spool_id: int) -> OutMessage:
+        out = message(key, 1)
+        out.spool_id, out.finishes = spool_id, key
+        return out
+
+    now = 100.0
+    a, b, c = store("m/a", now - 0.004), store("m/b", now - 0.003), store("m/c", now - 0.001)
+    answered = [a, reply("m/a", 1), b, reply("m/b", 2)]
+    assert settled_prefix(answered, [1, 2], now, 0.005) == 4  # all settled: all of it
+    assert settled_prefix([*answered, c], [1, 2], now, 0.005) == 4  # c waits
+    # b's reply not acknowledged yet and b is young: the batch ends before b.
+    assert settled_prefix([*answered, c], [1], now, 0.005) == 2
+    # b answered only after c was stored: ending before c would leave b unanswered, so the
+    # batch ends before b.
+    interleaved = [a, reply("m/a", 1), b, c, FinishRequest("m/b")]
+    assert settled_prefix(interleaved, [1], now, 0.005) == 2
+    # An unsettled request older than the grace: the disk is needed anyway, write it all.
+    old = store("m/old", now - 0.010)
+    assert settled_prefix([old, *answered, c], [1, 2], now, 0.005) == 6
+    assert settled_prefix([c], [], now, 0.005) == 0
+
+
+def test_the_writer_fsyncs_nothing_for_a_stream_of_fast_requests(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Requests answered (and their replies acknowledged) soon after they arrive, one after
+    the other: each is acknowledged to the broker without a single fsync; one that stays
+    unanswered past the grace is fsynced and acknowledged."""
+    from agent import spool_writer
+    from agent.spool import StoreRequest
+    from agent.spool_writer import SpoolWriter
+
+    # A grace no scheduling hiccup of a busy CI machine reaches, for the fast requests.
+    monkeypatch.setattr(spool_writer, "SETTLE_GRACE_S", 2.0)
+
+    spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 24, max_messages=10_000)
+    statements = _Statements(spool._db)
+    spool._db = statements  # type: ignore[assignment]
+    writer = SpoolWriter(spool, protected_after=lambda: 0, on_written=lambda n, b: None)
+    writer.start()
+    stored: list[str] = []
+    try:
+        for n in range(40):
+            key = f"m/{n}"
+            spool.request_keys.add(key)
+            writer.submit(
+                StoreRequest(key, "t", b"req", 1, None, None, lambda k=key: stored.append(k))
+            )
+            answer = message(key, 1)
+            answer.spool_id, answer.finishes = spool.allocate_id(), key
+            time.sleep(0.0005)  # the model run
+            writer.submit(answer)
+            writer.ack(answer.spool_id)  # the broker's PUBACK
+            writer.nudge()  # the worker's, after the reply went out
+            time.sleep(0.0005)
+        deadline = time.monotonic() + 5
+        while len(stored) < 40 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stored == [f"m/{n}" for n in range(40)]
+        assert "PRAGMA synchronous=FULL" not in statements.executed
+        assert spool.unfinished_requests() == []
+
+        monkeypatch.setattr(spool_writer, "SETTLE_GRACE_S", 0.02)
+        spool.request_keys.add("m/slow")
+        writer.submit(
+            StoreRequest("m/slow", "t", b"req", 1, None, None, lambda: stored.append("m/slow"))
+        )
+        writer.nudge()
+        deadline = time.monotonic() + 5
+        while "m/slow" not in stored and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stored[-1] == "m/slow"  # acknowledged unanswered, once it was on disk
+        assert "PRAGMA synchronous=FULL" in statements.executed
+        assert [r.key for r in spool.unfinished_requests()] == ["m/slow"]
+    finally:
+        writer.close()
+        spool._db = statements.db
+        spool.close()
