@@ -189,12 +189,12 @@ class Outbox:
         """Have what was queued with `kick=False` published (from this thread if it can)."""
         self._on_queued()
 
-    def _caps_passed(self, size: int) -> bool:
-        """Under the lock: (`reject_new`) one more message of `size` stored bytes would pass
-        the spool's caps, counting everything queued for the writer."""
+    def _caps_passed(self, size: int, messages: int = 1) -> bool:
+        """Under the lock: (`reject_new`) `messages` more, of `size` stored bytes in all, would
+        pass the spool's caps, counting everything queued for the writer."""
         assert self._spool is not None
         return self._spool.policy == "reject_new" and self._spool.full(
-            self._unwritten + 1, self._unwritten_bytes + size
+            self._unwritten + messages, self._unwritten_bytes + size
         )
 
     def _put_durable(self, message: OutMessage, size: int) -> None:
@@ -235,11 +235,8 @@ class Outbox:
                 return False
             if self._spool is None:
                 return True
-            return self._unwritten + messages <= self._max and not (
-                self._spool.policy == "reject_new"
-                and self._spool.full(
-                    self._unwritten + messages, self._unwritten_bytes + messages * size
-                )
+            return self._unwritten + messages <= self._max and not self._caps_passed(
+                messages * size, messages
             )
 
     def put_nowait_reserved(self, message: OutMessage) -> bool:

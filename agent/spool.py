@@ -195,23 +195,24 @@ def settled_prefix(
     acked = set(acks)
     cut = len(items)
     while True:
-        first = _first_unsettled(items, cut, acked)
-        if first is None:
+        unsettled, _ = _settlement(items, cut, acked)
+        if not unsettled:
             return cut
-        position, queued_at = first
+        position, queued_at = min(unsettled)
         if now - queued_at >= grace_s:
             return len(items)
         cut = position  # its stores' answers may lie past the new end: look again
 
 
-def _first_unsettled(
+def _settlement(
     items: Sequence[WriteItem], end: int, acked: set[int]
-) -> tuple[int, float] | None:
-    """The position and queue time of the first request stored in `items[:end]` that is not
-    settled within them (the rule `Spool.write` fsyncs by)."""
+) -> tuple[list[tuple[int, float]], set[str]]:
+    """The rule a commit is fsynced by. For `items[:end]`: the (position, queue time) of each
+    request stored there and not settled within them (unanswered, or a message of its stream
+    the broker has not acknowledged), and the streams with such a message."""
     answered: dict[str, bool] = {}
     stored: dict[str, tuple[int, float]] = {}
-    streams: set[str] = set()  # with a message the broker has not acknowledged
+    streams: set[str] = set()
     for position in range(end):
         item = items[position]
         if isinstance(item, StoreRequest):
@@ -226,7 +227,7 @@ def _first_unsettled(
             if item.finishes is not None and item.finishes in answered:
                 answered[item.finishes] = True
     unsettled = [stored[key] for key, done in answered.items() if not done or key in streams]
-    return min(unsettled) if unsettled else None
+    return unsettled, streams
 
 
 @dataclass
@@ -306,29 +307,19 @@ class Spool:
         acked_now = set(acks)
         rows: list[tuple[object, ...]] = []
         finished: list[str] = []
-        answered: dict[str, bool] = {}  # requests stored in this batch: answered in it?
-        streams: set[str] = set()
         pending = pending_bytes = 0  # of the messages written, those still unacknowledged
+        # `streams`: those with a message the broker has not acknowledged yet.
+        unsettled, streams = _settlement(items, len(items), acked_now)
+        durable = bool(unsettled)
         with self._lock:
             for item in items:
-                if isinstance(item, StoreRequest):
-                    answered[item.key] = False
-                elif isinstance(item, FinishRequest):
-                    if item.key in answered:
-                        answered[item.key] = True
-                elif not isinstance(item, AfterWrite):
+                if not isinstance(item, (StoreRequest, FinishRequest, AfterWrite)):
                     size = stored_bytes(item)
                     result.written += 1
                     result.written_bytes += size
                     if item.spool_id not in acked_now:
                         pending += 1
                         pending_bytes += size
-                        if item.stream is not None:
-                            streams.add(item.stream)
-                    if item.finishes is not None and item.finishes in answered:
-                        answered[item.finishes] = True
-            # `streams`: those with a reply the broker has not acknowledged yet.
-            durable = any(not done or key in streams for key, done in answered.items())
             if pending and self._over(pending, pending_bytes):
                 self._purge_acked_locked(float("inf"))  # history goes before anything pending
                 if self.policy == "drop_oldest":
