@@ -53,11 +53,14 @@ class _Entry(Generic[T]):
 
 @dataclass
 class _Collecting(Generic[T]):
-    """A batch a worker is filling: submissions of its key join it directly."""
+    """A batch a worker is filling: submissions of its key join it directly. `full` (on the
+    scheduler's lock) wakes its worker early, only when the batch is full: a join that leaves
+    room wakes nobody, so a batch of n requests costs its worker one wake-up, not n."""
 
     entries: list[_Entry[T]]
     rows: int
     max_rows: int
+    full: threading.Condition
 
 
 class Scheduler(Generic[T]):
@@ -87,7 +90,8 @@ class Scheduler(Generic[T]):
         self._queue_size = queue_size
         self._heap: list[_Entry[T]] = []
         self._counter = itertools.count()
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)  # idle workers, and `stop`
         self._stopping = False
         self._busy = 0
         self._heartbeat = [time.monotonic()] * workers
@@ -138,7 +142,8 @@ class Scheduler(Generic[T]):
                 ):
                     collecting.entries.append(entry)
                     collecting.rows += entry.batch.rows
-                    self._cond.notify_all()  # its worker may have a full batch now
+                    if collecting.rows >= collecting.max_rows:
+                        collecting.full.notify()
                     return True
             heapq.heappush(self._heap, entry)
             self._cond.notify()
@@ -190,7 +195,7 @@ class Scheduler(Generic[T]):
     def _gather(self, first: _Entry[T], spec: BatchSpec) -> list[_Entry[T]]:
         """Under the lock: `first` and the queued jobs of its key that fit, best first; then,
         while not full, those submitted within `delay_s`."""
-        batch = _Collecting([first], spec.rows, spec.max_rows)
+        batch = _Collecting([first], spec.rows, spec.max_rows, threading.Condition(self._lock))
         matching = sorted(e for e in self._heap if e.batch is not None and e.batch.key == spec.key)
         taken = False
         for entry in matching:
@@ -211,7 +216,7 @@ class Scheduler(Generic[T]):
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         break
-                    self._cond.wait(remaining)
+                    batch.full.wait(remaining)
             finally:
                 del self._collecting[spec.key]
         return batch.entries
@@ -237,6 +242,8 @@ class Scheduler(Generic[T]):
             self._stopping = True
             queued = [heapq.heappop(self._heap).job for _ in range(len(self._heap))]
             self._cond.notify_all()
+            for collecting in self._collecting.values():
+                collecting.full.notify()
         for job in queued:
             try:
                 self._cancel(job)

@@ -197,6 +197,45 @@ def test_scheduler_gathers_jobs_of_one_key_within_the_delay():
     assert ran[2:] == ["other", ("d", "e")] or ran[2:] == [("d", "e"), "other"]
 
 
+def _batch_scheduler(ran: list[object]) -> Scheduler[object]:
+    scheduler: Scheduler[object] = Scheduler(
+        workers=2,
+        queue_size=64,
+        execute=lambda job, queued: ran.append(job),
+        expire=lambda job: None,
+        cancel=lambda job: None,
+        execute_batch=lambda jobs: ran.append(tuple(job for job, _ in jobs)),
+    )
+    scheduler.start()
+    return scheduler
+
+
+def test_a_batch_filled_by_later_submissions_runs_at_once_not_after_its_delay():
+    ran: list[object] = []
+    scheduler = _batch_scheduler(ran)
+    spec = BatchSpec("m", rows=1, max_rows=3, delay_s=30.0)
+    started = time.monotonic()
+    for name in ("a", "b", "c"):
+        assert scheduler.submit(name, 4, batch=spec)
+        time.sleep(0.05)  # each joins the batch its worker is collecting
+    while not ran and time.monotonic() - started < 10:
+        time.sleep(0.01)
+    assert ran == [("a", "b", "c")]
+    assert time.monotonic() - started < 10  # woken by the last join, not by the 30 s delay
+    scheduler.stop(2)
+
+
+def test_stopping_ends_a_batch_that_is_still_collecting():
+    ran: list[object] = []
+    scheduler = _batch_scheduler(ran)
+    assert scheduler.submit("a", 4, batch=BatchSpec("m", rows=1, max_rows=8, delay_s=30.0))
+    time.sleep(0.1)
+    started = time.monotonic()
+    scheduler.stop(10)
+    assert time.monotonic() - started < 5
+    assert ran == ["a"]
+
+
 def test_groups_keep_requests_whose_inputs_cannot_be_joined_apart():
     a = batching.Member({"x": np.zeros((1, 4), np.float32)})
     b = batching.Member({"x": np.zeros((2, 4), np.float32)})
