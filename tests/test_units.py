@@ -162,21 +162,27 @@ def _publish_body(
 
 
 def _received(
-    handle: Callable[[mqtt.Client], object], header: int, body: bytes, manual_ack: bool
+    handle: Callable[[mqtt.Client], object],
+    header: int,
+    body: bytes,
+    manual_ack: bool,
+    protocol: MQTTProtocolVersion = MQTTProtocolVersion.MQTTv5,
 ) -> object:
-    """What `handle` (paho's or the agent's PUBLISH reader) hands on_message and acknowledges."""
+    """What `handle` (paho's or the agent's PUBLISH reader) hands on (on_message, or the
+    agent's `deliver`) and acknowledges. The retain flag is not compared: requests ignore it."""
     client = _Client(
-        CallbackAPIVersion.VERSION2,
-        client_id="t",
-        protocol=MQTTProtocolVersion.MQTTv5,
-        manual_ack=manual_ack,
+        CallbackAPIVersion.VERSION2, client_id="t", protocol=protocol, manual_ack=manual_ack
     )
     seen: list[tuple[object, ...]] = []
     acks: list[int] = []
     client.on_message = lambda c, u, m: seen.append(
-        (m.topic, bytes(m.payload), m.qos, m.dup, m.retain, m.mid,
-         getattr(m.properties, "ResponseTopic", None),
-         getattr(m.properties, "CorrelationData", None))
+        (m.topic, bytes(m.payload), m.qos, m.dup, m.mid,
+         getattr(getattr(m, "properties", None), "ResponseTopic", None),
+         getattr(getattr(m, "properties", None), "CorrelationData", None))
+    )  # fmt: skip
+    client.deliver = lambda topic, payload, qos, mid, dup, props: seen.append(
+        (topic, payload, qos, dup, mid,
+         getattr(props, "ResponseTopic", None), getattr(props, "CorrelationData", None))
     )  # fmt: skip
     client._send_puback = lambda mid: acks.append(mid) or MQTTErrorCode.MQTT_ERR_SUCCESS  # type: ignore[method-assign]
     client._in_packet = {"command": header, "packet": body}
@@ -187,7 +193,52 @@ def _received(
     return rc, seen, acks
 
 
-def test_mqtt5_publish_fast_path_reads_what_paho_reads():
+class _Unsent:
+    def close(self) -> None:
+        pass
+
+
+def _queued_client(protocol: MQTTProtocolVersion) -> _Client:
+    """A client that believes it is connected: packets stay in paho's write queue."""
+    client = _Client(CallbackAPIVersion.VERSION2, client_id="t", protocol=protocol)
+    client._sock = _Unsent()  # type: ignore[assignment]
+    client.on_socket_register_write = lambda c, u, s: None
+    return client
+
+
+def test_publish_fast_writes_the_packet_paho_writes_and_takes_its_puback():
+    corr = Properties(PacketTypes.PUBLISH)
+    corr.CorrelationData = b"\x00c"
+    big = b"x" * 20000  # a remaining length of three bytes
+    for protocol in (MQTTProtocolVersion.MQTTv5, MQTTProtocolVersion.MQTTv311):
+        for qos in (0, 1):
+            for retain in (False, True):
+                for props in (None, corr) if protocol == MQTTProtocolVersion.MQTTv5 else (None,):
+                    for payload in (b"", b"\xa1ax\x01", big):
+                        ours, theirs = _queued_client(protocol), _queued_client(protocol)
+                        rc, mid = ours.publish_fast("edge/é/result", payload, qos, retain, props)
+                        info = theirs.publish("edge/é/result", payload, qos, retain, props)
+                        assert (rc, mid if qos else 0) == (info.rc, info.mid if qos else 0)
+                        assert ours._out_packet[-1]["packet"] == theirs._out_packet[-1]["packet"]
+    client = _queued_client(MQTTProtocolVersion.MQTTv5)
+    acked: list[tuple[int, int]] = []
+    client.acknowledged = lambda mid, reason: acked.append((mid, reason.value))
+    first = client.publish_fast("t", b"a", 1, False, None)[1]
+    second = client.publish_fast("t", b"b", 1, False, None)[1]
+    for packet in (struct.pack("!H", first), struct.pack("!HB", second, 0x87) + b"\x00"):
+        client._in_packet = {"command": 0x40, "packet": packet}
+        assert client._handle_pubackcomp("PUBACK") == MQTTErrorCode.MQTT_ERR_SUCCESS
+    client._in_packet = {"command": 0x40, "packet": struct.pack("!H", first)}  # a duplicate
+    client._handle_pubackcomp("PUBACK")
+    assert acked == [(first, 0), (second, 0x87)]  # success, then "not authorized"
+    for topic in ("", "a/+/b", "a/#"):
+        with pytest.raises(ValueError):
+            client.publish_fast(topic, b"", 1, False, None)
+    client._sock = None
+    assert client.publish_fast("t", b"", 1, False, None)[0] == MQTTErrorCode.MQTT_ERR_NO_CONN
+
+
+def test_publish_fast_path_reads_what_paho_reads():
     """The agent reads request PUBLISH packets without paho's Properties object; for every
     packet the result (or the error) is paho's own."""
     both = Properties(PacketTypes.PUBLISH)
@@ -220,6 +271,20 @@ def test_mqtt5_publish_fast_path_reads_what_paho_reads():
         for manual_ack in (False, True):  # the agent acknowledges a request once it is stored
             ours = _received(_Client._handle_publish, header, body, manual_ack)
             theirs = _received(mqtt.Client._handle_publish, header, body, manual_ack)
+            assert ours == theirs, (header, body, manual_ack)
+    mqtt3 = [
+        (0x32, struct.pack("!H", 3) + b"a/b" + struct.pack("!H", 9) + b"\xa1\x62id\x61x"),
+        (0x30, struct.pack("!H", 3) + b"a/b" + b"qos 0"),
+        (0x3A, struct.pack("!H", 1) + b"t" + struct.pack("!H", 2)),  # dup, empty payload
+        (0x32, struct.pack("!H", 2) + b"\xff\xfe" + struct.pack("!H", 1) + b"p"),  # not UTF-8
+        (0x32, b"\x00\x01t\x00"),  # half a packet id
+        (0x34, struct.pack("!H", 1) + b"t" + struct.pack("!H", 4) + b"qos 2"),
+    ]
+    for header, body in mqtt3:
+        for manual_ack in (False, True):
+            v311 = MQTTProtocolVersion.MQTTv311
+            ours = _received(_Client._handle_publish, header, body, manual_ack, v311)
+            theirs = _received(mqtt.Client._handle_publish, header, body, manual_ack, v311)
             assert ours == theirs, (header, body, manual_ack)
     fast = parse_publish(_publish_body(b"t", 1, b"p", both)[:], 1)
     assert fast is not None and fast[2] == RequestProperties("edge/reply/é", b"\x00\x01corr")
