@@ -12,7 +12,9 @@
 - echo: republishes a fixed reply for every message it receives (the request/response round
   trip with no work in between).
 - load: keeps `concurrency` requests outstanding against the agent (a new one the moment one
-  finishes) and reports the completed requests per second.
+  finishes) and reports the completed requests per second. It is not a baseline but the
+  driver of the batching figure, and it runs on benchmarks.lean_mqtt rather than paho: the
+  driver should cost the shared machine little next to the agent it drives.
 
 Every paho socket here sets TCP_NODELAY, as the agent's do, so each baseline is the strongest
 plain paho gets. Results go to stdout as one JSON line.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -34,6 +37,7 @@ import cbor2
 import paho.mqtt.client as mqtt
 
 from benchmarks.harness import connect, subscribe
+from benchmarks.lean_mqtt import PUBLISH, LeanClient, parse_publish, puback
 
 QUEUED = 60000  # QoS 1/2 messages handed to paho and not yet acknowledged, at most
 
@@ -101,53 +105,51 @@ def run_echo(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_load(args: argparse.Namespace) -> dict[str, Any]:
-    """Closed loop: `concurrency` requests in flight, each answered by one `result` message
-    on its own reply topic; a reply (whatever its type) frees the slot for the next one."""
+    """Closed loop: `concurrency` requests in flight (QoS 1), each answered by one `result`
+    message on its own reply topic; a reply (whatever its type) frees the slot for the next
+    one. One thread on benchmarks.lean_mqtt, so that the load costs the machine little."""
     template = Path(args.payload).read_bytes()  # CBOR request with the id "REQUEST-ID-0000"
     marker = b"REQUEST-ID-0000"
     if template.count(marker) != 1:
         raise SystemExit("the load template must hold the id REQUEST-ID-0000 once")
-    client = connect(args.port)
-    reply_root = f"{args.root}/result/{args.model}"
-    lock = threading.Lock()
-    done_at: list[float] = []
-    errors = 0
+    head, tail = template.split(marker)
+    client = LeanClient("127.0.0.1", args.port, f"load-{os.getpid()}")
+    client.subscribe(f"{args.root}/result/{args.model}/#", 1)
+    topic = f"{args.root}/infer/{args.model}"
     counter = 0
-    stop = threading.Event()
 
-    def send() -> None:
+    def request() -> bytes:
         nonlocal counter
-        with lock:
-            counter += 1
-            request_id = f"L{counter:014d}".encode()
-        client.publish(f"{args.root}/infer/{args.model}", template.replace(marker, request_id), 1)
+        counter += 1
+        return client.publish_packet(topic, b"%sL%014d%s" % (head, counter, tail), 1)
 
-    def on_message(c: mqtt.Client, userdata: Any, message: Any) -> None:
-        nonlocal errors
-        if cbor2.loads(message.payload).get("type") == "error":
-            errors += 1
-        with lock:
-            done_at.append(time.perf_counter())
-        if not stop.is_set():
-            send()
-
-    client.on_message = on_message
-    subscribe(client, f"{reply_root}/#", 1)
-    for _ in range(args.concurrency):
-        send()
-    time.sleep(args.warmup)
-    with lock:
-        first = len(done_at)
-        started = time.perf_counter()
-    time.sleep(args.seconds)
-    with lock:
-        last = len(done_at)
-        elapsed = time.perf_counter() - started
-    stop.set()
+    client.sock.sendall(b"".join(request() for _ in range(args.concurrency)))
+    completed = errors = 0
+    now = time.perf_counter()
+    started, end = now + args.warmup, now + args.warmup + args.seconds
+    first: tuple[int, float] | None = None
+    while now < end:
+        out = []
+        for kind, body in client.read(max(0.0, end - now)):
+            if kind >> 4 != PUBLISH:
+                continue  # PUBACKs of the requests, the only other packets
+            mid, payload = parse_publish(kind, body)
+            if mid is not None:
+                out.append(puback(mid))
+            if cbor2.loads(payload).get("type") == "error":
+                errors += 1
+            completed += 1
+            out.append(request())
+        if out:
+            client.sock.sendall(b"".join(out))
+        now = time.perf_counter()
+        if first is None and now >= started:
+            first = completed, now
+    client.close()
     time.sleep(0.2)  # let what is in flight finish before the agent is asked anything else
-    client.disconnect()
-    client.loop_stop()
-    return {"completed": last - first, "seconds": elapsed, "errors": errors}
+    if first is None:
+        return {"completed": 0, "seconds": 0.0, "errors": errors}
+    return {"completed": completed - first[0], "seconds": now - first[1], "errors": errors}
 
 
 def _wait_for_term() -> None:
