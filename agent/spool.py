@@ -262,6 +262,10 @@ class Spool:
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
+        # Statement journals and sort files in memory: SQLite would otherwise create, unlink
+        # and write a file in /var/tmp for a large multi-row statement (several per second
+        # under load: file system writes on the flash the spool is meant to spare).
+        self._db.execute("PRAGMA temp_store=MEMORY")
         self._db.executescript(SCHEMA)
         row = self._db.execute(f"SELECT COUNT(*), {_SUM_STORED} FROM messages WHERE acked IS NULL")
         self.count, self.bytes = (int(v) for v in row.fetchone())  # pending messages only

@@ -43,6 +43,14 @@ def test_spool_keeps_messages_and_requests_across_reopen(tmp_path: Path):
     again.close()
 
 
+def test_spool_keeps_sqlite_temporary_files_in_memory(tmp_path: Path):
+    """Statement journals of large multi-row statements would be files in /var/tmp, made and
+    unlinked several times a second under load: writes on the flash the spool spares."""
+    spool = Spool(tmp_path / "spool.sqlite", max_bytes=1 << 20, max_messages=100)
+    assert spool._db.execute("PRAGMA temp_store").fetchone() == (2,)  # MEMORY
+    spool.close()
+
+
 def test_reject_new_refuses_when_full(tmp_path: Path):
     spool = Spool(tmp_path / "s.sqlite", max_bytes=1000, max_messages=5, policy="reject_new")
     for _ in range(5):
