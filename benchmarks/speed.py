@@ -698,11 +698,13 @@ def section(result: SpeedResult, plot_name: str | None) -> list[str]:
         "Batching pays where a run costs more than the per-request work of the agent, its "
         "client and the broker: the 256-1024-1024-10 MLP (5 MB of weights, memory-bound one "
         "request at a time) is the target row; the tiny MLP's run costs less than decoding "
-        "and publishing a request (reference row). Where the runs are cheap, the closed loop "
-        "is bound by the two cores themselves: the agent, the Python load generator and the "
-        "broker all spend CPU on every request, and batching saves only the runs' share of "
-        "it (docs/architecture.md, dynamic batching, has one day's accounting); on this VM "
-        "the balance moves from day to day.",
+        "and publishing a request (reference row). The 64 requests come from one closed-loop "
+        "driver on a minimal MQTT client (benchmarks/lean_mqtt.py: paho's Python took a third "
+        "of the two cores, which on a box belong to the agent). Batched, the agent's one "
+        "interpreter is the bound (its network thread reads, checks and answers every "
+        "request); unbatched, the runs are, and batching saves only their share "
+        "(docs/architecture.md, dynamic batching, has the accounting); on this VM the balance "
+        "moves from day to day.",
     ]
     lines.append("")
     if plot_name:
