@@ -81,7 +81,10 @@ def section(history: dict[str, Any]) -> list[str]:
         "models and baselines; only the agent differs), oldest first. Every row is a "
         "separate agent run, so compare rows for the direction and size of a change, and the "
         "section above for the current figures. Before dynamic batching existed, the agent "
-        "ran the 16 streams unbatched and had no batching figure (n/a). The last two columns "
+        "ran the 16 streams unbatched and had no batching figure (n/a). Every row is driven by "
+        "this checkout's batching driver (a minimal MQTT client since `4476029`, paho before: "
+        "old rows read higher than in earlier reports), and a quick run's batching ratio moves "
+        "by a few tenths between runs of nearly the same agent. The last two columns "
         "are absolute: requests a second to the 256-1024-1024-10 MLP without batching, and "
         "one stream alone.",
         "",
