@@ -105,7 +105,7 @@ class _Client(mqtt.Client):
     Those PUBLISHes also go to `deliver` (set by the transport) directly, and a QoS 0/1
     publish is written by `publish_fast`: paho would build an MQTTMessage for each, with an
     MQTTMessageInfo and its `threading.Condition`, match the topic against its callback
-    filters and take two callback locks, about a fifth of the agent's CPU per batched request.
+    filters and take two callback locks (a publish: 8.9 µs against 4.9 µs in a hot loop).
     The packet is the same and goes through paho's write queue, in order with paho's own
     packets; its PUBACK is matched here and reported to `acknowledged`.
     """
