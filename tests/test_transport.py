@@ -22,6 +22,9 @@ from agent.outbox import Outbox, OutMessage
 from agent.spool import Spool
 
 WIDTH = 1 << 17  # float32: 512 KiB a reply, sent in parts
+# 60 MiB in all: more than loopback TCP can hold while the broker does not read (a send
+# buffer of up to 4 MiB, a receive window of up to half of tcp_rmem's 32 MiB, the outbox).
+STEPS = 120
 
 
 def repeater() -> onnx.ModelProto:
@@ -37,11 +40,11 @@ def repeater() -> onnx.ModelProto:
     return model
 
 
-REPEATER_CONFIG = """\
+REPEATER_CONFIG = f"""\
 [stream]
 mode = "steps"
-max_steps = 40
-state = { h = "h_out" }
+max_steps = {STEPS}
+state = {{ h = "h_out" }}
 emit = ["h_out"]
 """
 
@@ -72,7 +75,7 @@ def test_a_broker_that_stops_reading_costs_time_not_replies(
     finally:
         own_broker._process.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
     rest = list(chunks)
-    assert [c.index for c in [first, *rest]] == list(range(40))
+    assert [c.index for c in [first, *rest]] == list(range(STEPS))
     for chunk in [first, *rest]:
         np.testing.assert_array_equal(chunk.outputs["h_out"], h)
     assert reply.duplicates == 0 and reply.end is not None
