@@ -150,6 +150,15 @@ class _Client(mqtt.Client):
         self._wbuf.append(buf)  # paho passes a fresh slice of its packet: no copy needed
         return len(buf)
 
+    def loop_read(self, max_packets: int = 1) -> MQTTErrorCode:
+        """Every complete packet the read buffer holds. paho reads as many packets as it has
+        messages in its books, at least one; those of `publish_fast` are not in them, and one
+        packet per call would cost the io loop a `select` and a lock round per packet."""
+        rc = super().loop_read()
+        while rc == MQTTErrorCode.MQTT_ERR_SUCCESS and self._sock is not None and self.buffered():
+            rc = super().loop_read()  # a partial packet ends it: paho keeps it for the next read
+        return rc
+
     def loop_write(self) -> MQTTErrorCode:
         on_publish, self._on_publish = self._on_publish, None
         try:

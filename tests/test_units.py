@@ -238,6 +238,40 @@ def test_publish_fast_writes_the_packet_paho_writes_and_takes_its_puback():
     assert client.publish_fast("t", b"", 1, False, None)[0] == MQTTErrorCode.MQTT_ERR_NO_CONN
 
 
+class _Feed(_Unsent):
+    """A socket whose reads return `data` once, then nothing yet."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def recv(self, size: int) -> bytes:
+        if not self.data:
+            raise BlockingIOError
+        out, self.data = self.data[:size], self.data[size:]
+        return out
+
+
+def test_one_loop_read_handles_every_packet_the_socket_held():
+    """paho reads one packet per call when its own books hold no message: the agent's
+    publishes are not in them, so its client reads on while the buffer holds packets."""
+    client = _queued_client(MQTTProtocolVersion.MQTTv5)
+    acked: list[int] = []
+    got: list[str] = []
+    client.acknowledged = lambda mid, reason: acked.append(mid)
+    client.deliver = lambda topic, payload, qos, mid, dup, props: got.append(topic)
+    mids = [client.publish_fast("t", b"x", 1, False, None)[1] for _ in range(3)]
+    body = _publish_body(b"a/b", 0, b"", None)
+    publish = bytes([0x30, len(body)]) + body
+    pubacks = b"".join(bytes([0x40, 2]) + struct.pack("!H", mid) for mid in mids)
+    half = publish[:4]
+    client._sock = _Feed(pubacks + publish + publish + half)  # type: ignore[assignment]
+    assert client.loop_read() == MQTTErrorCode.MQTT_ERR_SUCCESS
+    assert acked == mids and got == ["a/b", "a/b"]  # the half packet waits for its rest
+    client._sock = _Feed(publish[4:])  # type: ignore[assignment]
+    assert client.loop_read() == MQTTErrorCode.MQTT_ERR_SUCCESS
+    assert got == ["a/b"] * 3
+
+
 def test_publish_fast_path_reads_what_paho_reads():
     """The agent reads request PUBLISH packets without paho's Properties object; for every
     packet the result (or the error) is paho's own."""
