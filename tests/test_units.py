@@ -194,6 +194,11 @@ def _received(
 
 
 class _Unsent:
+    """Takes what is sent (a client closing with bytes still buffered sends them first)."""
+
+    def send(self, data: bytes) -> int:
+        return len(data)
+
     def close(self) -> None:
         pass
 
@@ -204,6 +209,36 @@ def _queued_client(protocol: MQTTProtocolVersion) -> _Client:
     client._sock = _Unsent()  # type: ignore[assignment]
     client.on_socket_register_write = lambda c, u, s: None
     return client
+
+
+def _last_written(client: _Client) -> bytes:
+    """The last packet queued or buffered for the socket."""
+    if client._out_packet:
+        return bytes(client._out_packet[-1]["packet"])
+    return bytes(client._wbuf[-1])
+
+
+class _Recorder(_Unsent):
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def send(self, data: bytes) -> int:  # type: ignore[override]
+        self.sent.append(bytes(data))
+        return len(data)
+
+
+def test_publish_fast_keeps_call_order_with_paho_packets():
+    client = _queued_client(MQTTProtocolVersion.MQTTv311)
+    sock = client._sock = _Recorder()  # type: ignore[assignment]
+    client.publish_fast("t/1", b"a", 1, False, None)  # straight into the write buffer
+    client._send_puback(7)  # paho's own packet, queued after it
+    client.publish_fast("t/2", b"b", 0, False, None)  # behind the PUBACK, not before it
+    client.publish_fast("t/3", b"c", 1, False, None)
+    assert client.loop_write() == MQTTErrorCode.MQTT_ERR_SUCCESS
+    written = b"".join(sock.sent)
+    marks = [written.index(m) for m in (b"t/1", b"\x40\x02\x00\x07", b"t/2", b"t/3")]
+    assert marks == sorted(marks)
+    assert not client.want_write()
 
 
 def test_publish_fast_writes_the_packet_paho_writes_and_takes_its_puback():
@@ -219,7 +254,7 @@ def test_publish_fast_writes_the_packet_paho_writes_and_takes_its_puback():
                         rc, mid = ours.publish_fast("edge/é/result", payload, qos, retain, props)
                         info = theirs.publish("edge/é/result", payload, qos, retain, props)
                         assert (rc, mid if qos else 0) == (info.rc, info.mid if qos else 0)
-                        assert ours._out_packet[-1]["packet"] == theirs._out_packet[-1]["packet"]
+                        assert _last_written(ours) == theirs._out_packet[-1]["packet"]
     client = _queued_client(MQTTProtocolVersion.MQTTv5)
     acked: list[tuple[int, int]] = []
     client.acknowledged = lambda mid, reason: acked.append((mid, reason.value))
