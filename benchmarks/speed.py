@@ -314,7 +314,9 @@ def measure_raw(broker: EmbeddedBroker, workdir: Path, payload: bytes, qos: int,
     try:
         _peer(broker, "raw", "--topic", topic, "--qos", str(qos), "--payload", str(path),
               "--count", str(count))  # fmt: skip
-        if not sub.wait_for(count, 60):
+        if not sub.wait_for(count, 60) and (qos > 0 or sub.count < count // 2):
+            # QoS 0 may lose messages to a subscriber that falls behind: the rate is then
+            # that of what arrived; QoS 1/2 must deliver all.
             raise RuntimeError(f"raw QoS {qos}: {sub.count} of {count} arrived")
         return sub.rate()
     finally:
