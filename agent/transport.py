@@ -61,16 +61,6 @@ PUBLISH_COMMAND = 0x30
 _WRITTEN = mqtt.MQTTMessageInfo(0)
 
 
-def _fixed_header(first: int, length: int) -> bytes:
-    """A fixed header: the first byte, then the remaining length (variable byte integer)."""
-    out = bytearray((first,))
-    while True:
-        length, digit = divmod(length, 128)
-        out.append(digit | 0x80 if length else digit)
-        if not length:
-            return bytes(out)
-
-
 def _no_delivery(
     topic: str, payload: bytes, qos: int, mid: int, dup: bool, props: RequestProperties | None
 ) -> None:
@@ -207,17 +197,20 @@ class _Client(mqtt.Client):
             mid = self._mid_generate()
             while mid in self._fast_inflight or mid in self._out_messages:
                 mid = self._mid_generate()  # never endless: the window is under 65535
-        parts = [b"", struct.pack("!H", len(name)), name]
-        if qos:
-            parts.append(struct.pack("!H", mid))
+        packed_properties = b""
         if self._protocol == MQTTProtocolVersion.MQTTv5:
-            parts.append(b"\x00" if properties is None else properties.pack())  # type: ignore[no-untyped-call]
-        parts.append(payload)
-        length = sum(len(part) for part in parts)
+            packed_properties = b"\x00" if properties is None else properties.pack()  # type: ignore[no-untyped-call]
+        length = 2 + len(name) + (2 if qos else 0) + len(packed_properties) + len(payload)
         if length > 268435455:
             raise ValueError("payload too large for one MQTT packet")
-        parts[0] = _fixed_header(PUBLISH_COMMAND | qos << 1 | int(retain), length)
-        packet = b"".join(parts)
+        # paho's own packers, as its `_send_publish` uses them.
+        packet = bytearray((PUBLISH_COMMAND | qos << 1 | int(retain),))
+        self._pack_remaining_length(packet, length)
+        self._pack_str16(packet, name)
+        if qos:
+            packet += struct.pack("!H", mid)
+        packet += packed_properties
+        packet += payload
         if self._out_packet:  # paho's packets queued before it go first
             self._packet_queue(PUBLISH_COMMAND, packet, mid, qos, _WRITTEN)
         else:  # what paho's write queue would do with it, less its per-packet bookkeeping
@@ -684,7 +677,7 @@ class Transport:
             self._io_lock.release()
             selector.close()
 
-    def _pump(self, client: mqtt.Client) -> bool:
+    def _pump(self, client: _Client) -> bool:
         """Under the io lock: deferred acknowledgements, then the outbox up to the window,
         written with one loop_write. True when more messages may be waiting."""
         self._send_deferred_acks(client)
@@ -739,7 +732,7 @@ class Transport:
 
     # -- publishing (under the io lock) ----------------------------------------------------
 
-    def _publish_batch(self, client: mqtt.Client) -> bool:
+    def _publish_batch(self, client: _Client) -> bool:
         """Publish what the outbox holds, up to the window; True when more may be waiting."""
         room = self._window_limit - len(self._pending)
         if room <= 0 or client.want_write():
@@ -757,7 +750,7 @@ class Transport:
                 return False
         return True
 
-    def _publish(self, client: mqtt.Client, message: OutMessage) -> bool:
+    def _publish(self, client: _Client, message: OutMessage) -> bool:
         """False when the connection is gone (the message goes back to the outbox)."""
         qos = message.qos
         if qos > self._max_qos:
@@ -769,7 +762,7 @@ class Transport:
             qos = self._max_qos
         sent = time.monotonic()
         try:
-            if qos < 2 and isinstance(client, _Client):
+            if qos < 2:
                 rc, mid = client.publish_fast(
                     message.topic, message.payload, qos, message.retain, message.properties
                 )
