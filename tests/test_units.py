@@ -7,7 +7,6 @@ import random
 import struct
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
@@ -161,16 +160,27 @@ def _publish_body(
     return body + payload
 
 
+def _packet(header: int, body: bytes) -> bytes:
+    """A whole MQTT packet: the type byte, the remaining length (1-4 bytes), the body."""
+    length, n = bytearray(), len(body)
+    while True:
+        n, digit = n >> 7, n & 0x7F
+        length.append(digit | (0x80 if n else 0))
+        if not n:
+            return bytes([header]) + bytes(length) + body
+
+
 def _received(
-    handle: Callable[[mqtt.Client], object],
+    kind: type[mqtt.Client],
     header: int,
     body: bytes,
     manual_ack: bool,
     protocol: MQTTProtocolVersion = MQTTProtocolVersion.MQTTv5,
 ) -> object:
-    """What `handle` (paho's or the agent's PUBLISH reader) hands on (on_message, or the
-    agent's `deliver`) and acknowledges. The retain flag is not compared: requests ignore it."""
-    client = _Client(
+    """What a client of `kind` (paho's, or the agent's) hands on after reading the packet from
+    its socket (on_message, or the agent's `deliver`) and acknowledges. The retain flag is
+    not compared: requests ignore it."""
+    client = kind(
         CallbackAPIVersion.VERSION2, client_id="t", protocol=protocol, manual_ack=manual_ack
     )
     seen: list[tuple[object, ...]] = []
@@ -180,14 +190,15 @@ def _received(
          getattr(getattr(m, "properties", None), "ResponseTopic", None),
          getattr(getattr(m, "properties", None), "CorrelationData", None))
     )  # fmt: skip
-    client.deliver = lambda topic, payload, qos, mid, dup, props: seen.append(
-        (topic, payload, qos, dup, mid,
-         getattr(props, "ResponseTopic", None), getattr(props, "CorrelationData", None))
-    )  # fmt: skip
+    if isinstance(client, _Client):
+        client.deliver = lambda topic, payload, qos, mid, dup, props: seen.append(
+            (topic, payload, qos, dup, mid,
+             getattr(props, "ResponseTopic", None), getattr(props, "CorrelationData", None))
+        )  # fmt: skip
     client._send_puback = lambda mid: acks.append(mid) or MQTTErrorCode.MQTT_ERR_SUCCESS  # type: ignore[method-assign]
-    client._in_packet = {"command": header, "packet": body}
+    client._sock = _Feed(_packet(header, body))  # type: ignore[assignment]
     try:
-        rc = handle(client)
+        rc = client.loop_read()
     except Exception as e:  # paho's own reports of a malformed packet
         return type(e).__name__
     return rc, seen, acks
@@ -260,11 +271,11 @@ def test_publish_fast_writes_the_packet_paho_writes_and_takes_its_puback():
     client.acknowledged = lambda mid, reason: acked.append((mid, reason.value))
     first = client.publish_fast("t", b"a", 1, False, None)[1]
     second = client.publish_fast("t", b"b", 1, False, None)[1]
-    for packet in (struct.pack("!H", first), struct.pack("!HB", second, 0x87) + b"\x00"):
-        client._in_packet = {"command": 0x40, "packet": packet}
-        assert client._handle_pubackcomp("PUBACK") == MQTTErrorCode.MQTT_ERR_SUCCESS
-    client._in_packet = {"command": 0x40, "packet": struct.pack("!H", first)}  # a duplicate
-    client._handle_pubackcomp("PUBACK")
+    for body in (struct.pack("!H", first), struct.pack("!HB", second, 0x87) + b"\x00"):
+        client._sock = _Feed(_packet(0x40, body))  # type: ignore[assignment]
+        assert client.loop_read() == MQTTErrorCode.MQTT_ERR_SUCCESS
+    client._sock = _Feed(_packet(0x40, struct.pack("!H", first)))  # type: ignore[assignment]
+    assert client.loop_read() == MQTTErrorCode.MQTT_ERR_SUCCESS  # a duplicate: ignored
     assert acked == [(first, 0), (second, 0x87)]  # success, then "not authorized"
     for topic in ("", "a/+/b", "a/#"):
         with pytest.raises(ValueError):
@@ -307,6 +318,74 @@ def test_one_loop_read_handles_every_packet_the_socket_held():
     assert got == ["a/b"] * 3
 
 
+class _Trickle(_Unsent):
+    """A socket whose reads return the next of `pieces`, then nothing yet; b"": closed."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces
+
+    def recv(self, size: int) -> bytes:
+        if not self.pieces:
+            raise BlockingIOError
+        piece = self.pieces.pop(0)
+        if len(piece) > size:
+            self.pieces.insert(0, piece[size:])
+        return piece[:size]
+
+
+def test_packets_are_framed_across_reads_split_anywhere():
+    """Every packet is read whole however the stream is cut: lengths of one to three bytes,
+    a cut in the type byte, in the length and in the body. Packets without a fast path
+    (a SUBACK, a PINGRESP) reach paho's handlers as paho's reader would pass them."""
+    client = _queued_client(MQTTProtocolVersion.MQTTv5)
+    got: list[tuple[str, int]] = []
+    acked: list[int] = []
+    subacked: list[int] = []
+    client.deliver = lambda topic, payload, qos, mid, dup, props: got.append((topic, len(payload)))
+    client.acknowledged = lambda mid, reason: acked.append(mid)
+    client.on_subscribe = lambda c, u, mid, codes, props: subacked.append(mid)
+    client._send_puback = lambda mid: MQTTErrorCode.MQTT_ERR_SUCCESS  # type: ignore[method-assign]
+    mid = client.publish_fast("t", b"x", 1, False, None)[1]
+    sizes = (0, 100, 200, 20000)  # remaining lengths of one, two and three bytes
+    stream = b"".join(_packet(0x32, _publish_body(b"a/b", 1, b"p" * n, None)) for n in sizes)
+    stream += _packet(0x40, struct.pack("!H", mid)) + _packet(0xD0, b"")  # PUBACK, PINGRESP
+    stream += _packet(0x90, struct.pack("!H", 7) + b"\x00\x01")  # SUBACK: no properties, QoS 1
+    expected = [("a/b", n) for n in sizes]
+    for cut in (1, 2, 3, 5, 150, 20010, len(stream) - 1):
+        for second in (cut + 1, cut + 7):
+            got.clear()
+            acked.clear()
+            subacked.clear()
+            client._fast_inflight.add(mid)
+            pieces = [stream[:cut], stream[cut:second], stream[second:]]
+            client._sock = _Trickle([p for p in pieces if p])  # type: ignore[assignment]
+            for _ in range(3):
+                assert client.loop_read() == MQTTErrorCode.MQTT_ERR_SUCCESS
+            assert got == expected and acked == [mid] and subacked == [7], cut
+            assert client._rbuf == b"" and client._in_packet["command"] == 0
+
+
+def test_reading_ends_the_connection_on_a_bad_length_or_a_close():
+    """A fifth length byte is a protocol error (as paho reads it); a closed socket is a lost
+    connection. Either way what was left of a packet is dropped with the socket."""
+    for data, rc in (
+        ([b"\x30\x80\x80\x80\x80\x01"], MQTTErrorCode.MQTT_ERR_PROTOCOL),
+        ([b"\x30\x05ab", b""], MQTTErrorCode.MQTT_ERR_CONN_LOST),
+    ):
+        ours = _queued_client(MQTTProtocolVersion.MQTTv5)
+        theirs = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="t")
+        theirs.on_socket_register_write = lambda c, u, s: None
+        lost: list[int] = []
+        for client in (ours, theirs):
+            client.on_disconnect = lambda c, u, flags, reason, props, lost=lost: lost.append(1)
+            client._sock = _Trickle(list(data))  # type: ignore[assignment]
+            results = [client.loop_read() for _ in range(8)]
+            assert rc in results
+            assert client._sock is None
+        assert lost == [1, 1]
+        assert ours._rbuf == b""
+
+
 def test_publish_fast_path_reads_what_paho_reads():
     """The agent reads request PUBLISH packets without paho's Properties object; for every
     packet the result (or the error) is paho's own."""
@@ -338,8 +417,8 @@ def test_publish_fast_path_reads_what_paho_reads():
     ]
     for header, body in cases:
         for manual_ack in (False, True):  # the agent acknowledges a request once it is stored
-            ours = _received(_Client._handle_publish, header, body, manual_ack)
-            theirs = _received(mqtt.Client._handle_publish, header, body, manual_ack)
+            ours = _received(_Client, header, body, manual_ack)
+            theirs = _received(mqtt.Client, header, body, manual_ack)
             assert ours == theirs, (header, body, manual_ack)
     mqtt3 = [
         (0x32, struct.pack("!H", 3) + b"a/b" + struct.pack("!H", 9) + b"\xa1\x62id\x61x"),
@@ -352,8 +431,8 @@ def test_publish_fast_path_reads_what_paho_reads():
     for header, body in mqtt3:
         for manual_ack in (False, True):
             v311 = MQTTProtocolVersion.MQTTv311
-            ours = _received(_Client._handle_publish, header, body, manual_ack, v311)
-            theirs = _received(mqtt.Client._handle_publish, header, body, manual_ack, v311)
+            ours = _received(_Client, header, body, manual_ack, v311)
+            theirs = _received(mqtt.Client, header, body, manual_ack, v311)
             assert ours == theirs, (header, body, manual_ack)
     fast = parse_publish(_publish_body(b"t", 1, b"p", both)[:], 1)
     assert fast is not None and fast[2] == RequestProperties("edge/reply/é", b"\x00\x01corr")
