@@ -18,7 +18,7 @@ import json
 import logging
 import socket
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -67,6 +67,15 @@ class _Buckets:
         with self._lock:
             self._counts[index] += 1
             self._sum += value
+
+    def observe_many(self, values: Sequence[float]) -> None:
+        """`observe` each, with one round of the lock (a batch run's requests)."""
+        bounds, counts = self._bounds, self._counts
+        indexes = [bisect.bisect_left(bounds, value) for value in values]
+        with self._lock:
+            for index in indexes:
+                counts[index] += 1
+            self._sum += sum(values)
 
     def snapshot(self) -> tuple[list[int], float]:
         with self._lock:
@@ -133,9 +142,9 @@ class ReplyTally:
         self.bytes = 0
         registry.register(self)
 
-    def add(self, payload_bytes: int) -> None:
+    def add(self, payload_bytes: int, messages: int = 1) -> None:
         with self._lock:
-            self.messages += 1
+            self.messages += messages
             self.bytes += payload_bytes
 
     def describe(self) -> Iterable[Metric]:
@@ -371,14 +380,30 @@ class AgentMetrics:
         if chunks:
             self._child(self.chunks, label).inc(chunks)
 
+    def requests_ok(
+        self, model: str, version: int, timings: Sequence[tuple[float, float, float, int]]
+    ) -> None:
+        """`request_done` (ok) and `request_timing` for requests of one batch run, each
+        `(queue_s, infer_s, total_s, chunks)`: one round of each metric's lock, not one per
+        request."""
+        label = self.model_label(model)
+        self._child(self.queue, label).observe_many([t[0] for t in timings])
+        self._child(self.inference, label).observe_many([t[1] for t in timings])
+        self._child(self.total, label).observe_many([t[2] for t in timings])
+        chunks = sum(t[3] for t in timings)
+        if chunks:
+            self._child(self.chunks, label).inc(chunks)
+        self._child(self.requests, label, str(version), "ok").inc(len(timings))
+
     def batch_run(self, model: str, requests: int) -> None:
         self._child(self.batch_requests, self.model_label(model)).observe(requests)
 
     def first_chunk_after(self, model: str, seconds: float) -> None:
         self._child(self.first_chunk, self.model_label(model)).observe(seconds)
 
-    def reply_sent(self, payload_bytes: int) -> None:
-        self.replies.add(payload_bytes)
+    def reply_sent(self, payload_bytes: int, messages: int = 1) -> None:
+        """`messages` replies of `payload_bytes` in all were queued."""
+        self.replies.add(payload_bytes, messages)
 
     def model_loaded(self, model: str, seconds: float) -> None:
         self.model_load.labels(model).observe(seconds)

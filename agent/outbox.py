@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from agent.spool import AfterWrite, Eviction, FinishRequest, Spool, SpooledMessage, stored_bytes
@@ -130,6 +130,7 @@ class Outbox:
                 protected_after=lambda: self._loaded_up_to,
                 on_written=self._written,
                 on_eviction=on_eviction,
+                after_callbacks=self.kick,  # acknowledgements the callbacks queued
             )
 
     def start(self) -> None:
@@ -156,37 +157,46 @@ class Outbox:
 
     # -- putting -------------------------------------------------------------------------------
 
-    def put(self, message: OutMessage, timeout: float | None = None, *, kick: bool = True) -> None:
+    def put(self, message: OutMessage, timeout: float | None = None) -> None:
         """Queue a message. Blocks while memory (QoS 0), the spool (`reject_new`) or the spool
-        writer is full. Raises OutboxClosed once closed, TimeoutError when `timeout` passes.
-        `kick=False`: the caller queues more right away and calls `kick()` after the last."""
+        writer is full. Raises OutboxClosed once closed, TimeoutError when `timeout` passes."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            self._put_locked(message, deadline)
+        self._on_queued()
+
+    def put_many(self, messages: Sequence[OutMessage]) -> None:
+        """`put` each, in order, in one round of the lock (a batch run's replies); blocks as
+        `put` does. The caller calls `kick()` after it."""
+        with self._cond:
+            for message in messages:
+                self._put_locked(message, None)
+
+    def _put_locked(self, message: OutMessage, deadline: float | None) -> None:
         durable = self._durable(message)
         size = stored_bytes(message) if durable else 0
-        with self._cond:
-            while True:
-                if self._closed:
-                    raise OutboxClosed
-                if durable:
-                    # The writer is not too far behind (else the disk is slower than the
-                    # producers: they wait for it), and the caps hold.
-                    if self._unwritten < self._max and not self._caps_passed(size):
-                        self._put_durable(message, size)
-                        break
-                elif len(self._queue) < self._max:
-                    self._append_volatile(message)
-                    break
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise TimeoutError("outbox full")
-                if durable and self.writer is not None:
-                    self.writer.nudge()  # room comes from the writer (or from acknowledgements)
-                self._cond.wait(0.1 if remaining is None else min(remaining, 0.1))
-        if kick:
-            self._on_queued()
+        while True:
+            if self._closed:
+                raise OutboxClosed
+            if durable:
+                # The writer is not too far behind (else the disk is slower than the
+                # producers: they wait for it), and the caps hold.
+                if self._unwritten < self._max and not self._caps_passed(size):
+                    self._put_durable(message, size)
+                    return
+            elif len(self._queue) < self._max:
+                self._append_volatile(message)
+                return
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError("outbox full")
+            if durable and self.writer is not None:
+                self.writer.nudge()  # room comes from the writer (or from acknowledgements)
+            self._cond.wait(0.1 if remaining is None else min(remaining, 0.1))
 
     def kick(self) -> None:
-        """Have what was queued with `kick=False` published (from this thread if it can)."""
+        """Have what `put_many` queued (or acknowledgements the spool writer's callbacks queued)
+        published, from this thread if it can."""
         self._on_queued()
 
     def _caps_passed(self, size: int, messages: int = 1) -> bool:

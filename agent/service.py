@@ -612,7 +612,8 @@ class Agent:
         it is fsynced (the job runs meanwhile). False for a redelivery of a stored request:
         that one is acknowledged once the original is stored."""
         assert self.spool is not None and self.outbox.writer is not None
-        ack = self.transport.defer(incoming)
+        # Called by the spool writer, which has the acknowledgements of a batch sent together.
+        ack = self.transport.defer(incoming, kick=False)
         if key in self.spool.request_keys:
             self.outbox.writer.submit(AfterWrite(lambda spool: ack()))
             return False
@@ -647,11 +648,6 @@ class Agent:
 
     def _send_blocking(self, message: OutMessage) -> None:
         self.outbox.put(message)
-        self.metrics.reply_sent(len(message.payload))
-
-    def _send_quietly(self, message: OutMessage) -> None:
-        """Queued now, published with the others at the next `outbox.kick()`."""
-        self.outbox.put(message, kick=False)
         self.metrics.reply_sent(len(message.payload))
 
     # -- execution (worker threads) ----------------------------------------------------------
@@ -797,12 +793,26 @@ class Agent:
     def _run_group(
         self, loaded: LoadedVersion, members: list[batching.Member], jobs: list[tuple[Job, float]]
     ) -> None:
-        """One batched run; each request streams (or collects) its own pieces."""
+        """One batched run; each request streams (or collects) its own pieces. A run's
+        replies are queued together (one round of the outbox's lock) and published with one
+        write; the requests it finished are counted together too."""
         config = loaded.config.stream
-        # Each run's replies are queued together and published with one write.
-        run = batching.BatchRun(loaded.session, config, members, after_run=self.outbox.kick)
+        replies: list[OutMessage] = []
+        done: list[tuple[Job, float, float]] = []  # (job, queued, total) of finished requests
+
+        def publish() -> None:  # after each run: its replies, and what it finished
+            if replies:
+                self.outbox.put_many(replies)
+                self.metrics.reply_sent(sum(len(m.payload) for m in replies), len(replies))
+                replies.clear()
+            self.outbox.kick()
+            if done:
+                self._record_ok_batch(loaded, done, run.infer_s)
+                done.clear()
+
+        run = batching.BatchRun(loaded.session, config, members, after_run=publish)
         for job, _ in jobs:
-            job.reply.send = self._send_quietly
+            job.reply.send = replies.append
         collected: dict[int, list[tuple[int, dict[str, Any]]]] = {}
         finished: set[int] = set()
         self.metrics.batch_run(loaded.model, len(members))
@@ -824,8 +834,7 @@ class Agent:
                         reply.result(merged, self._timing(job, queued, run.infer_s))
                 if last:
                     finished.add(index)
-                    self.count("requests_ok")
-                    self._record_ok(job, queued, run.infer_s)
+                    done.append((job, queued, time.monotonic() - job.received))
         except InferenceError as e:
             failure: tuple[str, str] | None = ("model_error", str(e))
         except Exception as e:
@@ -833,7 +842,7 @@ class Agent:
             failure = ("model_error", f"{type(e).__name__}: {e}")
         else:
             failure = None
-        self.outbox.kick()
+        publish()  # what a failing run produced before it failed goes out first
         for index, (job, _) in enumerate(jobs):
             job.reply.send = self._send_blocking  # any error below goes out at once
             if index in run.failed:
@@ -842,6 +851,24 @@ class Agent:
                 )
             elif index not in finished and failure is not None:
                 self._finish_error(job, *failure)
+
+    def _record_ok_batch(
+        self, loaded: LoadedVersion, done: list[tuple[Job, float, float]], infer_s: float
+    ) -> None:
+        """`_record_ok` for the requests of one batch run that finished after its last run."""
+        self.count("requests_ok", len(done))
+        timings = [(queued, infer_s, total, job.reply.chunks) for job, queued, total in done]
+        self.metrics.requests_ok(loaded.model, loaded.version, timings)
+        if log.isEnabledFor(logging.DEBUG):
+            for job, _, total in done:
+                log.debug(
+                    "request %s (%s v%s): ok in %.1f ms, %d chunk(s)",
+                    job.request.id,
+                    loaded.model,
+                    loaded.version,
+                    total * 1000,
+                    job.reply.chunks,
+                )
 
     def _record_ok(self, job: Job, queued_s: float, infer_s: float) -> None:
         model, total = job.request.model, time.monotonic() - job.received

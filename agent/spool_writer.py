@@ -51,13 +51,17 @@ class SpoolWriter:
         protected_after: Callable[[], int],
         on_written: Callable[[int, int], None],
         on_eviction: Callable[[Eviction], None] | None = None,
+        after_callbacks: Callable[[], None] = lambda: None,
     ) -> None:
         """`protected_after()`: the highest message id held in memory for publishing (never
-        evicted); `on_written(messages, bytes)`: after each batch, to release back pressure."""
+        evicted); `on_written(messages, bytes)`: after each batch, to release back pressure;
+        `after_callbacks()`: once after a batch's `on_stored` and `AfterWrite` callbacks ran
+        (they queue acknowledgements: one publishing round for all of them, not one each)."""
         self.spool = spool
         self._protected_after = protected_after
         self._on_written = on_written
         self._on_eviction = on_eviction
+        self._after_callbacks = after_callbacks
         self._cond = threading.Condition()
         self._items: list[WriteItem] = []
         self._acks: list[int] = []
@@ -218,6 +222,8 @@ class SpoolWriter:
             _safely(callback)
         for after in result.after:
             _safely(lambda after=after: after(self.spool))  # type: ignore[misc]
+        if result.stored or result.after:
+            _safely(self._after_callbacks)
 
 
 def _nothing(spool: Spool) -> None:

@@ -284,13 +284,24 @@ class _Client(mqtt.Client):
             packet += struct.pack("!H", mid)
         packet += packed_properties
         packet += payload
-        if self._out_packet:  # paho's packets queued before it go first
-            self._packet_queue(PUBLISH_COMMAND, packet, mid, qos, _WRITTEN)
-        else:  # what paho's write queue would do with it, less its per-packet bookkeeping
-            self._wbuf.append(packet)
+        self._write_packet(PUBLISH_COMMAND, packet, mid, qos)
         if qos:
             self._fast_inflight.add(mid)
         return MQTTErrorCode.MQTT_ERR_SUCCESS, mid
+
+    def puback_fast(self, mid: int) -> None:
+        """paho's `ack(mid, 1)` (manual acknowledgements): the same four bytes, written
+        without paho's per-packet bookkeeping."""
+        self._write_packet(PUBACK_COMMAND, struct.pack("!BBH", PUBACK_COMMAND, 2, mid), mid, 1)
+
+    def _write_packet(self, command: int, packet: bytes | bytearray, mid: int, qos: int) -> None:
+        """In call order with paho's own packets: behind those queued (through paho's queue),
+        else straight into the write buffer, which is what paho's queue would do with it."""
+        if self._out_packet:
+            info = _WRITTEN if command == PUBLISH_COMMAND else None
+            self._packet_queue(command, packet, mid, qos, info)
+        else:
+            self._wbuf.append(packet)
 
     def _read_puback(self, body: bytes) -> MQTTErrorCode | None:
         """A PUBACK of a `publish_fast` message (reported to `acknowledged`), or a plain
@@ -589,17 +600,20 @@ class Transport:
         with contextlib.suppress(OSError):  # full: a wake-up is already pending
             self._wake_w.send(b"\0")
 
-    def defer(self, incoming: Incoming) -> Callable[[], None]:
+    def defer(self, incoming: Incoming, *, kick: bool = True) -> Callable[[], None]:
         """Take over the acknowledgement of `incoming` (QoS 1/2): the returned function, called
         from any thread once the message is safe, sends it. An acknowledgement that comes
-        after its connection was lost is dropped: the broker delivers the message again."""
+        after its connection was lost is dropped: the broker delivers the message again.
+        `kick=False`: the function only queues it, and the caller has it sent (by the outbox's
+        `kick()`, say, once for many)."""
         incoming.deferred = True
         connection, mid, qos = self._connection, incoming.mid, incoming.qos
 
         def ack() -> None:
             with self._acks_lock:
                 self._deferred_acks.append((connection, mid, qos))
-            self._on_queued()
+            if kick:
+                self._on_queued()
 
         return ack
 
@@ -787,13 +801,17 @@ class Transport:
                 sock.close()
         self.connected.clear()
 
-    def _send_deferred_acks(self, client: mqtt.Client) -> None:
+    def _send_deferred_acks(self, client: _Client) -> None:
         if not self._deferred_acks:
             return
         with self._acks_lock:
             acks, self._deferred_acks = self._deferred_acks, []
         for connection, mid, qos in acks:
-            if connection == self._connection:
+            if connection != self._connection:
+                continue  # the broker delivers it again on the new connection
+            if qos == 1:
+                client.puback_fast(mid)
+            else:
                 client.ack(mid, qos)
 
     def _note_error(self, message: str) -> None:

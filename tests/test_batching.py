@@ -97,6 +97,14 @@ def test_whole_requests_run_as_one_batch_and_each_gets_its_rows(
             assert reply.end is not None and reply.end.chunks == 1
     runs, requests = batches_run(agent, "mlp")
     assert requests == len(inputs) and runs < len(inputs)  # they shared runs
+    # Counted per run, once for all its requests: each request still counts once.
+    sample = agent.metrics.registry.get_sample_value
+    ok = {"model": "mlp", "version": "1", "outcome": "ok"}
+    assert sample("edge_agent_requests_total", ok) == len(inputs)
+    for histogram in ("queue_seconds", "inference_seconds", "request_duration_seconds"):
+        assert sample(f"edge_agent_{histogram}_count", {"model": "mlp"}) == len(inputs)
+    assert sample("edge_agent_chunks_published_total", {"model": "mlp"}) == len(inputs) // 2
+    assert agent.counters["requests_ok"] == len(inputs)
 
 
 def test_decoder_streams_batched_in_lock_step_match_single_runs(

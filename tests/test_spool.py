@@ -432,3 +432,36 @@ def test_the_writer_fsyncs_nothing_for_a_stream_of_fast_requests(
         writer.close()
         spool._db = statements.db
         spool.close()
+
+
+def test_the_writer_calls_after_callbacks_once_per_batch_that_ran_callbacks(tmp_path: Path):
+    """The callbacks queue acknowledgements; `after_callbacks` has them sent, once for all
+    the callbacks of a batch (not once each), and not for a batch without any."""
+    from agent.spool import AfterWrite, StoreRequest
+    from agent.spool_writer import SpoolWriter
+
+    spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 24, max_messages=10_000)
+    events: list[str] = []
+    writer = SpoolWriter(
+        spool,
+        protected_after=lambda: 0,
+        on_written=lambda n, b: None,
+        after_callbacks=lambda: events.append("kick"),
+    )
+    writer.start()
+    try:
+        for n in range(5):
+            key = f"m/{n}"
+            spool.request_keys.add(key)
+            writer.submit(
+                StoreRequest(key, "t", b"req", 1, None, None, lambda k=key: events.append(k))
+            )
+        writer.submit(AfterWrite(lambda spool: events.append("after")))
+        assert writer.flush(5)
+        assert events == ["m/0", "m/1", "m/2", "m/3", "m/4", "after", "kick"]
+        writer.submit(message("s", 1))  # a message alone: no callback, no kick
+        assert writer.flush(5)
+        assert events[-1] == "kick" and events.count("kick") == 1
+    finally:
+        writer.close()
+        spool.close()

@@ -97,6 +97,23 @@ def test_outbox_blocks_when_full_and_keeps_order():
     assert box.get(0.1) is None
 
 
+def test_outbox_put_many_keeps_order_and_waits_for_room():
+    box = Outbox(max_messages=2)
+    kicked: list[int] = []
+    box.set_on_queued(lambda: kicked.append(1))
+    messages = [OutMessage("t", str(n).encode(), 1) for n in range(5)]
+    putter = threading.Thread(target=box.put_many, args=(messages,))
+    putter.start()
+    got = [box.get(2.0) for _ in range(5)]  # room for two at a time: it waits, in order
+    putter.join(2.0)
+    assert not putter.is_alive()
+    assert [m.payload for m in got if m is not None] == [b"0", b"1", b"2", b"3", b"4"]
+    assert not kicked  # the caller kicks once, after its last message
+    box.close()
+    with pytest.raises(OutboxClosed):
+        box.put_many([OutMessage("t", b"x", 1)])
+
+
 def test_backoff_is_capped_and_jittered():
     delay = backoff_delays(0.5, 30.0, random.Random(1))
     samples = [delay(n) for n in range(12)]
@@ -250,6 +267,22 @@ def test_publish_fast_keeps_call_order_with_paho_packets():
     marks = [written.index(m) for m in (b"t/1", b"\x40\x02\x00\x07", b"t/2", b"t/3")]
     assert marks == sorted(marks)
     assert not client.want_write()
+
+
+def test_puback_fast_writes_what_paho_writes_in_call_order():
+    for protocol in (MQTTProtocolVersion.MQTTv5, MQTTProtocolVersion.MQTTv311):
+        ours, theirs = _queued_client(protocol), _queued_client(protocol)
+        theirs._manual_ack = True
+        ours.puback_fast(0x1234)
+        theirs.ack(0x1234, 1)
+        assert _last_written(ours) == theirs._out_packet[-1]["packet"] == b"\x40\x02\x12\x34"
+    client = _queued_client(MQTTProtocolVersion.MQTTv5)
+    sock = client._sock = _Recorder()  # type: ignore[assignment]
+    client.puback_fast(1)  # straight into the write buffer
+    client._send_puback(2)  # paho's own, queued after it
+    client.puback_fast(3)  # behind paho's, not before it
+    assert client.loop_write() == MQTTErrorCode.MQTT_ERR_SUCCESS
+    assert b"".join(sock.sent) == b"".join(struct.pack("!BBH", 0x40, 2, m) for m in (1, 2, 3))
 
 
 def test_publish_fast_writes_the_packet_paho_writes_and_takes_its_puback():
