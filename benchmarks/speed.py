@@ -63,6 +63,7 @@ SCORING_DIMS = (256, 1024, 10)  # inputs, hidden (two layers), outputs
 SMALL = "mlp-small"
 SMALL_DIMS = (128, 512, 10)  # one hidden layer
 CONCURRENCY = 64
+BATCHING_ROUNDS = 3  # alternating blocks of batching off and on (a full run)
 BATCHING = "[batching]\nmax_batch = 64\nmax_queue_delay_us = 2000\n"
 MEMORY_CHUNKS = 100_000
 MARKER = "REQUEST-ID-0000"  # replaced by a fresh id of the same length in each request
@@ -459,23 +460,41 @@ def measure_batching(
     seconds: float,
     model: str,
     dims: tuple[int, int, int],
+    rounds: int = 1,
 ) -> dict[str, Any]:
     """Requests/s with `CONCURRENCY` requests outstanding, the same model without and with
-    dynamic batching ([batching] in the model's config.toml)."""
+    dynamic batching ([batching] in the model's config.toml). The time is cut into `rounds`
+    blocks of each, alternating (off, on, on, off, ...), so that a drift in the shared
+    machine's speed falls on both; the rates are the totals, and each round's ratio is kept."""
     x = np.random.default_rng(1).standard_normal((1, dims[0])).astype(np.float32)
     template = _template({"x": x}, stream=False)
     path = workdir / "load-request.bin"
     path.write_bytes(template)
     result: dict[str, Any] = {"concurrency": CONCURRENCY, "model": model, "dims": list(dims)}
-    for key, name in (("off", model), ("on", f"{model}-batched")):
+    names = {"off": model, "on": f"{model}-batched"}
+    for key, name in names.items():
         if not wait_model(broker, agent.root, name, {"x": x}, stream=False):
             result[key] = None  # an agent without [batching] refuses the model's config
-            continue
-        done = _peer(broker, "load", "--root", agent.root, "--model", name,
-                     "--payload", str(path), "--concurrency", str(CONCURRENCY),
-                     "--seconds", str(seconds), "--warmup", str(min(1.0, seconds / 4)))  # fmt: skip
-        result[key] = done["completed"] / done["seconds"]
-        result[f"{key}_errors"] = done["errors"]
+    modes = [key for key in names if key not in result]
+    totals = {key: [0, 0.0, 0] for key in modes}  # completed, seconds, errors
+    per_round: list[dict[str, float]] = []
+    for n in range(rounds):
+        rates: dict[str, float] = {}
+        for key in modes if n % 2 == 0 else modes[::-1]:
+            done = _peer(broker, "load", "--root", agent.root, "--model", names[key],
+                         "--payload", str(path), "--concurrency", str(CONCURRENCY),
+                         "--seconds", str(seconds / rounds),
+                         "--warmup", str(min(1.0, seconds / 4)))  # fmt: skip
+            totals[key][0] += done["completed"]
+            totals[key][1] += done["seconds"]
+            totals[key][2] += done["errors"]
+            rates[key] = done["completed"] / done["seconds"] if done["seconds"] else 0.0
+        per_round.append(rates)
+    for key, (completed, secs, errors) in totals.items():
+        result[key] = completed / secs if secs else None
+        result[f"{key}_errors"] = errors
+    if len(modes) == 2:
+        result["round_ratios"] = [r["on"] / r["off"] for r in per_round if r.get("off")]
     return result
 
 
@@ -559,9 +578,14 @@ def measure(broker: EmbeddedBroker, workdir: Path, quick: bool, tree: Path = REP
         lat = result.latency
         print(f"latency: agent {lat['agent_ms']:.2f} ms, echo {lat['round_trip_ms']:.2f} ms, "
               f"bare {lat['bare_ms'] * 1000:.0f} us", flush=True)  # fmt: skip
-        result.batching = measure_batching(agent, broker, workdir, seconds, SCORING, SCORING_DIMS)
+        rounds = 1 if quick else BATCHING_ROUNDS
+        result.batching = measure_batching(
+            agent, broker, workdir, seconds, SCORING, SCORING_DIMS, rounds
+        )
         print(f"batching: {result.batching}", flush=True)
-        result.batching_small = measure_batching(agent, broker, workdir, seconds, SMALL, SMALL_DIMS)
+        result.batching_small = measure_batching(
+            agent, broker, workdir, seconds, SMALL, SMALL_DIMS, rounds
+        )
         print(f"batching, tiny model: {result.batching_small}", flush=True)
         result.memory = measure_memory(agent, broker, stream_model)
         print(f"memory: {result.memory}", flush=True)
@@ -617,10 +641,12 @@ def section(result: SpeedResult, plot_name: str | None) -> list[str]:
         ratio = on / off if on and off else None
         rate = lambda v: "n/a" if v is None else f"{v:.0f} req/s"  # noqa: E731
         judged = verdict("batching", ratio) if target else "reference: overhead-bound"
+        rounds = b.get("round_ratios") or []
+        spread = f" (rounds: {', '.join(f'{v:.2f}' for v in rounds)})" if len(rounds) > 1 else ""
         return (
             f"| requests/s, {CONCURRENCY} concurrent small requests (MLP {sizes}, "
             f"`stream: false`): batching on / off | {rate(on)} | {rate(off)} | "
-            f"**{fmt('batching', ratio)}** | {judged} |"
+            f"**{fmt('batching', ratio)}**{spread} | {judged} |"
         )
 
     one = r.get("1", {})
@@ -702,11 +728,14 @@ def section(result: SpeedResult, plot_name: str | None) -> list[str]:
         "request at a time) is the target row; the tiny MLP's run costs less than decoding "
         "and publishing a request (reference row). The 64 requests come from one closed-loop "
         "driver on a minimal MQTT client (benchmarks/lean_mqtt.py: paho's Python took a third "
-        "of the two cores, which on a box belong to the agent). Batched, the agent's one "
-        "interpreter is the bound (its network thread reads, checks and answers every "
-        "request); unbatched, the runs are, and batching saves only their share "
-        "(docs/architecture.md, dynamic batching, has the accounting); on this VM the balance "
-        "moves from day to day.",
+        "of the two cores, which on a box belong to the agent). Off and on are measured in "
+        f"alternating blocks ({BATCHING_ROUNDS} of each in a full run, off first, then on "
+        "first, and so on), so that a drift in this shared machine's speed falls on both; the "
+        "ratio is of the totals, and each round's ratio is shown beside it. Batched, the "
+        "agent's one interpreter is the bound (its network thread reads, checks and answers "
+        "every request); batching saves the runs' share and the per-run work, not the "
+        "per-request work (docs/architecture.md, dynamic batching, has the accounting); on "
+        "this VM the balance moves from day to day.",
     ]
     lines.append("")
     if plot_name:
