@@ -125,7 +125,7 @@ class _Client(mqtt.Client):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._rbuf = b""  # the start of a packet whose rest has not arrived yet
+        self._rbuf = bytearray()  # the start of a packet whose rest has not arrived yet
         self._wbuf: list[bytes | bytearray] = []
         self._fast_inflight: set[int] = set()  # QoS 1 ids from `publish_fast`, unacknowledged
         # (topic, payload, qos, mid, dup, properties) of a PUBLISH read by the fast path.
@@ -158,16 +158,16 @@ class _Client(mqtt.Client):
             return self._loop_rc_handle(MQTTErrorCode.MQTT_ERR_CONN_LOST)
         with self._msgtime_mutex:
             self._last_bytes_received = mqtt.time_func()
-        buf = self._rbuf + data if self._rbuf else data
-        self._rbuf = b""
+        if self._rbuf:  # the start of a packet: grows in place while a large one arrives
+            self._rbuf += data
+            buf: bytes | bytearray = self._rbuf
+        else:
+            buf = data
         pos, size = 0, len(buf)
         while pos < size:
             # The fixed header: the type byte and the remaining length (1-4 bytes, 7 bits each).
             at, length, shift = pos + 1, 0, 0
-            while True:
-                if at >= size:
-                    self._rbuf = buf[pos:]
-                    return MQTTErrorCode.MQTT_ERR_SUCCESS
+            while at < size:
                 byte = buf[at]
                 at += 1
                 length |= (byte & 0x7F) << shift
@@ -176,19 +176,26 @@ class _Client(mqtt.Client):
                 shift += 7
                 if shift > 21:  # a fifth length byte: paho's reading too
                     return self._loop_rc_handle(MQTTErrorCode.MQTT_ERR_PROTOCOL)
+            else:
+                break  # the length is not all here yet
             end = at + length
             if end > size:
-                self._rbuf = buf[pos:]
-                return MQTTErrorCode.MQTT_ERR_SUCCESS
+                break
             rc = self._handle_packet(buf[pos], buf[at:end], buf[pos + 1 : at])
             if rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
                 return self._loop_rc_handle(rc)
             if self._sock is None:  # a handler ended the connection (a DISCONNECT, say)
                 return MQTTErrorCode.MQTT_ERR_NO_CONN
             pos = end
+        if pos == size:
+            self._rbuf = bytearray()
+        elif pos or buf is not self._rbuf:  # kept as is when it only grew: no copy per read
+            self._rbuf = bytearray(buf[pos:])
         return MQTTErrorCode.MQTT_ERR_SUCCESS
 
-    def _handle_packet(self, command: int, body: bytes, length_bytes: bytes) -> MQTTErrorCode:
+    def _handle_packet(
+        self, command: int, body: bytes | bytearray, length_bytes: bytes | bytearray
+    ) -> MQTTErrorCode:
         """One complete packet: the fast paths, else paho's handler with the packet where
         paho's reader leaves it."""
         kind = command & 0xF0
@@ -303,7 +310,7 @@ class _Client(mqtt.Client):
         else:
             self._wbuf.append(packet)
 
-    def _read_puback(self, body: bytes) -> MQTTErrorCode | None:
+    def _read_puback(self, body: bytes | bytearray) -> MQTTErrorCode | None:
         """A PUBACK of a `publish_fast` message (reported to `acknowledged`), or a plain
         success PUBACK of one of paho's; None: paho reads it."""
         if len(body) < 2:
@@ -325,7 +332,7 @@ class _Client(mqtt.Client):
                 return self._do_on_publish(mid, _PUBACK_SUCCESS, _NO_PROPERTIES)
         return MQTTErrorCode.MQTT_ERR_SUCCESS
 
-    def _read_publish(self, command: int, body: bytes) -> MQTTErrorCode | None:
+    def _read_publish(self, command: int, body: bytes | bytearray) -> MQTTErrorCode | None:
         """A QoS 0/1 PUBLISH `parse_publish` reads, handed to `deliver` (and acknowledged
         unless acknowledgements are manual); None: paho reads it."""
         qos = (command & 0x06) >> 1
@@ -348,7 +355,7 @@ class _Client(mqtt.Client):
             with contextlib.suppress(OSError, ValueError):
                 self._sock.send(b"".join(self._wbuf))
         self._wbuf = []
-        self._rbuf = b""  # a part of a packet of this connection is no use to the next one
+        self._rbuf = bytearray()  # a part of a packet of this connection is no use to the next
         super()._sock_close()
 
 

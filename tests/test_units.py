@@ -398,6 +398,22 @@ def test_packets_are_framed_across_reads_split_anywhere():
             assert client._rbuf == b"" and client._in_packet["command"] == 0
 
 
+def test_a_packet_larger_than_a_read_arrives_whole():
+    """A 3 MB request behind a small one, read 64 KiB at a time as the socket gives it."""
+    client = _queued_client(MQTTProtocolVersion.MQTTv5)
+    got: list[bytes] = []
+    client.deliver = lambda topic, payload, qos, mid, dup, props: got.append(payload)
+    small = _packet(0x30, _publish_body(b"a", 0, b"s", None))
+    big_payload = bytes(range(256)) * (3 * 4096)
+    stream = small + _packet(0x30, _publish_body(b"a", 0, big_payload, None)) + small
+    step = _Client.READ_SIZE
+    client._sock = _Trickle([stream[i : i + step] for i in range(0, len(stream), step)])  # type: ignore[assignment]
+    while client._sock.pieces:  # type: ignore[union-attr]
+        assert client.loop_read() == MQTTErrorCode.MQTT_ERR_SUCCESS
+    assert got == [b"s", big_payload, b"s"]
+    assert not client._rbuf
+
+
 def test_reading_ends_the_connection_on_a_bad_length_or_a_close():
     """A fifth length byte is a protocol error (as paho reads it); a closed socket is a lost
     connection. Either way what was left of a packet is dropped with the socket."""
