@@ -802,13 +802,15 @@ class Agent:
 
         def publish() -> None:  # after each run: its replies, and what it finished
             if replies:
-                self.outbox.put_many(replies)
-                self.metrics.reply_sent(sum(len(m.payload) for m in replies), len(replies))
-                replies.clear()
+                batch = replies.copy()
+                replies.clear()  # taken even if the outbox refuses them (closed): never twice
+                self.outbox.put_many(batch)
+                self.metrics.reply_sent(sum(len(m.payload) for m in batch), len(batch))
             self.outbox.kick()
             if done:
-                self._record_ok_batch(loaded, done, run.infer_s)
+                finished_now = done.copy()
                 done.clear()
+                self._record_ok_batch(loaded, finished_now, run.infer_s)
 
         run = batching.BatchRun(loaded.session, config, members, after_run=publish)
         for job, _ in jobs:
