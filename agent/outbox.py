@@ -108,7 +108,8 @@ class Outbox:
         self._hard_max = max_messages + reserve
         self._queue: deque[OutMessage] = deque()
         self._background: deque[OutMessage] = deque()  # resends: after everything live
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # taken directly on the hot paths: no Python frames
+        self._cond = threading.Condition(self._lock)
         self._closed = False
         self._spool = spool
         self._make_properties = make_properties
@@ -161,14 +162,14 @@ class Outbox:
         """Queue a message. Blocks while memory (QoS 0), the spool (`reject_new`) or the spool
         writer is full. Raises OutboxClosed once closed, TimeoutError when `timeout` passes."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
+        with self._lock:
             self._put_locked(message, deadline)
         self._on_queued()
 
     def put_many(self, messages: Sequence[OutMessage]) -> None:
         """`put` each, in order, in one round of the lock (a batch run's replies); blocks as
         `put` does. The caller calls `kick()` after it."""
-        with self._cond:
+        with self._lock:
             for message in messages:
                 self._put_locked(message, None)
 
@@ -240,7 +241,7 @@ class Outbox:
         """Whether `messages` more, of up to `size` stored bytes each, would be queued without
         waiting. The network thread runs a short request only then: it cannot wait for room
         that only it could make (by publishing, or by reading acknowledgements)."""
-        with self._cond:
+        with self._lock:
             if self._closed or len(self._queue) + messages > self._max:
                 return False
             if self._spool is None:
@@ -252,7 +253,7 @@ class Outbox:
     def put_nowait_reserved(self, message: OutMessage) -> bool:
         """Never blocks: for the network thread. False (and counted) only when there is no
         room even in the headroom (or in the spool)."""
-        with self._cond:
+        with self._lock:
             if self._closed:
                 self.rejected += 1
                 return False
@@ -292,7 +293,7 @@ class Outbox:
 
     def take(self, limit: int) -> list[OutMessage]:
         """Up to `limit` messages in order, without waiting (the publisher's call)."""
-        with self._cond:
+        with self._lock:
             queue = self._queue
             if not queue:
                 if self._spilling:

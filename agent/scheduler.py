@@ -132,7 +132,7 @@ class Scheduler(Generic[T]):
             deadline=None if deadline_s is None else now + deadline_s,
             batch=batch if self._execute_batch is not None else None,
         )
-        with self._cond:
+        with self._lock:
             if self._stopping or len(self._heap) >= self._queue_size:
                 return False
             if entry.batch is not None:

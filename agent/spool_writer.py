@@ -62,7 +62,8 @@ class SpoolWriter:
         self._on_written = on_written
         self._on_eviction = on_eviction
         self._after_callbacks = after_callbacks
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # taken directly on the hot paths: no Python frames
+        self._cond = threading.Condition(self._lock)
         self._items: list[WriteItem] = []
         self._acks: list[int] = []
         self._first_ack_at = 0.0
@@ -89,7 +90,7 @@ class SpoolWriter:
         that queued it is done (a request answered, a batch run, a housekeeping tick), so a
         request's own path never waits for this thread to take the GIL. `urgent`: somebody
         waits for it (a refill of the publisher, a flush)."""
-        with self._cond:
+        with self._lock:
             self._items.append(item)
             self._submitted += 1
             if len(self._items) == 1:
@@ -103,7 +104,7 @@ class SpoolWriter:
     def nudge(self) -> None:
         """Wake the writer for what was queued since its last batch (it still waits out the
         group-commit delay)."""
-        with self._cond:
+        with self._lock:
             if (self._items or self._acks) and not self._notified:
                 self._notified = True
                 self._cond.notify()
@@ -111,7 +112,7 @@ class SpoolWriter:
     def ack(self, spool_id: int) -> None:
         """The broker acknowledged this message: marked with the next batch, or within
         ACK_FLUSH_S (the writer looks while unacknowledged rows exist; no wake-up here)."""
-        with self._cond:
+        with self._lock:
             self._acks.append(spool_id)
             if len(self._acks) == 1:
                 self._first_ack_at = time.monotonic()

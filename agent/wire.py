@@ -156,7 +156,7 @@ def _show(value: object, limit: int = 64) -> str:
 
 def _is_int(value: object) -> bool:
     """CBOR integers only: Python's ``bool`` is an ``int``, but ``true`` is not a number."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    return type(value) is int or (isinstance(value, int) and not isinstance(value, bool))
 
 
 # ------------------------------------------------------------------------------- tensors
@@ -243,10 +243,8 @@ def decode_tensor(obj: Any, limits: Limits, *, name: str = "tensor") -> Array:
 
 
 def _decode_tensor(obj: Any, limits: Limits, name: str, request_id: str | None) -> Array:
-    label = f"tensor {_show(name)}"
-
     def bad(message: str, code: str = "bad_request") -> WireError:
-        return WireError(code, f"{label}: {message}", request_id)
+        return WireError(code, f"tensor {_show(name)}: {message}", request_id)
 
     if not isinstance(obj, cbor2.CBORTag):
         raise bad(f"not an RFC 8746 tensor (tag 40 over [shape, typed array]), got {_kind(obj)}")
@@ -773,7 +771,7 @@ class Request:
 
 def read_request_id(payload: Mapping[str, Any]) -> str | None:
     """The request's id when present and valid, else ``None`` (it then gets no reply)."""
-    if not isinstance(payload, Mapping):
+    if type(payload) is not dict and not isinstance(payload, Mapping):
         return None
     value = payload.get("id")
     if isinstance(value, str) and ID_PATTERN.match(value):
@@ -801,7 +799,7 @@ def parse_request(
     A missing or invalid id raises with ``request_id=None`` (no reply is possible); every
     other problem carries the id so the requester hears about it.
     """
-    if not isinstance(payload, Mapping):
+    if type(payload) is not dict and not isinstance(payload, Mapping):
         raise WireError("bad_request", "the payload is not a CBOR map")
     request_id = read_request_id(payload)
     if request_id is None:
@@ -810,15 +808,15 @@ def parse_request(
     def bad(message: str) -> WireError:
         return WireError("bad_request", message, request_id)
 
-    unknown = [key for key in payload if key not in REQUEST_KEYS]
-    if unknown:
+    if not REQUEST_KEYS.issuperset(payload):
+        unknown = [key for key in payload if key not in REQUEST_KEYS]
         names = ", ".join(_show(k, 40) for k in unknown[:5])
         raise bad(f"unknown key(s) {names}; a request has {', '.join(sorted(REQUEST_KEYS))}")
 
     if "inputs" not in payload:
         raise bad("the request has no inputs")
     raw_inputs = payload["inputs"]
-    if not isinstance(raw_inputs, Mapping):
+    if type(raw_inputs) is not dict and not isinstance(raw_inputs, Mapping):
         raise bad(f"inputs must be a map of name to tensor, got {_kind(raw_inputs)}")
     if len(raw_inputs) > limits.max_tensors:
         raise bad(f"{len(raw_inputs)} inputs, over the limit of {limits.max_tensors}")
@@ -887,6 +885,10 @@ def _reply_to_problem(value: object, prefixes: Sequence[str]) -> str | None:
     return None
 
 
+def _input(name: str) -> str:
+    return f"input {_show(name, 40)}"
+
+
 def validate_inputs(
     request_id: str, inputs: Mapping[str, Array], specs: Sequence[TensorSpec]
 ) -> dict[str, Array]:
@@ -915,28 +917,27 @@ def validate_inputs(
     checked: dict[str, Array] = {}
     for spec in specs:
         arr = inputs[spec.name]
-        label = f"input {_show(spec.name, 40)}"
         if not isinstance(arr, np.ndarray):
-            raise bad(f"{label} is not a tensor")
+            raise bad(f"input {_show(spec.name, 40)} is not a tensor")
         want = np.dtype(spec.dtype)
         if arr.dtype != want:
             if want == _BOOL and arr.dtype == _UINT8:
                 if arr.size and int(arr.max()) > 1:
-                    raise bad(f"{label} is bool: its uint8 values must be 0 or 1")
+                    raise bad(f"{_input(spec.name)} is bool: its uint8 values must be 0 or 1")
                 arr = arr.view(_BOOL)
             else:
-                raise bad(f"{label} has dtype {arr.dtype.name}, expected {want.name}")
+                raise bad(f"{_input(spec.name)} has dtype {arr.dtype.name}, expected {want.name}")
         if arr.ndim != len(spec.shape):
             raise bad(
-                f"{label} has rank {arr.ndim} (shape {_dims(arr.shape)}), expected "
+                f"{_input(spec.name)} has rank {arr.ndim} (shape {_dims(arr.shape)}), expected "
                 f"rank {len(spec.shape)} ({spec.describe()})"
             )
         for axis, (got, dim) in enumerate(zip(arr.shape, spec.shape, strict=True)):
             # Symbolic dims (a name, None, or a negative int from some exporters) take any size.
             if isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0 and got != dim:
                 raise bad(
-                    f"{label} has {got} at axis {axis} (shape {_dims(arr.shape)}), expected "
-                    f"{dim} ({spec.describe()})"
+                    f"{_input(spec.name)} has {got} at axis {axis} (shape "
+                    f"{_dims(arr.shape)}), expected {dim} ({spec.describe()})"
                 )
         checked[spec.name] = arr
     return checked
