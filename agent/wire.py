@@ -18,6 +18,7 @@ Every failure is a :class:`WireError` carrying one of the contract's error codes
 
 from __future__ import annotations
 
+import functools
 import io
 import re
 import struct
@@ -885,6 +886,17 @@ def _reply_to_problem(value: object, prefixes: Sequence[str]) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=1024)
+def _fixed_dims(shape: tuple[Any, ...]) -> tuple[tuple[int, int], ...]:
+    """(axis, size) of a declared shape's fixed dims. Symbolic dims (a name, None, or a
+    negative int from some exporters) take any size. Kept per shape: a model declares few."""
+    return tuple(
+        (axis, dim)
+        for axis, dim in enumerate(shape)
+        if isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0
+    )
+
+
 def _input(name: str) -> str:
     return f"input {_show(name, 40)}"
 
@@ -906,20 +918,22 @@ def validate_inputs(
     def takes() -> str:  # only for a message: describing dtypes is slow next to the checks
         return "; the model takes " + ", ".join(spec.describe() for spec in specs)
 
-    declared = {spec.name for spec in specs}
-    missing = [spec.name for spec in specs if spec.name not in inputs]
-    if missing:
-        raise bad("missing input(s) " + ", ".join(_show(m, 40) for m in missing) + takes())
-    unexpected = [name for name in inputs if name not in declared]
-    if unexpected:
-        raise bad("unexpected input(s) " + ", ".join(_show(u, 40) for u in unexpected) + takes())
+    if len(inputs) != len(specs) or not all(spec.name in inputs for spec in specs):
+        declared = {spec.name for spec in specs}
+        missing = [spec.name for spec in specs if spec.name not in inputs]
+        if missing:
+            raise bad("missing input(s) " + ", ".join(_show(m, 40) for m in missing) + takes())
+        unexpected = [name for name in inputs if name not in declared]
+        if unexpected:
+            names = ", ".join(_show(u, 40) for u in unexpected)
+            raise bad("unexpected input(s) " + names + takes())
 
     checked: dict[str, Array] = {}
     for spec in specs:
         arr = inputs[spec.name]
         if not isinstance(arr, np.ndarray):
             raise bad(f"input {_show(spec.name, 40)} is not a tensor")
-        want = np.dtype(spec.dtype)
+        want = spec.dtype if isinstance(spec.dtype, np.dtype) else np.dtype(spec.dtype)
         if arr.dtype != want:
             if want == _BOOL and arr.dtype == _UINT8:
                 if arr.size and int(arr.max()) > 1:
@@ -932,12 +946,12 @@ def validate_inputs(
                 f"{_input(spec.name)} has rank {arr.ndim} (shape {_dims(arr.shape)}), expected "
                 f"rank {len(spec.shape)} ({spec.describe()})"
             )
-        for axis, (got, dim) in enumerate(zip(arr.shape, spec.shape, strict=True)):
-            # Symbolic dims (a name, None, or a negative int from some exporters) take any size.
-            if isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0 and got != dim:
+        shape = arr.shape
+        for axis, dim in _fixed_dims(spec.shape):
+            if shape[axis] != dim:
                 raise bad(
-                    f"{_input(spec.name)} has {got} at axis {axis} (shape "
-                    f"{_dims(arr.shape)}), expected {dim} ({spec.describe()})"
+                    f"{_input(spec.name)} has {shape[axis]} at axis {axis} (shape "
+                    f"{_dims(shape)}), expected {dim} ({spec.describe()})"
                 )
         checked[spec.name] = arr
     return checked
