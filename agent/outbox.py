@@ -110,6 +110,7 @@ class Outbox:
         self._background: deque[OutMessage] = deque()  # resends: after everything live
         self._lock = threading.Lock()  # taken directly on the hot paths: no Python frames
         self._cond = threading.Condition(self._lock)
+        self._getting = 0  # `get()` callers waiting
         self._closed = False
         self._spool = spool
         self._make_properties = make_properties
@@ -235,7 +236,10 @@ class Outbox:
         self._notify()
 
     def _notify(self) -> None:
-        self._cond.notify_all()
+        """Wake `get()` callers. The transport takes without waiting, so a message queued
+        wakes nobody in the agent: no notify (a Python call per message) without a getter."""
+        if self._getting:
+            self._cond.notify_all()
 
     def has_room(self, messages: int, size: int) -> bool:
         """Whether `messages` more, of up to `size` stored bytes each, would be queued without
@@ -332,7 +336,11 @@ class Outbox:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return None
-                self._cond.wait(0.1 if remaining is None else min(remaining, 0.1))
+                self._getting += 1
+                try:
+                    self._cond.wait(0.1 if remaining is None else min(remaining, 0.1))
+                finally:
+                    self._getting -= 1
 
     def _ask_refill(self) -> None:
         """Under the lock: have the writer read the next spooled messages back into memory,

@@ -80,6 +80,27 @@ def _empty_in_packet() -> _InPacket:
     }
 
 
+def _topic_field(topic: str) -> bytes:
+    """A PUBLISH's topic as its packet carries it (two length bytes, UTF-8), as paho's
+    `_pack_str16` packs it; ValueError where paho's `publish` refuses the topic."""
+    name = topic.encode("utf-8")
+    if not name or b"+" in name or b"#" in name or len(name) > 65535:
+        raise ValueError(f"invalid publish topic {topic[:200]!r}")
+    return struct.pack("!H", len(name)) + name
+
+
+class _TopicCache(dict[str, bytes]):
+    """`_topic_field`s of recent topics, bounded: emptied when full (a request's reply topic
+    is used by its messages only; a stream's by many in a row)."""
+
+    LIMIT = 1024
+
+    def __setitem__(self, topic: str, field: bytes) -> None:
+        if len(self) >= self.LIMIT:
+            self.clear()
+        super().__setitem__(topic, field)
+
+
 def _no_delivery(
     topic: str, payload: bytes, qos: int, mid: int, dup: bool, props: RequestProperties | None
 ) -> None:
@@ -128,6 +149,8 @@ class _Client(mqtt.Client):
         self._rbuf = bytearray()  # the start of a packet whose rest has not arrived yet
         self._wbuf: list[bytes | bytearray] = []
         self._fast_inflight: set[int] = set()  # QoS 1 ids from `publish_fast`, unacknowledged
+        # Topic -> its checked, length-prefixed bytes: a stream publishes many messages to one.
+        self._topics: _TopicCache = _TopicCache()
         # (topic, payload, qos, mid, dup, properties) of a PUBLISH read by the fast path.
         self.deliver: Callable[[str, bytes, int, int, bool, RequestProperties | None], None]
         self.deliver = _no_delivery
@@ -269,9 +292,9 @@ class _Client(mqtt.Client):
             raise ValueError("publish_fast takes QoS 0 or 1")
         if self._sock is None:
             return MQTTErrorCode.MQTT_ERR_NO_CONN, 0
-        name = topic.encode("utf-8")
-        if not name or b"+" in name or b"#" in name or len(name) > 65535:
-            raise ValueError(f"invalid publish topic {topic[:200]!r}")
+        name16 = self._topics.get(topic)
+        if name16 is None:
+            name16 = self._topics[topic] = _topic_field(topic)
         mid = 0
         if qos:
             mid = self._mid_generate()
@@ -280,13 +303,13 @@ class _Client(mqtt.Client):
         packed_properties = b""
         if self._protocol == MQTTProtocolVersion.MQTTv5:
             packed_properties = b"\x00" if properties is None else properties.pack()  # type: ignore[no-untyped-call]
-        length = 2 + len(name) + (2 if qos else 0) + len(packed_properties) + len(payload)
+        length = len(name16) + (2 if qos else 0) + len(packed_properties) + len(payload)
         if length > 268435455:
             raise ValueError("payload too large for one MQTT packet")
-        # paho's own packers, as its `_send_publish` uses them.
+        # paho's own length packer, as its `_send_publish` uses it.
         packet = bytearray((PUBLISH_COMMAND | qos << 1 | int(retain),))
         self._pack_remaining_length(packet, length)
-        self._pack_str16(packet, name)
+        packet += name16
         if qos:
             packet += struct.pack("!H", mid)
         packet += packed_properties

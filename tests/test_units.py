@@ -269,6 +269,22 @@ def test_publish_fast_keeps_call_order_with_paho_packets():
     assert not client.want_write()
 
 
+def test_publish_fast_packs_a_topic_it_has_seen_as_paho_does():
+    """Topics are packed once and kept (bounded): a topic seen before, or dropped from the
+    cache when it filled, still gives paho's packet; an invalid one is refused every time."""
+    ours = _queued_client(MQTTProtocolVersion.MQTTv5)
+    theirs = _queued_client(MQTTProtocolVersion.MQTTv5)
+    topics = ["edge/d/result/m/first", *(f"edge/d/result/m/{n}" for n in range(1100))]
+    for topic in [*topics, topics[0], topics[0]]:
+        ours.publish_fast(topic, b"p", 0, False, None)
+        theirs.publish(topic, b"p", 0, False, None)
+        assert _last_written(ours) == theirs._out_packet[-1]["packet"]
+    assert len(ours._topics) <= ours._topics.LIMIT
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            ours.publish_fast("edge/+/x", b"", 0, False, None)
+
+
 def test_puback_fast_writes_what_paho_writes_in_call_order():
     for protocol in (MQTTProtocolVersion.MQTTv5, MQTTProtocolVersion.MQTTv311):
         ours, theirs = _queued_client(protocol), _queued_client(protocol)
