@@ -800,17 +800,17 @@ class Agent:
         replies: list[OutMessage] = []
         done: list[tuple[Job, float, float]] = []  # (job, queued, total) of finished requests
 
-        def publish() -> None:  # after each run: its replies, and what it finished
+        def publish() -> None:  # after each run: what it finished, then its replies
+            if done:  # counted before the replies can reach anyone
+                finished_now = done.copy()
+                done.clear()
+                self._record_ok_batch(loaded, finished_now, run.infer_s)
             if replies:
                 batch = replies.copy()
                 replies.clear()  # taken even if the outbox refuses them (closed): never twice
                 self.outbox.put_many(batch)
                 self.metrics.reply_sent(sum(len(m.payload) for m in batch), len(batch))
             self.outbox.kick()
-            if done:
-                finished_now = done.copy()
-                done.clear()
-                self._record_ok_batch(loaded, finished_now, run.infer_s)
 
         run = batching.BatchRun(loaded.session, config, members, after_run=publish)
         for job, _ in jobs:
@@ -857,7 +857,8 @@ class Agent:
     def _record_ok_batch(
         self, loaded: LoadedVersion, done: list[tuple[Job, float, float]], infer_s: float
     ) -> None:
-        """`_record_ok` for the requests of one batch run that finished after its last run."""
+        """`_record_ok` for the requests a run of a batch finished, together: one round of
+        each metric's lock, not one per request."""
         self.count("requests_ok", len(done))
         timings = [(queued, infer_s, total, job.reply.chunks) for job, queued, total in done]
         self.metrics.requests_ok(loaded.model, loaded.version, timings)
