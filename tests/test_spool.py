@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from agent.outbox import Outbox, OutMessage
-from agent.spool import STORED_BYTES_SQL, Spool, SpoolFull, stored_bytes
+from agent.spool import STORED_BYTES_SQL, Spool, SpoolFull, StoreRequest, stored_bytes
+from agent.spool_writer import SpoolWriter
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -376,6 +377,12 @@ def test_a_young_unsettled_request_waits_for_the_next_batch_instead_of_an_fsync(
     assert settled_prefix([c], [], now, 0.005) == 0
 
 
+def _submit_store(spool: Spool, writer: SpoolWriter, key: str, stored: list[str]) -> None:
+    """Queue the store of request `key`; once it is on disk, its key is appended to `stored`."""
+    spool.request_keys.add(key)
+    writer.submit(StoreRequest(key, "t", b"req", 1, None, None, lambda: stored.append(key)))
+
+
 def test_the_writer_fsyncs_nothing_for_a_stream_of_fast_requests(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
@@ -398,10 +405,7 @@ def test_the_writer_fsyncs_nothing_for_a_stream_of_fast_requests(
     try:
         for n in range(40):
             key = f"m/{n}"
-            spool.request_keys.add(key)
-            writer.submit(
-                StoreRequest(key, "t", b"req", 1, None, None, lambda k=key: stored.append(k))
-            )
+            _submit_store(spool, writer, key, stored)
             answer = message(key, 1)
             answer.spool_id, answer.finishes = spool.allocate_id(), key
             time.sleep(0.0005)  # the model run
@@ -437,7 +441,7 @@ def test_the_writer_fsyncs_nothing_for_a_stream_of_fast_requests(
 def test_the_writer_calls_after_callbacks_once_per_batch_that_ran_callbacks(tmp_path: Path):
     """The callbacks queue acknowledgements; `after_callbacks` has them sent, once for all
     the callbacks of a batch (not once each), and not for a batch without any."""
-    from agent.spool import AfterWrite, StoreRequest
+    from agent.spool import AfterWrite
     from agent.spool_writer import SpoolWriter
 
     spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 24, max_messages=10_000)
@@ -451,11 +455,7 @@ def test_the_writer_calls_after_callbacks_once_per_batch_that_ran_callbacks(tmp_
     writer.start()
     try:
         for n in range(5):
-            key = f"m/{n}"
-            spool.request_keys.add(key)
-            writer.submit(
-                StoreRequest(key, "t", b"req", 1, None, None, lambda k=key: events.append(k))
-            )
+            _submit_store(spool, writer, f"m/{n}", events)
         writer.submit(AfterWrite(lambda spool: events.append("after")))
         assert writer.flush(5)
         assert events == ["m/0", "m/1", "m/2", "m/3", "m/4", "after", "kick"]
