@@ -52,7 +52,7 @@ class _Entry(Generic[T]):
 
 # The heap holds (sort key, entry): the keys are unique (-priority, a counter), so the heap
 # compares tuples of ints in C and never an entry (a dataclass's __lt__ is a Python call, and
-# a heap push, pop or sort makes several: 270 µs of a 40-request batch's gathering).
+# a heap push, pop or sort makes several: 1.4 against 0.75 µs a request for 40 queued).
 _Queued = tuple[tuple[int, int], _Entry[T]]
 
 

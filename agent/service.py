@@ -613,7 +613,7 @@ class Agent:
         that one is acknowledged once the original is stored."""
         assert self.spool is not None and self.outbox.writer is not None
         # Called by the spool writer, which has the acknowledgements of a batch sent together.
-        ack = self.transport.defer(incoming, kick=False)
+        ack = self.transport.defer(incoming)
         if key in self.spool.request_keys:
             self.outbox.writer.submit(AfterWrite(lambda spool: ack()))
             return False
@@ -864,27 +864,13 @@ class Agent:
         self.metrics.requests_ok(loaded.model, loaded.version, timings)
         if log.isEnabledFor(logging.DEBUG):
             for job, _, total in done:
-                log.debug(
-                    "request %s (%s v%s): ok in %.1f ms, %d chunk(s)",
-                    job.request.id,
-                    loaded.model,
-                    loaded.version,
-                    total * 1000,
-                    job.reply.chunks,
-                )
+                _log_ok(job, total)
 
     def _record_ok(self, job: Job, queued_s: float, infer_s: float) -> None:
         model, total = job.request.model, time.monotonic() - job.received
         self.metrics.request_timing(model, queued_s, infer_s, total, job.reply.chunks)
         self.metrics.request_done(model, job.reply.version, "ok")
-        log.debug(
-            "request %s (%s v%s): ok in %.1f ms, %d chunk(s)",
-            job.request.id,
-            model,
-            job.reply.version,
-            total * 1000,
-            job.reply.chunks,
-        )
+        _log_ok(job, total)
 
     @staticmethod
     def _timing(job: Job, queued_s: float, infer_s: float) -> dict[str, float]:
@@ -1143,6 +1129,18 @@ def _changed_keys(a: Any, b: Any, key: str) -> list[str]:
             keys += _changed_keys(getattr(a, name), getattr(b, name), f"{key}.{name}")
         return keys
     return [key] if a != b else []
+
+
+def _log_ok(job: Job, total_s: float) -> None:
+    reply = job.reply
+    log.debug(
+        "request %s (%s v%s): ok in %.1f ms, %d chunk(s)",
+        job.request.id,
+        job.request.model,
+        reply.version,
+        total_s * 1000,
+        reply.chunks,
+    )
 
 
 def _limits(config: AgentConfig) -> wire.Limits:

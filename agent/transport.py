@@ -118,7 +118,7 @@ class _Client(mqtt.Client):
     body) through a dict of reading state, and writes every packet with its own `send`: on a
     stream of small messages that is four system calls, four releases and retakes of the GIL,
     for each message published. `loop_read` here takes whatever the socket holds with one
-    `recv` and frames every complete packet in it (26 µs a request and its reply's PUBACK
+    `recv` and frames every complete packet in it (31 µs a request and its reply's PUBACK
     with paho's reader, 5 µs here, in a hot loop); the override of `_sock_send` collects the
     writes of one `loop_write` into one `send` (the rest, if the socket takes only part, goes
     with the next `loop_write`; `want_write` says so).
@@ -630,20 +630,17 @@ class Transport:
         with contextlib.suppress(OSError):  # full: a wake-up is already pending
             self._wake_w.send(b"\0")
 
-    def defer(self, incoming: Incoming, *, kick: bool = True) -> Callable[[], None]:
+    def defer(self, incoming: Incoming) -> Callable[[], None]:
         """Take over the acknowledgement of `incoming` (QoS 1/2): the returned function, called
-        from any thread once the message is safe, sends it. An acknowledgement that comes
-        after its connection was lost is dropped: the broker delivers the message again.
-        `kick=False`: the function only queues it, and the caller has it sent (by the outbox's
-        `kick()`, say, once for many)."""
+        from any thread once the message is safe, queues it; the caller has it sent (the
+        spool writer kicks the outbox once after a batch's callbacks). An acknowledgement that
+        comes after its connection was lost is dropped: the broker delivers the message again."""
         incoming.deferred = True
         connection, mid, qos = self._connection, incoming.mid, incoming.qos
 
         def ack() -> None:
             with self._acks_lock:
                 self._deferred_acks.append((connection, mid, qos))
-            if kick:
-                self._on_queued()
 
         return ack
 

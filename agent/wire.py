@@ -890,14 +890,11 @@ def _reply_to_problem(value: object, prefixes: Sequence[str]) -> str | None:
 def _fixed_dims(shape: tuple[Any, ...]) -> tuple[tuple[int, int], ...]:
     """(axis, size) of a declared shape's fixed dims. Symbolic dims (a name, None, or a
     negative int from some exporters) take any size. Kept per shape: a model declares few."""
-    return tuple(
-        (axis, dim)
-        for axis, dim in enumerate(shape)
-        if isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0
-    )
+    return tuple((axis, dim) for axis, dim in enumerate(shape) if _is_int(dim) and dim >= 0)
 
 
 def _input(name: str) -> str:
+    """An input as error messages name it (built only for an error)."""
     return f"input {_show(name, 40)}"
 
 
@@ -932,7 +929,7 @@ def validate_inputs(
     for spec in specs:
         arr = inputs[spec.name]
         if not isinstance(arr, np.ndarray):
-            raise bad(f"input {_show(spec.name, 40)} is not a tensor")
+            raise bad(f"{_input(spec.name)} is not a tensor")
         want = spec.dtype if isinstance(spec.dtype, np.dtype) else np.dtype(spec.dtype)
         if arr.dtype != want:
             if want == _BOOL and arr.dtype == _UINT8:
