@@ -34,6 +34,14 @@ PART_OVERHEAD = 512
 _CHUNK_KEYS = 9  # v, id, seq, type, model, version, ts, index, outputs
 _INDEX_KEY = wire.cbor_text("index")
 _OUTPUTS_KEY = wire.cbor_text("outputs")
+_SEQ_KEY = wire.cbor_text("seq")
+_TIMING_KEY = wire.cbor_text("timing")
+_RESULT_KEYS = 9  # v, id, seq, type, model, version, ts, timing, outputs
+_RESULT_HEAD = bytes((0xA0 + _RESULT_KEYS,)) + cbor2.dumps("v") + cbor2.dumps(wire.PROTOCOL_VERSION)
+_RESULT_HEAD += cbor2.dumps("id")
+# (model, version) -> the result envelope's bytes from "type" to "ts"; emptied when full.
+_RESULT_MIDDLES: dict[tuple[str, int], bytes] = {}
+_RESULT_MIDDLES_LIMIT = 256
 
 
 class Cancelled(Exception):
@@ -140,7 +148,7 @@ class ReplyStream:
                 (
                     bytes((0xA0 + _CHUNK_KEYS,)),
                     *(cbor2.dumps(x) for x in ("v", wire.PROTOCOL_VERSION, "id", self.request_id)),
-                    wire.cbor_text("seq"),
+                    _SEQ_KEY,
                 )
             )
             middle = b"".join(
@@ -183,18 +191,48 @@ class ReplyStream:
         return self._terminal(self._fields("end", chunks=self.chunks, timing=dict(timing)))
 
     def result(self, outputs: Mapping[str, Array], timing: Mapping[str, float]) -> bool:
-        outputs_cbor = wire.encode_outputs(outputs)
-        if len(outputs_cbor) + PART_OVERHEAD > self.max_chunk_bytes:
+        pieces, size = wire.outputs_pieces(outputs)
+        if size + PART_OVERHEAD > self.max_chunk_bytes:
             # One message cannot hold it: stream the parts, then close with `end`.
-            self._parts(outputs_cbor, 0)
+            self._parts(b"".join(pieces), 0)
             return self.end(timing)
         with self._lock:
             if self.finished:
                 return False
             self.finished = True
-        fields = self._fields("result", timing=dict(timing))
-        self._emit(encode_with_outputs(fields, outputs_cbor), terminal=True)
+        self._emit(self._result_payload(pieces, timing), terminal=True)
         return True
+
+    def _result_payload(self, outputs: list[Any], timing: Mapping[str, float]) -> bytes:
+        """`{v, id, seq, type: "result", model, version, ts, timing, outputs}`, the same bytes
+        as `encode_with_outputs` would make, in one join (as `_chunk_payload`): the constant
+        part after the id is kept per model version, shared by every request's result."""
+        key = (self.model, self.version)
+        middle = _RESULT_MIDDLES.get(key)
+        if middle is None:
+            middle = b"".join(
+                cbor2.dumps(x)
+                for x in ("type", "result", "model", self.model, "version", self.version, "ts")
+            )
+            if len(_RESULT_MIDDLES) >= _RESULT_MIDDLES_LIMIT:
+                _RESULT_MIDDLES.clear()
+            _RESULT_MIDDLES[key] = middle
+        seq = self.seq
+        self.seq = seq + 1
+        return b"".join(
+            (
+                _RESULT_HEAD,
+                cbor2.dumps(self.request_id),
+                _SEQ_KEY,
+                wire.cbor_uint(seq),
+                middle,
+                wire.cbor_uint(time.time_ns()),
+                _TIMING_KEY,
+                cbor2.dumps(dict(timing)),
+                _OUTPUTS_KEY,
+                *outputs,
+            )
+        )
 
     def error(self, code: str, message: str) -> bool:
         return self._terminal(self._fields("error", code=code, message=message[:500]))

@@ -917,6 +917,32 @@ def test_outputs_are_built_from_buffers_with_cbor2s_bytes(arr: np.ndarray) -> No
     assert size == len(expected) == len(b"".join(pieces))
 
 
+def test_a_result_envelope_is_the_generic_encoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agent import streaming
+
+    monkeypatch.setattr(time, "time_ns", lambda: 1_234_567_890_123_456_789)
+    outputs = {"y": np.arange(6, dtype=np.float32).reshape(2, 3), "n": np.array([300], np.int64)}
+    timing = {"queue_ms": 0.25, "infer_ms": 1.5, "total_ms": 2.0}
+    payloads = []
+    for request_id, version in (("abc", 3), ("x" * 40, 3), ("abc", 70000)):  # cached middle, new
+        sent: list = []
+        reply = streaming.ReplyStream(
+            request_id=request_id, model="m", version=version, topic="t", qos=1,
+            max_chunk_bytes=1 << 20, send=sent.append,
+        )  # fmt: skip
+        reply.seq = 30  # a result after chunks: seq takes two bytes
+        assert reply.result(outputs, timing)
+        reply.seq = 30
+        generic = streaming.encode_with_outputs(
+            reply._fields("result", timing=timing), wire.encode_outputs(outputs)
+        )
+        assert sent[0].payload == generic
+        decoded = wire.decode_payload(generic, LIMITS)
+        assert (decoded["id"], decoded["version"], decoded["seq"]) == (request_id, version, 30)
+        payloads.append(sent[0].payload)
+    assert len(set(payloads)) == 3
+
+
 def test_a_chunk_envelope_is_the_generic_encoding(monkeypatch: pytest.MonkeyPatch) -> None:
     from agent import streaming
 
