@@ -113,6 +113,7 @@ class Reply:
     _asked: set[int] = field(default_factory=set, repr=False)
     _attempt: int = 0
     _last_message: float = field(default_factory=time.monotonic, repr=False)
+    _last_ask: float = 0.0  # monotonic time of the last resend request (0: none yet)
     _gap_since: float | None = None
     end: StreamEnd | None = None
     result: Arrays | None = None
@@ -196,8 +197,11 @@ class Reply:
         if self._pending and self._gap_since is not None:
             return self._gap_since + self.gap_wait_s * self._backoff()
         # A stream gone quiet (or that never started: its first messages may be what was
-        # lost); the agent answers nothing while the request is still queued.
-        return self._last_message + self.quiet_s * self._backoff()
+        # lost); the agent answers nothing while the request is still queued. Counted from the
+        # last ask too: once the backoff stops growing, a time counted from the last message
+        # alone stays in the past, and every pass would ask again at once.
+        since = max(self._last_message, self._last_ask)
+        return since + self.quiet_s * self._backoff()
 
     def _ask_resend(self) -> None:
         assert self._ask is not None
@@ -215,6 +219,7 @@ class Reply:
             self._asked.add(self._next_seq)
         self._attempt += 1
         self.resend_requests += 1
+        self._last_ask = time.monotonic()
         if self._pending:
             self._gap_since = time.monotonic()
         with contextlib.suppress(ConnectionError):  # not connected now: the next try will do

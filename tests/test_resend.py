@@ -81,6 +81,24 @@ def test_sdk_recovers_every_message_across_three_broker_crashes(
         broker.close()
 
 
+def test_a_quiet_stream_is_asked_for_again_at_a_bounded_pace():
+    """A stream that stays silent is asked for with growing pauses until its timeout, never
+    in a loop: the pause stops growing at 16 x `quiet_s`, counted from the last ask."""
+    from agent.client import Reply, ReplyTimeout
+
+    asks: list[float] = []
+    reply = Reply("req-quiet", "t", timeout=1.5, _ask=lambda body: asks.append(time.monotonic()))
+    reply.quiet_s = 0.01  # asks after 0.01, 0.02, 0.04, 0.08, then every 0.16 s
+    started = time.monotonic()
+    with pytest.raises(ReplyTimeout):
+        list(reply)
+    assert reply.resend_requests == len(asks)
+    # 4 asks in the first 0.15 s, then one every 0.16 s: about 12 in 1.5 s (a loop: millions)
+    assert 6 <= len(asks) <= 14, len(asks)
+    pauses = [b - a for a, b in zip([started, *asks[:-1]], asks, strict=True)]
+    assert min(pauses[4:]) >= 0.16 * 0.9, pauses
+
+
 def test_a_late_subscriber_gets_the_whole_stream(broker, repository, make_agent, make_client):
     agent = make_agent(broker, repository)
     client = make_client(broker, agent)
