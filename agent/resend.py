@@ -55,6 +55,16 @@ class TokenBucket:
             self._tokens -= n
             return True
 
+    def take_up_to(self, n: int) -> int:
+        """As many whole tokens as there are, at most `n` (0: none)."""
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
+            self._last = now
+            granted = min(n, int(self._tokens))
+            self._tokens -= granted
+            return granted
+
 
 def _uint(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
@@ -152,11 +162,14 @@ class Resender:
                 return  # held, but not those seqs (not sent yet): nothing to resend
             self._say_gone(request)
             return
-        if not self._messages.take(len(held)):
+        # What the message bucket allows now, in order: the subscriber asks again for the rest.
+        # All or nothing would never answer a stream longer than the bucket's burst.
+        allowed = self._messages.take_up_to(len(held))
+        if not allowed:
             self.limited += 1
             return
         self.answered += 1
-        for message in held:
+        for message in held[:allowed]:
             if self._send(self._to_out(message)):
                 self.resent_messages += 1
 

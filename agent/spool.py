@@ -566,9 +566,11 @@ class Spool:
     def held(
         self, rid: str, seqs: Sequence[int] | None, from_seq: int | None
     ) -> list[SpooledMessage]:
-        """The stored messages of stream `rid` (acknowledged or not) to publish again."""
+        """The stored messages of stream `rid` (acknowledged or not) to publish again, one per
+        seq: a request that ran twice (a redelivery after it finished) holds each seq twice,
+        and its subscriber needs it once."""
         query = (
-            "SELECT id, stream, topic, payload, qos, retain, correlation FROM messages "
+            "SELECT id, stream, topic, payload, qos, retain, correlation, seq FROM messages "
             "WHERE rid = ?"
         )
         args: list[object] = [rid]
@@ -583,9 +585,10 @@ class Spool:
         seen: set[int] = set()
         out = []
         for r in rows:
-            if r[0] in seen:
-                continue
-            seen.add(r[0])
+            if r[7] is not None:
+                if r[7] in seen:
+                    continue  # the first run's copy of this seq was taken (ordered by seq, id)
+                seen.add(r[7])
             out.append(SpooledMessage(r[0], r[1], r[2], bytes(r[3]), r[4], bool(r[5]), r[6]))
         return out
 

@@ -99,6 +99,59 @@ def test_a_quiet_stream_is_asked_for_again_at_a_bounded_pace():
     assert min(pauses[4:]) >= 0.16 * 0.9, pauses
 
 
+def _held_stream(spool, rid: str, seqs: range) -> list[int]:
+    """Spool ids of one run of stream `rid`'s messages (seqs as given), written and acked."""
+    from agent.outbox import OutMessage
+
+    items = []
+    for seq in seqs:
+        out = OutMessage(f"t/{rid}", b"%d" % seq, 1, stream=f"m/{rid}", rid=rid, seq=seq)
+        out.spool_id = spool.allocate_id()
+        items.append(out)
+    ids = [m.spool_id for m in items]
+    spool.write(items, ids, 0)
+    return ids
+
+
+def test_a_stream_held_twice_is_resent_once_per_seq(tmp_path):
+    """A request that ran twice (redelivered after it finished) holds every seq twice; a
+    resend carries each seq once, the first run's."""
+    from agent.spool import Spool
+
+    spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 24, max_messages=100_000)
+    first = _held_stream(spool, "r1", range(50))
+    _held_stream(spool, "r1", range(50))
+    held = spool.held("r1", None, 10)
+    assert [m.id for m in held] == first[10:]
+    assert [m.id for m in spool.held("r1", (3, 7), None)] == [first[3], first[7]]
+    spool.close()
+
+
+def test_a_stream_longer_than_the_message_bucket_is_resent_in_pieces(tmp_path):
+    """`messages_per_s` bounds one answer, it does not refuse it: a stream longer than the
+    bucket goes out as far as the bucket allows, and the next ask gets the rest."""
+    from agent.outbox import OutMessage
+    from agent.resend import Resender, ResendRequest
+    from agent.spool import Spool
+
+    spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 24, max_messages=100_000)
+    _held_stream(spool, "long", range(30))
+    sent: list[OutMessage] = []
+    resender = Resender(
+        spool, lambda m: sent.append(m) or True, lambda c: None,
+        requests_per_s=100, messages_per_s=12, gone_qos=1,
+    )  # fmt: skip
+    resender.handle(ResendRequest("long", 0, None, None))
+    assert [m.payload for m in sent] == [b"%d" % s for s in range(12)]
+    resender.handle(ResendRequest("long", 12, None, None))  # at once: the bucket is empty
+    assert len(sent) == 12 and resender.limited == 1
+    time.sleep(1.1)  # 12 tokens a second
+    resender.handle(ResendRequest("long", 12, None, None))
+    assert [m.payload for m in sent] == [b"%d" % s for s in range(24)]
+    assert resender.answered == 2
+    spool.close()
+
+
 def test_a_late_subscriber_gets_the_whole_stream(broker, repository, make_agent, make_client):
     agent = make_agent(broker, repository)
     client = make_client(broker, agent)
