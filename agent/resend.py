@@ -45,11 +45,15 @@ class TokenBucket:
         self._last = time.monotonic()
         self._lock = threading.Lock()
 
+    def _refill(self) -> None:
+        """Under the lock: the tokens earned since the last look."""
+        now = time.monotonic()
+        self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
+        self._last = now
+
     def take(self, n: float = 1.0) -> bool:
         with self._lock:
-            now = time.monotonic()
-            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
-            self._last = now
+            self._refill()
             if self._tokens < n:
                 return False
             self._tokens -= n
@@ -58,9 +62,7 @@ class TokenBucket:
     def take_up_to(self, n: int) -> int:
         """As many whole tokens as there are, at most `n` (0: none)."""
         with self._lock:
-            now = time.monotonic()
-            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
-            self._last = now
+            self._refill()
             granted = min(n, int(self._tokens))
             self._tokens -= granted
             return granted

@@ -13,6 +13,7 @@ never waits on the network.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -37,11 +38,18 @@ _OUTPUTS_KEY = wire.cbor_text("outputs")
 _SEQ_KEY = wire.cbor_text("seq")
 _TIMING_KEY = wire.cbor_text("timing")
 _RESULT_KEYS = 9  # v, id, seq, type, model, version, ts, timing, outputs
-_RESULT_HEAD = bytes((0xA0 + _RESULT_KEYS,)) + cbor2.dumps("v") + cbor2.dumps(wire.PROTOCOL_VERSION)
-_RESULT_HEAD += cbor2.dumps("id")
-# (model, version) -> the result envelope's bytes from "type" to "ts"; emptied when full.
-_RESULT_MIDDLES: dict[tuple[str, int], bytes] = {}
-_RESULT_MIDDLES_LIMIT = 256
+# A reply envelope's bytes after its map head, up to the id's value.
+_V_AND_ID_KEY = b"".join(cbor2.dumps(x) for x in ("v", wire.PROTOCOL_VERSION, "id"))
+_RESULT_HEAD = bytes((0xA0 + _RESULT_KEYS,)) + _V_AND_ID_KEY
+
+
+@functools.lru_cache(maxsize=256)
+def _envelope_middle(type_: str, model: str, version: int) -> bytes:
+    """A reply envelope's bytes from "type" to the "ts" key: the same for every message of
+    that type from one model version."""
+    return b"".join(
+        cbor2.dumps(x) for x in ("type", type_, "model", model, "version", version, "ts")
+    )
 
 
 class Cancelled(Exception):
@@ -147,14 +155,12 @@ class ReplyStream:
             head = b"".join(
                 (
                     bytes((0xA0 + _CHUNK_KEYS,)),
-                    *(cbor2.dumps(x) for x in ("v", wire.PROTOCOL_VERSION, "id", self.request_id)),
+                    _V_AND_ID_KEY,
+                    cbor2.dumps(self.request_id),
                     _SEQ_KEY,
                 )
             )
-            middle = b"".join(
-                cbor2.dumps(x)
-                for x in ("type", "chunk", "model", self.model, "version", self.version, "ts")
-            )
+            middle = _envelope_middle("chunk", self.model, self.version)
             prefix = self._prefix = (self.version, head, middle)
         seq = self.seq
         self.seq = seq + 1
@@ -207,16 +213,6 @@ class ReplyStream:
         """`{v, id, seq, type: "result", model, version, ts, timing, outputs}`, the same bytes
         as `encode_with_outputs` would make, in one join (as `_chunk_payload`): the constant
         part after the id is kept per model version, shared by every request's result."""
-        key = (self.model, self.version)
-        middle = _RESULT_MIDDLES.get(key)
-        if middle is None:
-            middle = b"".join(
-                cbor2.dumps(x)
-                for x in ("type", "result", "model", self.model, "version", self.version, "ts")
-            )
-            if len(_RESULT_MIDDLES) >= _RESULT_MIDDLES_LIMIT:
-                _RESULT_MIDDLES.clear()
-            _RESULT_MIDDLES[key] = middle
         seq = self.seq
         self.seq = seq + 1
         return b"".join(
@@ -225,7 +221,7 @@ class ReplyStream:
                 cbor2.dumps(self.request_id),
                 _SEQ_KEY,
                 wire.cbor_uint(seq),
-                middle,
+                _envelope_middle("result", self.model, self.version),
                 wire.cbor_uint(time.time_ns()),
                 _TIMING_KEY,
                 cbor2.dumps(dict(timing)),
