@@ -558,6 +558,16 @@ def test_tags_stay_cbor_tags() -> None:
             assert decoded[key].tag == tag_value.tag
 
 
+def test_cbor2_decodes_no_tag_the_agent_does_not_keep_raw() -> None:
+    """The agent gives cbor2 a keep-it-raw decoder only for the tags cbor2 decodes itself;
+    every other tag stays a CBORTag because cbor2 has no decoder for it. A cbor2 release that
+    gains one must fail here (the tag then joins wire._BUILTIN_TAGS)."""
+    tags = [*range(70_000), 1 << 16 | 5, 1 << 20, 1 << 31, (1 << 32) + 1, 1 << 63, (1 << 64) - 1]
+    native = [tag for tag in tags if wire._decoded_natively(tag)]
+    assert set(native) <= set(wire._RAW_TAGS)
+    assert set(native) == set(wire._BUILTIN_TAGS)  # the list is the real one, not a superset
+
+
 @pytest.mark.parametrize("tag", [25, 28, 29, 256])
 def test_value_sharing_tags_are_refused(tag: int) -> None:
     # 28 over [29(0)] would be a list that contains itself.
