@@ -72,6 +72,17 @@ _INSERT_SQL = [""] + [
     for n in range(1, INSERT_ROWS + 1)
 ]
 
+# The same for stored requests (7 parameters a row) and for the deletion of finished ones:
+# one statement for a whole batch, not one per request.
+INSERT_REQUESTS = 140
+_INSERT_REQUESTS_SQL = [""] + [
+    "INSERT OR IGNORE INTO requests (key, topic, payload, qos, response_topic, correlation,"
+    " received) VALUES " + ", ".join(["(?, ?, ?, ?, ?, ?, ?)"] * n)
+    for n in range(1, INSERT_REQUESTS + 1)
+]
+DELETE_REQUESTS = 990
+# Prepared statements kept by the connection: one per row count of the statements above.
+CACHED_STATEMENTS = 512
 
 # What a message row costs on disk besides the strings it holds: the id, the timestamps and
 # small columns, the entries of the three indexes (which repeat the stream key and request
@@ -259,7 +270,13 @@ class Spool:
         self.ttl_s = ttl_s
         path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
+        self._db = sqlite3.connect(
+            path,
+            check_same_thread=False,
+            isolation_level=None,
+            timeout=30,
+            cached_statements=CACHED_STATEMENTS,
+        )
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         # Statement journals and sort files in memory: SQLite would otherwise create, unlink
@@ -311,6 +328,7 @@ class Spool:
         acked_now = set(acks)
         rows: list[tuple[object, ...]] = []
         finished: list[str] = []
+        deleted: list[str] = []  # finished requests stored by earlier batches
         pending = pending_bytes = 0  # of the messages written, those still unacknowledged
         # `streams`: those with a message the broker has not acknowledged yet.
         unsettled, streams = _settlement(items, len(items), acked_now)
@@ -347,7 +365,7 @@ class Spool:
                         if item.on_stored is not None:
                             result.stored.append(item.on_stored)
                     elif isinstance(item, FinishRequest):
-                        self._finish(item.key, stores, finished)
+                        self._finish(item.key, stores, finished, deleted)
                     elif isinstance(item, AfterWrite):
                         result.after.append(item.callback)
                     else:
@@ -359,15 +377,10 @@ class Spool:
                         if acked is not None:
                             acked_now.discard(item.spool_id)
                         if item.finishes is not None:
-                            self._finish(item.finishes, stores, finished)
+                            self._finish(item.finishes, stores, finished, deleted)
                 self._insert_rows(rows)
-                for store in stores.values():
-                    self._db.execute(
-                        "INSERT OR IGNORE INTO requests (key, topic, payload, qos,"
-                        " response_topic, correlation, received) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                        (store.key, store.topic, store.payload, store.qos, store.response_topic,
-                         store.correlation, now),
-                    )  # fmt: skip
+                self._delete_requests(deleted)  # before the inserts, as when deleted in turn
+                self._insert_requests(list(stores.values()), now)
                 earlier = [i for i in acks if i in acked_now]  # rows of previous batches
                 marked = self._ack_locked(earlier, now) if earlier else (0, 0)
                 self._db.execute("COMMIT")
@@ -384,11 +397,38 @@ class Spool:
             self.request_keys.difference_update(finished)
         return result
 
-    def _finish(self, key: str, stores: dict[str, StoreRequest], finished: list[str]) -> None:
-        """A request got its terminal message: forget it (on disk, or still in this batch)."""
+    @staticmethod
+    def _finish(
+        key: str, stores: dict[str, StoreRequest], finished: list[str], deleted: list[str]
+    ) -> None:
+        """A request got its terminal message: forget it (in this batch, or on disk: `deleted`,
+        whose rows the batch deletes; all of them come from earlier batches, since this
+        batch's own stores are inserted after the deletions)."""
         if stores.pop(key, None) is None:
-            self._db.execute("DELETE FROM requests WHERE key = ?", (key,))
+            deleted.append(key)
         finished.append(key)
+
+    def _delete_requests(self, keys: list[str]) -> None:
+        """One DELETE per `DELETE_REQUESTS` keys (the GIL, as in `_insert_rows`)."""
+        for start in range(0, len(keys), DELETE_REQUESTS):
+            chunk = keys[start : start + DELETE_REQUESTS]
+            marks = ",".join("?" * len(chunk))
+            self._db.execute(f"DELETE FROM requests WHERE key IN ({marks})", chunk)
+
+    def _insert_requests(self, stores: list[StoreRequest], now: float) -> None:
+        """One multi-row INSERT per `INSERT_REQUESTS` requests (as `_insert_rows`)."""
+        for start in range(0, len(stores), INSERT_REQUESTS):
+            batch = stores[start : start + INSERT_REQUESTS]
+            self._db.execute(
+                _INSERT_REQUESTS_SQL[len(batch)],
+                [
+                    value
+                    for s in batch
+                    for value in (
+                        s.key, s.topic, s.payload, s.qos, s.response_topic, s.correlation, now
+                    )
+                ],
+            )  # fmt: skip
 
     def _insert_rows(self, rows: list[tuple[object, ...]]) -> None:
         """One multi-row INSERT per `INSERT_ROWS` rows, not `executemany`: the sqlite3 module

@@ -276,6 +276,43 @@ class _Statements:
         return getattr(self.db, name)
 
 
+def test_a_batch_stores_and_deletes_requests_in_a_few_statements(tmp_path: Path):
+    """Hundreds of requests stored in one batch and finished in the next: the rows arrive and
+    go in one statement per `INSERT_REQUESTS` / `DELETE_REQUESTS` (each statement costs the
+    writer a release and retake of the GIL), with the same rows as one statement each."""
+    from agent.spool import DELETE_REQUESTS, INSERT_REQUESTS, FinishRequest, StoreRequest
+
+    spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 26, max_messages=100_000)
+    statements = _Statements(spool._db)
+    spool._db = statements  # type: ignore[assignment]
+    count = DELETE_REQUESTS + 10  # more than one statement of each kind
+    keys = [f"m/r{n:05d}" for n in range(count)]
+    spool.request_keys.update(keys)
+    stores = [
+        StoreRequest(key, f"edge/d/infer/m{n % 3}", b"p%d" % n, 1 + n % 2, None, b"c") for
+        n, key in enumerate(keys)
+    ]  # fmt: skip
+    spool.write([*stores, stores[0]], (), 0)  # a store queued twice is stored once
+    assert [r.key for r in spool.unfinished_requests()] == keys
+    stored = {r.key: r for r in spool.unfinished_requests()}
+    assert stored[keys[4]].payload == b"p4" and stored[keys[4]].qos == 1
+    assert stored[keys[5]].topic == "edge/d/infer/m2" and stored[keys[5]].correlation == b"c"
+    inserts = [s for s in statements.executed if s.startswith("INSERT OR IGNORE INTO requests")]
+    assert len(inserts) == -(-count // INSERT_REQUESTS)
+
+    # The next batch finishes all but the last two and stores one more: deletions first.
+    statements.executed.clear()
+    finishes = [FinishRequest(key) for key in keys[:-2]]
+    extra = StoreRequest("m/extra", "t", b"x", 1, None, None)
+    spool.request_keys.add("m/extra")
+    spool.write([*finishes, extra], (), 0)
+    assert [r.key for r in spool.unfinished_requests()] == [*keys[-2:], "m/extra"]
+    assert spool.request_keys == {*keys[-2:], "m/extra"}
+    deletes = [s for s in statements.executed if s.startswith("DELETE FROM requests")]
+    assert len(deletes) == 2
+    spool.close()
+
+
 def test_an_fsync_only_where_a_stored_request_still_needs_the_disk(tmp_path: Path):
     """A request stored and settled in one batch (answered, each reply acknowledged by the
     broker, or answered at QoS 0) needs nothing on disk: no fsync before its acknowledgement.
