@@ -63,26 +63,43 @@ CREATE TABLE IF NOT EXISTS requests (
 """
 
 
-# Rows per INSERT statement: 11 parameters a row, within SQLite's oldest default limit of
-# 999 host parameters a statement.
-INSERT_ROWS = 90
-_INSERT_SQL = [""] + [
-    "INSERT INTO messages (id, stream, topic, payload, qos, retain, correlation, created, acked,"
-    " rid, seq) VALUES " + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"] * n)
-    for n in range(1, INSERT_ROWS + 1)
-]
+# Rows go in with multi-row statements: the sqlite3 module releases and retakes the GIL around
+# every statement step, and under load each retake waits for the inference and network
+# threads. A batch of n rows is cut into power-of-two pieces (`_pieces`), so the connection
+# prepares and keeps a few statements per kind (one per size), not one per row count: a
+# statement per row count took about 7 MB of the statement cache.
+_PIECE_SIZES = tuple(1 << k for k in range(10))  # 1 .. 512
 
-# The same for stored requests (7 parameters a row) and for the deletion of finished ones:
-# one statement for a whole batch, not one per request.
-INSERT_REQUESTS = 140
-_INSERT_REQUESTS_SQL = [""] + [
-    "INSERT OR IGNORE INTO requests (key, topic, payload, qos, response_topic, correlation,"
+
+def _pieces(n: int, largest: int) -> list[int]:
+    """Sizes adding up to `n`: `largest` (a power of two) while it fits, then the powers of
+    two of the rest, largest first."""
+    sizes = [largest] * (n // largest)
+    rest = n % largest
+    sizes.extend(size for size in reversed(_PIECE_SIZES) if rest & size)
+    return sizes
+
+
+# Messages: 11 parameters a row, within SQLite's oldest default limit of 999 host parameters.
+INSERT_ROWS = 64
+_INSERT_SQL = {
+    n: "INSERT INTO messages (id, stream, topic, payload, qos, retain, correlation, created,"
+    " acked, rid, seq) VALUES " + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"] * n)
+    for n in _PIECE_SIZES
+    if n <= INSERT_ROWS
+}
+# Stored requests (7 parameters a row) and the deletion of finished ones (one a key).
+INSERT_REQUESTS = 128
+_INSERT_REQUESTS_SQL = {
+    n: "INSERT OR IGNORE INTO requests (key, topic, payload, qos, response_topic, correlation,"
     " received) VALUES " + ", ".join(["(?, ?, ?, ?, ?, ?, ?)"] * n)
-    for n in range(1, INSERT_REQUESTS + 1)
-]
-DELETE_REQUESTS = 990
-# Prepared statements kept by the connection: one per row count of the statements above.
-CACHED_STATEMENTS = 512
+    for n in _PIECE_SIZES
+    if n <= INSERT_REQUESTS
+}
+DELETE_REQUESTS = 512
+_DELETE_REQUESTS_SQL = {
+    n: "DELETE FROM requests WHERE key IN (" + ",".join("?" * n) + ")" for n in _PIECE_SIZES
+}
 
 # What a message row costs on disk besides the strings it holds: the id, the timestamps and
 # small columns, the entries of the three indexes (which repeat the stream key and request
@@ -275,7 +292,6 @@ class Spool:
             check_same_thread=False,
             isolation_level=None,
             timeout=30,
-            cached_statements=CACHED_STATEMENTS,
         )
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
@@ -409,34 +425,37 @@ class Spool:
         finished.append(key)
 
     def _delete_requests(self, keys: list[str]) -> None:
-        """One DELETE per `DELETE_REQUESTS` keys (the GIL, as in `_insert_rows`)."""
-        for start in range(0, len(keys), DELETE_REQUESTS):
-            chunk = keys[start : start + DELETE_REQUESTS]
-            marks = ",".join("?" * len(chunk))
-            self._db.execute(f"DELETE FROM requests WHERE key IN ({marks})", chunk)
+        """One DELETE per power-of-two piece of `keys` (see `_pieces`)."""
+        start = 0
+        for size in _pieces(len(keys), DELETE_REQUESTS):
+            self._db.execute(_DELETE_REQUESTS_SQL[size], keys[start : start + size])
+            start += size
 
     def _insert_requests(self, stores: list[StoreRequest], now: float) -> None:
-        """One multi-row INSERT per `INSERT_REQUESTS` requests (as `_insert_rows`)."""
-        for start in range(0, len(stores), INSERT_REQUESTS):
-            batch = stores[start : start + INSERT_REQUESTS]
+        """One multi-row INSERT per power-of-two piece of `stores` (as `_insert_rows`)."""
+        start = 0
+        for size in _pieces(len(stores), INSERT_REQUESTS):
             self._db.execute(
-                _INSERT_REQUESTS_SQL[len(batch)],
+                _INSERT_REQUESTS_SQL[size],
                 [
                     value
-                    for s in batch
+                    for s in stores[start : start + size]
                     for value in (
                         s.key, s.topic, s.payload, s.qos, s.response_topic, s.correlation, now
                     )
                 ],
             )  # fmt: skip
+            start += size
 
     def _insert_rows(self, rows: list[tuple[object, ...]]) -> None:
-        """One multi-row INSERT per `INSERT_ROWS` rows, not `executemany`: the sqlite3 module
-        releases and retakes the GIL around every statement step, and under load each retake
-        waits for the inference and network threads; one step per batch waits once."""
-        for start in range(0, len(rows), INSERT_ROWS):
-            batch = rows[start : start + INSERT_ROWS]
-            self._db.execute(_INSERT_SQL[len(batch)], [v for row in batch for v in row])
+        """One multi-row INSERT per power-of-two piece of `rows`, not `executemany` (a GIL
+        release and retake per row, see `_pieces`)."""
+        start = 0
+        for size in _pieces(len(rows), INSERT_ROWS):
+            self._db.execute(
+                _INSERT_SQL[size], [v for row in rows[start : start + size] for v in row]
+            )
+            start += size
         rows.clear()
 
     def add(

@@ -278,14 +278,16 @@ class _Statements:
 
 def test_a_batch_stores_and_deletes_requests_in_a_few_statements(tmp_path: Path):
     """Hundreds of requests stored in one batch and finished in the next: the rows arrive and
-    go in one statement per `INSERT_REQUESTS` / `DELETE_REQUESTS` (each statement costs the
-    writer a release and retake of the GIL), with the same rows as one statement each."""
+    go in a few multi-row statements (each statement costs the writer a release and retake of
+    the GIL), power-of-two pieces of at most `INSERT_REQUESTS` / `DELETE_REQUESTS` rows, with
+    the same rows as one statement each."""
     from agent.spool import DELETE_REQUESTS, INSERT_REQUESTS, FinishRequest, StoreRequest
 
     spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 26, max_messages=100_000)
     statements = _Statements(spool._db)
     spool._db = statements  # type: ignore[assignment]
     count = DELETE_REQUESTS + 10  # more than one statement of each kind
+    assert (INSERT_REQUESTS, DELETE_REQUESTS) == (128, 512)
     keys = [f"m/r{n:05d}" for n in range(count)]
     spool.request_keys.update(keys)
     stores = [
@@ -298,7 +300,7 @@ def test_a_batch_stores_and_deletes_requests_in_a_few_statements(tmp_path: Path)
     assert stored[keys[4]].payload == b"p4" and stored[keys[4]].qos == 1
     assert stored[keys[5]].topic == "edge/d/infer/m2" and stored[keys[5]].correlation == b"c"
     inserts = [s for s in statements.executed if s.startswith("INSERT OR IGNORE INTO requests")]
-    assert len(inserts) == -(-count // INSERT_REQUESTS)
+    assert len(inserts) == 6  # 522 = 4 x 128 + 8 + 2
 
     # The next batch finishes all but the last two and stores one more: deletions first.
     statements.executed.clear()
@@ -309,7 +311,36 @@ def test_a_batch_stores_and_deletes_requests_in_a_few_statements(tmp_path: Path)
     assert [r.key for r in spool.unfinished_requests()] == [*keys[-2:], "m/extra"]
     assert spool.request_keys == {*keys[-2:], "m/extra"}
     deletes = [s for s in statements.executed if s.startswith("DELETE FROM requests")]
-    assert len(deletes) == 2
+    assert len(deletes) == 2  # 520 = 512 + 8
+    spool.close()
+
+
+def test_multi_row_statements_come_in_a_few_sizes(tmp_path: Path):
+    """Batches of every size from 1 to 200 messages and requests: the spool prepares a
+    statement per power-of-two piece, so the connection's statement cache holds a few dozen
+    statements, not one per row count (which took megabytes)."""
+    from agent.spool import FinishRequest, StoreRequest, _pieces
+
+    assert _pieces(0, 64) == [] and _pieces(1, 64) == [1]
+    assert _pieces(37, 64) == [32, 4, 1] and _pieces(200, 64) == [64, 64, 64, 8]
+    spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 28, max_messages=1_000_000)
+    statements = _Statements(spool._db)
+    spool._db = statements  # type: ignore[assignment]
+    next_id = 0
+    for size in range(1, 201):
+        messages = []
+        for _ in range(size):
+            next_id += 1
+            messages.append(OutMessage("t/s", b"m", 1, stream="m/s", spool_id=next_id))
+        keys = [f"m/{size}-{n}" for n in range(size)]
+        spool.request_keys.update(keys)
+        spool.write([*messages, *(StoreRequest(k, "t", b"p", 1, None, None) for k in keys)], (), 0)
+        spool.write([FinishRequest(k) for k in keys], (), 0)
+    assert len(spool.load_after(0, 100_000)) == sum(range(1, 201))
+    assert not spool.unfinished_requests()
+    assert len({s for s in statements.executed if s.startswith("INSERT INTO messages")}) == 7
+    assert len({s for s in statements.executed if s.startswith("INSERT OR IGNORE")}) == 8
+    assert len({s for s in statements.executed if s.startswith("DELETE FROM requests")}) == 8
     spool.close()
 
 
