@@ -80,22 +80,28 @@ def _pieces(n: int, largest: int) -> list[int]:
     return sizes
 
 
+def _multi_row_sql(head: str, columns: int, largest: int) -> dict[int, str]:
+    """`HEAD VALUES (?, ...), ...` for each power-of-two row count up to `largest`."""
+    row = "(" + ", ".join("?" * columns) + ")"
+    return {n: f"{head} VALUES " + ", ".join([row] * n) for n in _PIECE_SIZES if n <= largest}
+
+
 # Messages: 11 parameters a row, within SQLite's oldest default limit of 999 host parameters.
 INSERT_ROWS = 64
-_INSERT_SQL = {
-    n: "INSERT INTO messages (id, stream, topic, payload, qos, retain, correlation, created,"
-    " acked, rid, seq) VALUES " + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"] * n)
-    for n in _PIECE_SIZES
-    if n <= INSERT_ROWS
-}
+_INSERT_SQL = _multi_row_sql(
+    "INSERT INTO messages (id, stream, topic, payload, qos, retain, correlation, created,"
+    " acked, rid, seq)",
+    11,
+    INSERT_ROWS,
+)
 # Stored requests (7 parameters a row) and the deletion of finished ones (one a key).
 INSERT_REQUESTS = 128
-_INSERT_REQUESTS_SQL = {
-    n: "INSERT OR IGNORE INTO requests (key, topic, payload, qos, response_topic, correlation,"
-    " received) VALUES " + ", ".join(["(?, ?, ?, ?, ?, ?, ?)"] * n)
-    for n in _PIECE_SIZES
-    if n <= INSERT_REQUESTS
-}
+_INSERT_REQUESTS_SQL = _multi_row_sql(
+    "INSERT OR IGNORE INTO requests (key, topic, payload, qos, response_topic, correlation,"
+    " received)",
+    7,
+    INSERT_REQUESTS,
+)
 DELETE_REQUESTS = 512
 _DELETE_REQUESTS_SQL = {
     n: "DELETE FROM requests WHERE key IN (" + ",".join("?" * n) + ")" for n in _PIECE_SIZES
