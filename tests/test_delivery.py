@@ -98,6 +98,9 @@ def test_broker_killed_three_times_during_four_long_streams(make_agent, tmp_path
         publisher.disconnect()
         publisher.loop_stop()
         for _ in range(3):  # kill the broker while the streams run
+            # Each kill must find the agent connected, or two outages count as one (a slow
+            # restart under load left it still reconnecting when the next kill came).
+            assert agent.transport.connected.wait(30), "the agent did not reconnect"
             time.sleep(0.6)
             broker.kill()
             time.sleep(0.3)
