@@ -395,9 +395,19 @@ class Spool:
                             acked_now.discard(item.spool_id)
                         if item.finishes is not None:
                             self._finish(item.finishes, stores, finished, deleted)
-                self._insert_rows(rows)
-                self._delete_requests(deleted)  # before the inserts, as when deleted in turn
-                self._insert_requests(list(stores.values()), now)
+                self._execute_pieces(_INSERT_SQL, INSERT_ROWS, rows)
+                # Deletions before the inserts, as when each was deleted in turn.
+                self._execute_pieces(
+                    _DELETE_REQUESTS_SQL, DELETE_REQUESTS, [(key,) for key in deleted]
+                )
+                self._execute_pieces(
+                    _INSERT_REQUESTS_SQL,
+                    INSERT_REQUESTS,
+                    [
+                        (s.key, s.topic, s.payload, s.qos, s.response_topic, s.correlation, now)
+                        for s in stores.values()
+                    ],
+                )
                 earlier = [i for i in acks if i in acked_now]  # rows of previous batches
                 marked = self._ack_locked(earlier, now) if earlier else (0, 0)
                 self._db.execute("COMMIT")
@@ -425,39 +435,15 @@ class Spool:
             deleted.append(key)
         finished.append(key)
 
-    def _delete_requests(self, keys: list[str]) -> None:
-        """One DELETE per power-of-two piece of `keys` (see `_pieces`)."""
+    def _execute_pieces(
+        self, sql: dict[int, str], largest: int, rows: Sequence[Sequence[object]]
+    ) -> None:
+        """`rows` with one multi-row statement per power-of-two piece (see `_pieces`), not
+        `executemany`: a GIL release and retake per statement, not per row."""
         start = 0
-        for size in _pieces(len(keys), DELETE_REQUESTS):
-            self._db.execute(_DELETE_REQUESTS_SQL[size], keys[start : start + size])
+        for size in _pieces(len(rows), largest):
+            self._db.execute(sql[size], [v for row in rows[start : start + size] for v in row])
             start += size
-
-    def _insert_requests(self, stores: list[StoreRequest], now: float) -> None:
-        """One multi-row INSERT per power-of-two piece of `stores` (as `_insert_rows`)."""
-        start = 0
-        for size in _pieces(len(stores), INSERT_REQUESTS):
-            self._db.execute(
-                _INSERT_REQUESTS_SQL[size],
-                [
-                    value
-                    for s in stores[start : start + size]
-                    for value in (
-                        s.key, s.topic, s.payload, s.qos, s.response_topic, s.correlation, now
-                    )
-                ],
-            )  # fmt: skip
-            start += size
-
-    def _insert_rows(self, rows: list[tuple[object, ...]]) -> None:
-        """One multi-row INSERT per power-of-two piece of `rows`, not `executemany` (a GIL
-        release and retake per row, see `_pieces`)."""
-        start = 0
-        for size in _pieces(len(rows), INSERT_ROWS):
-            self._db.execute(
-                _INSERT_SQL[size], [v for row in rows[start : start + size] for v in row]
-            )
-            start += size
-        rows.clear()
 
     def add(
         self,

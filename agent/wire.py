@@ -958,19 +958,17 @@ _ABSENT: Any = object()  # an input the request lacks (None could be a value)
 def _input_names_error(
     request_id: str, inputs: Mapping[str, Array], specs: Sequence[TensorSpec]
 ) -> WireError:
-    """The missing (first) or unexpected inputs of a request, named."""
-    declared = {spec.name for spec in specs}
+    """The missing (first) or else the unexpected inputs of a request whose input names do
+    not match `specs` (called only then: one of the two lists is not empty)."""
     missing = [spec.name for spec in specs if spec.name not in inputs]
     if missing:
         return _bad(
             request_id,
             "missing input(s) " + ", ".join(_show(m, 40) for m in missing) + _takes(specs),
         )
-    unexpected = [name for name in inputs if name not in declared]
-    if unexpected:
-        names = ", ".join(_show(u, 40) for u in unexpected)
-        return _bad(request_id, "unexpected input(s) " + names + _takes(specs))
-    return _bad(request_id, "the inputs do not match the model's" + _takes(specs))  # unreachable
+    declared = {spec.name for spec in specs}
+    names = ", ".join(_show(name, 40) for name in inputs if name not in declared)
+    return _bad(request_id, "unexpected input(s) " + names + _takes(specs))
 
 
 def validate_inputs(
