@@ -62,6 +62,13 @@ def subscribe(client: mqtt.Client, topic: str, qos: int) -> None:
         raise RuntimeError(f"no SUBACK for {topic}")
 
 
+def cpu_s(pid: int) -> float:
+    """CPU time of a process so far, all its threads, user and system (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_mb(pid: int) -> float:
     """Resident set size of a process, from /proc (Linux)."""
     with open(f"/proc/{pid}/statm") as f:
@@ -190,6 +197,9 @@ class AgentProcess:
 
     def rss_mb(self) -> float:
         return rss_mb(self.pid)
+
+    def cpu_s(self) -> float:
+        return cpu_s(self.pid)
 
     def stop(self) -> None:
         if self.process.poll() is None:

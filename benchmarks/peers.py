@@ -148,8 +148,10 @@ def run_load(args: argparse.Namespace) -> dict[str, Any]:
     client.close()
     time.sleep(0.2)  # let what is in flight finish before the agent is asked anything else
     if first is None:
-        return {"completed": 0, "seconds": 0.0, "errors": errors}
-    return {"completed": completed - first[0], "seconds": now - first[1], "errors": errors}
+        return {"completed": 0, "seconds": 0.0, "errors": errors, "sent": counter}
+    # `sent`: every request of the run, warm-up and the last ones in flight included.
+    return {"completed": completed - first[0], "seconds": now - first[1], "errors": errors,
+            "sent": counter}  # fmt: skip
 
 
 def _wait_for_term() -> None:

@@ -465,7 +465,8 @@ def measure_batching(
     """Requests/s with `CONCURRENCY` requests outstanding, the same model without and with
     dynamic batching ([batching] in the model's config.toml). The time is cut into `rounds`
     blocks of each, alternating (off, on, on, off, ...), so that a drift in the shared
-    machine's speed falls on both; the rates are the totals, and each round's ratio is kept."""
+    machine's speed falls on both; the rates are the totals, and each round's ratio is kept.
+    `on_cpu_us` / `off_cpu_us`: the agent's CPU time (all threads) per request sent."""
     x = np.random.default_rng(1).standard_normal((1, dims[0])).astype(np.float32)
     template = _template({"x": x}, stream=False)
     path = workdir / "load-request.bin"
@@ -477,14 +478,18 @@ def measure_batching(
             result[key] = None  # an agent without [batching] refuses the model's config
     modes = [key for key in names if key not in result]
     totals = {key: [0, 0.0, 0] for key in modes}  # completed, seconds, errors
+    cpu = {key: [0.0, 0] for key in modes}  # the agent's CPU seconds, requests sent
     per_round: list[dict[str, float]] = []
     for n in range(rounds):
         rates: dict[str, float] = {}
         for key in modes if n % 2 == 0 else modes[::-1]:
+            cpu_before = agent.cpu_s()
             done = _peer(broker, "load", "--root", agent.root, "--model", names[key],
                          "--payload", str(path), "--concurrency", str(CONCURRENCY),
                          "--seconds", str(seconds / rounds),
                          "--warmup", str(min(1.0, seconds / 4)))  # fmt: skip
+            cpu[key][0] += agent.cpu_s() - cpu_before  # the peer waits for the last replies
+            cpu[key][1] += done.get("sent", 0)
             totals[key][0] += done["completed"]
             totals[key][1] += done["seconds"]
             totals[key][2] += done["errors"]
@@ -493,9 +498,27 @@ def measure_batching(
     for key, (completed, secs, errors) in totals.items():
         result[key] = completed / secs if secs else None
         result[f"{key}_errors"] = errors
+        cpu_seconds, sent = cpu[key]
+        result[f"{key}_cpu_us"] = cpu_seconds / sent * 1e6 if sent else None
     if len(modes) == 2:
         result["round_ratios"] = [r["on"] / r["off"] for r in per_round if r.get("off")]
     return result
+
+
+def _cpu_sentence(b: dict[str, Any]) -> str:
+    """The agent's CPU per request with and without batching, read against the rates."""
+    on, off = b.get("on_cpu_us"), b.get("off_cpu_us")
+    rate_on, rate_off = b.get("on"), b.get("off")
+    if not (on and off and rate_on and rate_off):
+        return ""
+    return (
+        f" The agent's CPU time per request (all its threads, from /proc, over the same "
+        f"blocks): {on:.0f} µs batched, {off:.0f} µs unbatched, {off / on:.1f} times less. "
+        f"Requests a second gained less ({rate_on / rate_off:.2f} times): unbatched, the two "
+        f"workers' model runs proceed side by side outside the interpreter lock, so the agent "
+        f"spread its work over {rate_off * off / 1e6:.2f} cores against "
+        f"{rate_on * on / 1e6:.2f} batched, where the one interpreter holds most of it."
+    )
 
 
 def measure_memory(agent: AgentProcess, broker: EmbeddedBroker, model: str) -> dict[str, float]:
@@ -735,7 +758,7 @@ def section(result: SpeedResult, plot_name: str | None) -> list[str]:
         "agent's one interpreter is the bound (its network thread reads, checks and answers "
         "every request); batching saves the runs' share and the per-run work, not the "
         "per-request work (docs/architecture.md, dynamic batching, has the accounting); on "
-        "this VM the balance moves from day to day.",
+        "this VM the balance moves from day to day." + _cpu_sentence(result.batching),
     ]
     lines.append("")
     if plot_name:

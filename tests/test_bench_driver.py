@@ -3,10 +3,12 @@ it must speak MQTT to a real Mosquitto as paho does, or the figure measures noth
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 
 from agent.broker import EmbeddedBroker
+from benchmarks.harness import cpu_s
 from benchmarks.lean_mqtt import PUBLISH, LeanClient, parse_publish, puback
 
 
@@ -37,3 +39,13 @@ def test_lean_client_publishes_and_reads_back_at_qos_0_and_1(broker: EmbeddedBro
         assert acks == expected_acks
     finally:
         client.close()
+
+
+def test_cpu_time_of_a_process_counts_its_work() -> None:
+    """The batching figure's CPU per request comes from this reading of /proc."""
+    before = cpu_s(os.getpid())
+    deadline = time.process_time() + 0.3
+    while time.process_time() < deadline:
+        pass
+    spent = cpu_s(os.getpid()) - before
+    assert 0.2 <= spent <= 5.0
