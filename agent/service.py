@@ -30,6 +30,7 @@ from agent.config import AgentConfig
 from agent.metrics import AgentMetrics, Gauges, MetricsServer
 from agent.models import LoadedVersion, ModelManager, Serving, summarize
 from agent.outbox import Outbox, OutMessage
+from agent.request_layouts import RequestLayouts
 from agent.resend import Resender, parse_resend
 from agent.scheduler import BatchSpec, Scheduler
 from agent.short_runs import ShortRuns
@@ -98,6 +99,7 @@ class Agent:
         self._bad_last_reason = ""
         self._bad_last_report = 0.0
         self._accepting = False
+        self._layouts = RequestLayouts()  # the network thread's only
         self._stop = threading.Event()
         self._running: set[Job] = set()
         self._running_lock = threading.Lock()
@@ -540,13 +542,20 @@ class Agent:
         self.count("requests_received")
         self.metrics.received.inc()
         payload: dict[str, Any] | None = None
+        prefixes = self.config.reply_prefixes
+        # A repeat of the model's last layout needs no decoding (agent.request_layouts); one
+        # with a response topic merges it into the payload, so it always goes the full way.
+        request = None
+        if incoming.response_topic is None:
+            request = self._layouts.parse(incoming.payload, model, self.limits, prefixes)
         try:
-            payload = wire.decode_payload(incoming.payload, self.limits)
-            if incoming.response_topic is not None and "reply_to" not in payload:
-                payload = {**payload, "reply_to": incoming.response_topic}
-            request = wire.parse_request(
-                payload, model, self.limits, allowed_reply_prefixes=self.config.reply_prefixes
-            )
+            if request is None:
+                payload = wire.decode_payload(incoming.payload, self.limits)
+                if incoming.response_topic is not None and "reply_to" not in payload:
+                    payload = {**payload, "reply_to": incoming.response_topic}
+                request = wire.parse_request(
+                    payload, model, self.limits, allowed_reply_prefixes=prefixes
+                )
             request.correlation_data = incoming.correlation_data
             if not self._accepting:
                 raise wire.WireError("shutting_down", "the agent is stopping", request.id)
@@ -554,6 +563,8 @@ class Agent:
         except wire.WireError as e:
             self._reject(incoming, model, payload, e)
             return
+        if payload is not None and incoming.response_topic is None:
+            self._layouts.learn(incoming.payload, payload, request, self.limits, prefixes)
         job = Job(
             request,
             self._reply_stream(
@@ -1058,6 +1069,8 @@ class Agent:
         """Counters and gauges, plus the Prometheus registry as plain data (`metrics`)."""
         with self._counter_lock:
             counters = dict(self.counters)
+        if self._layouts.hits:  # counted by the network thread alone, without a lock
+            counters["requests_layout_repeats"] = self._layouts.hits
         return {
             "ts": time.time_ns(),
             "epoch": self.epoch,

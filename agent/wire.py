@@ -190,6 +190,17 @@ _TAG_DTYPES: dict[int, np.dtype[Any]] = {
 _NATIVE_DTYPES: dict[int, np.dtype[Any]] = {
     tag: dtype.newbyteorder("=") for tag, dtype in _TAG_DTYPES.items()
 }
+
+
+def typed_array_dtypes(tag: int) -> tuple[np.dtype[Any], np.dtype[Any] | None] | None:
+    """For a supported typed-array tag: its dtype on the wire, and the host-order dtype that
+    decoded arrays are converted to where the wire's byte order is not the host's."""
+    dtype = _TAG_DTYPES.get(tag)
+    if dtype is None:
+        return None
+    return dtype, None if dtype.isnative else _NATIVE_DTYPES[tag]
+
+
 _UNSUPPORTED_TAGS: dict[int, str] = {
     76: "reserved (sint8 has one encoding, tag 72)",
     83: "float128 big-endian is not supported",

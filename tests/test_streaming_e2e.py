@@ -331,3 +331,36 @@ def test_embedded_broker_restart_keeps_port():
         assert not b.running
         b.start()
         assert b.running and b.port == port
+
+
+def test_requests_that_repeat_a_layout_each_get_their_own_answer(
+    broker, repository, make_agent, make_client
+):
+    """Same keys, shapes and options with new ids and data: the agent reads such repeats from
+    their bytes (agent.request_layouts). Each answer must still be its own request's, and a
+    repeat whose id the contract refuses is refused as the full decoding refuses it."""
+    agent = make_agent(broker, repository)
+    client = make_client(broker, agent)
+    events = _collect(client, f"{agent.root}/events")
+    model = str(repository / "classifier" / "1" / "model.onnx")
+    session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    g = np.random.default_rng(12)
+    images = [g.standard_normal((1, 3, 32, 32)).astype(np.float32) for _ in range(6)]
+    replies = [client.request("classifier", {"image": x}, stream=False) for x in images]
+    for image, reply in zip(images, replies, strict=True):
+        want = session.run(None, {"image": image})[0]
+        np.testing.assert_allclose(reply.collect()["scores"], want, rtol=1e-5, atol=1e-6)
+    assert agent.telemetry()["counters"]["requests_layout_repeats"] >= 4
+
+    # The same layout (16-character id, same image size) with an id the contract refuses.
+    bad = wire.encode_payload(
+        {"id": "not a valid id!!", "inputs": {"image": images[0]}, "stream": False}
+    )
+    client.publish_raw(f"{agent.root}/infer/classifier", bad)
+    reasons = []
+    deadline = time.monotonic() + 5
+    while not reasons and time.monotonic() < deadline:
+        reasons = [e["reason"] for e in _drain(events, 0.2) if e.get("type") == "bad_request"]
+    assert reasons and "id" in reasons[0]
+    good = client.infer("classifier", {"image": images[1]}, stream=False)
+    np.testing.assert_array_equal(good["scores"], replies[1].collect()["scores"])
