@@ -11,13 +11,13 @@ decoded byte strings), every other field is the learned request's. The checks ag
 model's inputs (`Agent._precheck`) run on it as on any request.
 
 Anything else (an unknown size, one byte that differs outside those spans, an id the pattern
-refuses, other limits or reply prefixes) goes the full way (`wire.decode_payload`,
-`wire.parse_request`), and a request that passes it and its model's checks becomes the layout
-for its size. So a payload parsed here is one the full way parses to the same request: the
-bytes it shares with an accepted payload decide the structure, the limits and every option,
-and the bytes that differ are an id (checked as the full way checks it) and tensor data of a
-fixed length (any bytes are values of a numeric dtype; a bool input's 0/1 rule is checked by
-the precheck).
+refuses, other limits, reply prefixes or MQTT 5 response topic) goes the full way
+(`wire.decode_payload`, `wire.parse_request`), and a request that passes it and its model's
+checks becomes the layout for its size. So a payload parsed here is one the full way parses
+to the same request: the bytes it shares with an accepted payload (and the response topic)
+decide the structure, the limits and every option, and the bytes that differ are an id
+(checked as the full way checks it) and tensor data of a fixed length (any bytes are values
+of a numeric dtype; a bool input's 0/1 rule is checked by the precheck).
 
 Why: decoding, parsing and checking a small request was the largest single cost of the
 network thread, which reads every request (docs/architecture.md, "Requests that repeat a
@@ -66,6 +66,7 @@ class _Layout:
     fields: dict[str, Any]  # the parsed request's other fields (never handed out)
     limits: wire.Limits  # the limits and reply prefixes it was checked under
     prefixes: tuple[str, ...]
+    response_topic: str | None  # MQTT 5's, which the full way makes its reply_to if it has none
 
 
 class RequestLayouts:
@@ -80,15 +81,22 @@ class RequestLayouts:
         return len(self._layouts)
 
     def parse(
-        self, payload: bytes, model: str, limits: wire.Limits, prefixes: Sequence[str]
+        self,
+        payload: bytes,
+        model: str,
+        limits: wire.Limits,
+        prefixes: Sequence[str],
+        response_topic: str | None = None,
     ) -> wire.Request | None:
-        """The request, when `payload` repeats a layout of the model; else None."""
+        """The request, when `payload` (with this MQTT 5 response topic) repeats a layout of
+        the model; else None."""
         key = (model, len(payload))
         layout = self._layouts.get(key)
         if (
             layout is None
             or type(payload) is not bytes
             or layout.limits is not limits
+            or layout.response_topic != response_topic
             or layout.prefixes != tuple(prefixes)
         ):
             return None
@@ -132,11 +140,13 @@ class RequestLayouts:
         request: wire.Request,
         limits: wire.Limits,
         prefixes: Sequence[str],
+        response_topic: str | None = None,
     ) -> None:
         """Keep the layout of a request that passed the full way: `decoded` is what
-        `wire.decode_payload` gave for `payload`, `request` what `wire.parse_request` made
-        of that. Nothing is kept where its id or a tensor's data is not in the payload
-        exactly once (then no span can be trusted)."""
+        `wire.decode_payload` gave for `payload` (with the response topic merged as the full
+        way merges it), `request` what `wire.parse_request` made of that. Nothing is kept
+        where its id or a tensor's data is not in the payload exactly once (then no span can
+        be trusted)."""
         key = (request.model, len(payload))
         if (
             type(payload) is not bytes
@@ -151,7 +161,7 @@ class RequestLayouts:
         self._unmatched[key] = unmatched + 1
         if unmatched >= BACKOFF_AFTER and unmatched % BACKOFF_EVERY:
             return
-        layout = _find_layout(payload, decoded, request, limits, prefixes)
+        layout = _find_layout(payload, decoded, request, limits, prefixes, response_topic)
         if layout is None:
             self._layouts.pop(key, None)
         else:
@@ -168,6 +178,7 @@ def _find_layout(
     request: wire.Request,
     limits: wire.Limits,
     prefixes: Sequence[str],
+    response_topic: str | None,
 ) -> _Layout | None:
     encoded_id = wire.cbor_text(request.id)
     id_at = _once(payload, encoded_id)
@@ -214,7 +225,16 @@ def _find_layout(
         "reply_to": request.reply_to,
         "params": dict(request.params),
     }
-    return _Layout(tuple(fixed), id_start, id_end, tuple(tensors), fields, limits, tuple(prefixes))
+    return _Layout(
+        tuple(fixed),
+        id_start,
+        id_end,
+        tuple(tensors),
+        fields,
+        limits,
+        tuple(prefixes),
+        response_topic,
+    )
 
 
 def _once(payload: bytes, part: bytes) -> int | None:

@@ -542,17 +542,16 @@ class Agent:
         self.count("requests_received")
         self.metrics.received.inc()
         payload: dict[str, Any] | None = None
-        prefixes = self.config.reply_prefixes
-        # A repeat of the model's last layout needs no decoding (agent.request_layouts); one
-        # with a response topic merges it into the payload, so it always goes the full way.
-        request = None
-        if incoming.response_topic is None:
-            request = self._layouts.parse(incoming.payload, model, self.limits, prefixes)
+        prefixes, response_topic = self.config.reply_prefixes, incoming.response_topic
+        # A repeat of a layout of the model's requests needs no decoding (request_layouts).
+        request = self._layouts.parse(
+            incoming.payload, model, self.limits, prefixes, response_topic
+        )
         try:
             if request is None:
                 payload = wire.decode_payload(incoming.payload, self.limits)
-                if incoming.response_topic is not None and "reply_to" not in payload:
-                    payload = {**payload, "reply_to": incoming.response_topic}
+                if response_topic is not None and "reply_to" not in payload:
+                    payload = {**payload, "reply_to": response_topic}
                 request = wire.parse_request(
                     payload, model, self.limits, allowed_reply_prefixes=prefixes
                 )
@@ -563,8 +562,10 @@ class Agent:
         except wire.WireError as e:
             self._reject(incoming, model, payload, e)
             return
-        if payload is not None and incoming.response_topic is None:
-            self._layouts.learn(incoming.payload, payload, request, self.limits, prefixes)
+        if payload is not None:
+            self._layouts.learn(
+                incoming.payload, payload, request, self.limits, prefixes, response_topic
+            )
         job = Job(
             request,
             self._reply_stream(

@@ -260,3 +260,26 @@ def test_learning_backs_off_where_learned_layouts_never_match() -> None:
     else:
         raise AssertionError("no layout learned within one back-off period")
     assert ("m", len(payload)) not in layouts._unmatched
+
+
+def test_an_mqtt5_response_topic_must_be_the_learned_one() -> None:
+    """The full way makes the response topic the reply_to of a payload without one: a
+    repeat matches only with the same topic, and then has the same reply_to."""
+    g = np.random.default_rng(13)
+    body = BODIES["mlp, stream false"]
+    topic = "edge/backend-7/replies"
+
+    def full(payload: bytes, response_topic: str) -> tuple[dict[str, Any], wire.Request]:
+        decoded = {**wire.decode_payload(payload, LIMITS), "reply_to": response_topic}
+        return decoded, wire.parse_request(decoded, "m", LIMITS, allowed_reply_prefixes=PREFIXES)
+
+    layouts = RequestLayouts()
+    first = cbor2.dumps(body("req-000000001", g))
+    decoded, request = full(first, topic)
+    layouts.learn(first, decoded, request, LIMITS, PREFIXES, topic)
+    repeat = cbor2.dumps(body("req-000000002", g))
+    fast = layouts.parse(repeat, "m", LIMITS, PREFIXES, topic)
+    assert fast is not None and fast.reply_to == topic
+    _same(fast, full(repeat, topic)[1])
+    assert layouts.parse(repeat, "m", LIMITS, PREFIXES, "edge/backend-8/replies") is None
+    assert layouts.parse(repeat, "m", LIMITS, PREFIXES) is None

@@ -253,6 +253,17 @@ def test_reply_to_and_mqtt5_correlation(broker, repository, make_agent, make_cli
         assert all(m.properties.CorrelationData == b"\x01corr" for m in messages)
         types = [wire.decode_payload(m.payload, wire.Limits())["type"] for m in messages]
         assert types == ["chunk", "chunk", "end"]
+        # A repeat of that request (same layout and response topic, other correlation data)
+        # is read from its bytes: its replies carry its own id and correlation data.
+        repeats = agent.telemetry()["counters"].get("requests_layout_repeats", 0)
+        props = client.response_properties(response_topic, b"\x02corr")
+        body["id"] = "corr-2"
+        client.publish_raw(f"{agent.root}/infer/decoder", wire.encode_payload(body), 1, props)
+        messages = [received.get(timeout=5) for _ in range(3)]
+        assert all(m.properties.CorrelationData == b"\x02corr" for m in messages)
+        ids = {wire.decode_payload(m.payload, wire.Limits())["id"] for m in messages}
+        assert ids == {"corr-2"}
+        assert agent.telemetry()["counters"]["requests_layout_repeats"] == repeats + 1
     finally:
         sub.disconnect()
         sub.loop_stop()
