@@ -26,6 +26,7 @@ layout"): 16 µs in a loop against 3.4 µs here, and about 40 µs of CPU a reque
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -63,7 +64,7 @@ class _Layout:
     id_start: int
     id_end: int
     tensors: tuple[_Tensor, ...]
-    fields: dict[str, Any]  # the parsed request's other fields (never handed out)
+    template: wire.Request  # the parsed request, without inputs (never handed out)
     limits: wire.Limits  # the limits and reply prefixes it was checked under
     prefixes: tuple[str, ...]
     response_topic: str | None  # MQTT 5's, which the full way makes its reply_to if it has none
@@ -116,21 +117,22 @@ class RequestLayouts:
             if tensor.native is not None:
                 arr = arr.astype(tensor.native)
             inputs[tensor.name] = arr
-        fields = layout.fields
+        template = layout.template
         self.hits += 1
         if self._unmatched:
             self._unmatched.pop(key, None)
+        # Every field of the template (dataclasses.replace would cost 2 µs more a request).
         return wire.Request(
             id=request_id,
             model=model,
             inputs=inputs,
-            version=fields["version"],
-            stream=fields["stream"],
-            priority=fields["priority"],
-            deadline_ms=fields["deadline_ms"],
-            qos=fields["qos"],
-            reply_to=fields["reply_to"],
-            params=dict(fields["params"]),
+            version=template.version,
+            stream=template.stream,
+            priority=template.priority,
+            deadline_ms=template.deadline_ms,
+            qos=template.qos,
+            reply_to=template.reply_to,
+            params=dict(template.params),
         )
 
     def learn(
@@ -166,10 +168,6 @@ class RequestLayouts:
             self._layouts.pop(key, None)
         else:
             self._layouts[key] = layout
-
-    def clear(self) -> None:
-        self._layouts.clear()
-        self._unmatched.clear()
 
 
 def _find_layout(
@@ -216,21 +214,15 @@ def _find_layout(
         position = end
     if position < len(payload):
         fixed.append((position, payload[position:]))
-    fields = {
-        "version": request.version,
-        "stream": request.stream,
-        "priority": request.priority,
-        "deadline_ms": request.deadline_ms,
-        "qos": request.qos,
-        "reply_to": request.reply_to,
-        "params": dict(request.params),
-    }
+    template = dataclasses.replace(
+        request, inputs={}, params=dict(request.params), correlation_data=None
+    )
     return _Layout(
         tuple(fixed),
         id_start,
         id_end,
         tuple(tensors),
-        fields,
+        template,
         limits,
         tuple(prefixes),
         response_topic,

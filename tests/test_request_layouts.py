@@ -283,3 +283,12 @@ def test_an_mqtt5_response_topic_must_be_the_learned_one() -> None:
     _same(fast, full(repeat, topic)[1])
     assert layouts.parse(repeat, "m", LIMITS, PREFIXES, "edge/backend-8/replies") is None
     assert layouts.parse(repeat, "m", LIMITS, PREFIXES) is None
+
+
+def test_the_request_fields_are_those_a_layout_carries() -> None:
+    """`RequestLayouts.parse` builds a Request field by field: a new field must be added there
+    (and to the bodies above) before this passes again."""
+    assert [f.name for f in dataclasses.fields(wire.Request)] == [
+        "id", "model", "inputs", "version", "stream", "priority", "deadline_ms", "qos",
+        "reply_to", "params", "correlation_data",
+    ]  # fmt: skip
