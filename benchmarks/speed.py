@@ -603,8 +603,8 @@ def measure(broker: EmbeddedBroker, workdir: Path, quick: bool, tree: Path = REP
         lat = result.latency
         print(f"latency: agent {lat['agent_ms']:.2f} ms, echo {lat['round_trip_ms']:.2f} ms, "
               f"bare {lat['bare_ms'] * 1000:.0f} us", flush=True)  # fmt: skip
-        rounds = 1 if quick else BATCHING_ROUNDS
-        batching_s = seconds * rounds / 3 if rounds > 1 else seconds  # 2 s blocks in a full run
+        rounds, block_s = (1, seconds) if quick else (BATCHING_ROUNDS, seconds / 3)
+        batching_s = block_s * rounds  # per mode, cut into `rounds` blocks (2 s in a full run)
         result.batching = measure_batching(
             agent, broker, workdir, batching_s, SCORING, SCORING_DIMS, rounds
         )
