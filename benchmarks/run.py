@@ -88,8 +88,7 @@ def run_drain(broker: EmbeddedBroker, workdir: Path, quick: bool) -> dict[str, A
 
 
 def run_sources(broker: EmbeddedBroker, workdir: Path, quick: bool) -> dict[str, Any]:
-    results = local_sources.measure(broker, workdir, quick)
-    return {"results": [local_sources.to_json(r) for r in results]}
+    return local_sources.to_json(local_sources.measure(broker, workdir, quick))
 
 
 RUNNERS = {
@@ -178,7 +177,7 @@ def section_lines(name: str, record: dict[str, Any], docs: Path) -> list[str]:
     elif name == "drain":
         lines = delivery.section(delivery.DrainResult(**data))
     else:
-        lines = local_sources.section([local_sources.from_json(r) for r in data["results"]])
+        lines = local_sources.section(local_sources.from_json(data))
     return [lines[0], "", _measured(record), *lines[1:]]
 
 
@@ -228,7 +227,7 @@ def met(name: str, data: dict[str, Any]) -> bool:
         return resend.ResendFloodResult(**data).ratio <= 2
     if name == "drain":
         return delivery.DrainResult(**data).ratio >= 0.5
-    return local_sources.met([local_sources.from_json(r) for r in data["results"]])
+    return local_sources.met(local_sources.from_json(data))
 
 
 def main(argv: list[str] | None = None) -> int:
