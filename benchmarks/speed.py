@@ -66,7 +66,14 @@ CONCURRENCY = 64
 # Alternating blocks of batching off and on (a full run), each a third of `seconds`: within one
 # run of the same code the blocks' ratios spread by +-15 %, so the total takes six of each.
 BATCHING_ROUNDS = 6
-BATCHING = "[batching]\nmax_batch = 64\nmax_queue_delay_us = 2000\n"
+BATCHING = "[batching]\nmax_batch = 64\nmax_queue_delay_us = 2000\n"  # the 16 streams' steps
+# The batching figure's models: max_batch = the concurrent requests / the agent's 2 workers.
+# At max_batch = 64 a batch never filled from 64 clients (48 requests on average: the rest
+# were on the wire or being answered), so each waited out max_queue_delay_us; at 32 batches
+# held 29 on average and ran twice as often. Side by side (8 pairs, 2026-12-04) 32 ran 1.18
+# times, 16 1.20 times as many requests a second as 64 (docs/architecture.md, dynamic
+# batching, a seventh look).
+REQUEST_BATCHING = f"[batching]\nmax_batch = {CONCURRENCY // 2}\nmax_queue_delay_us = 2000\n"
 MEMORY_CHUNKS = 100_000
 MARKER = "REQUEST-ID-0000"  # replaced by a fresh id of the same length in each request
 
@@ -152,7 +159,7 @@ def build_repository(root: Path) -> Path:
     for name, (i, h, o), layers in ((SCORING, SCORING_DIMS, 2), (SMALL, SMALL_DIMS, 1)):
         model = demo_models.mlp(inputs=i, hidden=h, outputs=o, hidden_layers=layers)
         add(name, model, None)
-        add(f"{name}-batched", model, BATCHING)
+        add(f"{name}-batched", model, REQUEST_BATCHING)
     return root
 
 
@@ -752,7 +759,11 @@ def section(result: SpeedResult, plot_name: str | None) -> list[str]:
         "Batching pays where a run costs more than the per-request work of the agent, its "
         "client and the broker: the 256-1024-1024-10 MLP (5 MB of weights, memory-bound one "
         "request at a time) is the target row; the tiny MLP's run costs less than decoding "
-        "and publishing a request (reference row). The 64 requests come from one closed-loop "
+        "and publishing a request (reference row). Their `[batching]`: `max_batch = "
+        f"{CONCURRENCY // 2}` (the {CONCURRENCY} requests over the agent's 2 workers) and "
+        "`max_queue_delay_us = 2000`; at a `max_batch` of all 64, batches never filled (some "
+        "requests are always on the wire) and each waited out the delay. The 64 requests come "
+        "from one closed-loop "
         "driver on a minimal MQTT client (benchmarks/lean_mqtt.py: paho's Python took a third "
         "of the two cores, which on a box belong to the agent). Off and on are measured in "
         f"alternating blocks ({BATCHING_ROUNDS} of each in a full run, off first, then on "
