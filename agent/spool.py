@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 Policy = Literal["reject_new", "drop_oldest"]
 
+WAL_SIZE_LIMIT = 8 * 1024 * 1024  # bytes the WAL keeps after a checkpoint (auto one at ~4 MB)
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS messages (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -300,6 +302,10 @@ class Spool:
         # and write a file in /var/tmp for a large multi-row statement (several per second
         # under load: file system writes on the flash the spool is meant to spare).
         self._db.execute("PRAGMA temp_store=MEMORY")
+        # SQLite reuses the WAL after a checkpoint but never shrinks it: one large transaction
+        # (a drain's backlog, a burst of big replies) would keep its size on the flash until
+        # the agent stops. The limit truncates it at the next reuse.
+        self._db.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
         self._db.executescript(SCHEMA)
         row = self._db.execute(f"SELECT COUNT(*), {_SUM_STORED} FROM messages WHERE acked IS NULL")
         self.count, self.bytes = (int(v) for v in row.fetchone())  # pending messages only

@@ -14,7 +14,14 @@ from pathlib import Path
 import pytest
 
 from agent.outbox import Outbox, OutMessage
-from agent.spool import STORED_BYTES_SQL, Spool, SpoolFull, StoreRequest, stored_bytes
+from agent.spool import (
+    STORED_BYTES_SQL,
+    WAL_SIZE_LIMIT,
+    Spool,
+    SpoolFull,
+    StoreRequest,
+    stored_bytes,
+)
 from agent.spool_writer import SpoolWriter
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,6 +56,24 @@ def test_spool_keeps_sqlite_temporary_files_in_memory(tmp_path: Path):
     unlinked several times a second under load: writes on the flash the spool spares."""
     spool = Spool(tmp_path / "spool.sqlite", max_bytes=1 << 20, max_messages=100)
     assert spool._db.execute("PRAGMA temp_store").fetchone() == (2,)  # MEMORY
+    spool.close()
+
+
+def test_the_wal_shrinks_back_after_a_large_transaction(tmp_path: Path):
+    """SQLite keeps a WAL file at its largest size until the connection closes: one batch of
+    24 MB would stay on the flash for the agent's lifetime without the limit."""
+    path = tmp_path / "spool.sqlite"
+    spool = Spool(path, max_bytes=1 << 30, max_messages=1000)
+    wal = path.with_name(path.name + "-wal")
+    big = [message("a", n, size=1 << 20) for n in range(24)]
+    for m in big:
+        m.spool_id = spool.allocate_id()
+    spool.write(big, [], 0)
+    assert wal.stat().st_size > 20 * (1 << 20)  # one transaction: the whole batch in the WAL
+    for n in range(3):  # the next transactions checkpoint it, then reuse and truncate it
+        spool.add("b", "t/b", bytes([n]) * 100, 1, False, None)
+    assert wal.stat().st_size <= WAL_SIZE_LIMIT
+    assert [len(m.payload) for m in spool.load_after(0, 100)][:24] == [1 << 20] * 24
     spool.close()
 
 
