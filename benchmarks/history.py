@@ -83,7 +83,9 @@ def section(history: dict[str, Any]) -> list[str]:
         "section above for the current figures. Before dynamic batching existed, the agent "
         "ran the 16 streams unbatched and had no batching figure (n/a). Every row is driven by "
         "this checkout's batching driver (a minimal MQTT client since `4476029`, paho before: "
-        "old rows read higher than in earlier reports), and a quick run's batching ratio moves "
+        "old rows read higher than in earlier reports) and `[batching]` settings "
+        "(`max_batch = 32` since `8f3ef7a`, 64 before: rows from older reports read lower), "
+        "and a quick run's batching ratio moves "
         "by a few tenths between runs of nearly the same agent. The last two columns "
         "are absolute: requests a second to the 256-1024-1024-10 MLP without batching, and "
         "one stream alone.",
