@@ -36,6 +36,7 @@ import numpy as np
 
 from agent import demo_models, wire
 from agent.broker import EmbeddedBroker
+from agent.config import SchedulerConfig
 from agent.demo import DECODER_CONFIG
 from benchmarks.harness import (
     REPO,
@@ -67,13 +68,15 @@ CONCURRENCY = 64
 # run of the same code the blocks' ratios spread by +-15 %, so the total takes six of each.
 BATCHING_ROUNDS = 6
 BATCHING = "[batching]\nmax_batch = 64\nmax_queue_delay_us = 2000\n"  # the 16 streams' steps
-# The batching figure's models: max_batch = the concurrent requests / the agent's 2 workers.
+WORKERS = SchedulerConfig().workers  # the agent's default, which every agent here runs with
+# The batching figure's models: max_batch = the concurrent requests / the agent's workers.
 # At max_batch = 64 a batch never filled from 64 clients (48 requests on average: the rest
 # were on the wire or being answered), so each waited out max_queue_delay_us; at 32 batches
 # held 29 on average and ran twice as often. Side by side (8 pairs, 2026-12-04) 32 ran 1.18
 # times, 16 1.20 times as many requests a second as 64 (docs/architecture.md, dynamic
 # batching, a seventh look).
-REQUEST_BATCHING = f"[batching]\nmax_batch = {CONCURRENCY // 2}\nmax_queue_delay_us = 2000\n"
+REQUEST_MAX_BATCH = CONCURRENCY // WORKERS
+REQUEST_BATCHING = f"[batching]\nmax_batch = {REQUEST_MAX_BATCH}\nmax_queue_delay_us = 2000\n"
 MEMORY_CHUNKS = 100_000
 MARKER = "REQUEST-ID-0000"  # replaced by a fresh id of the same length in each request
 
@@ -164,7 +167,7 @@ def build_repository(root: Path) -> Path:
 
 
 def _threads() -> int:
-    return max(1, (os.cpu_count() or 1) // 2)  # the agent's default: cores // workers
+    return max(1, (os.cpu_count() or 1) // WORKERS)  # the agent's default: cores // workers
 
 
 def _session(path: Path) -> Any:
@@ -760,8 +763,9 @@ def section(result: SpeedResult, plot_name: str | None) -> list[str]:
         "client and the broker: the 256-1024-1024-10 MLP (5 MB of weights, memory-bound one "
         "request at a time) is the target row; the tiny MLP's run costs less than decoding "
         "and publishing a request (reference row). Their `[batching]`: `max_batch = "
-        f"{CONCURRENCY // 2}` (the {CONCURRENCY} requests over the agent's 2 workers) and "
-        "`max_queue_delay_us = 2000`; at a `max_batch` of all 64, batches never filled (some "
+        f"{REQUEST_MAX_BATCH}` (the {CONCURRENCY} requests over the agent's {WORKERS} workers) "
+        f"and `max_queue_delay_us = 2000`; at a `max_batch` of all {CONCURRENCY}, batches "
+        "never filled (some "
         "requests are always on the wire) and each waited out the delay. The 64 requests come "
         "from one closed-loop "
         "driver on a minimal MQTT client (benchmarks/lean_mqtt.py: paho's Python took a third "
