@@ -19,10 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from agent import __version__, logs
-from agent.backends.base import Array
+from agent import __version__
 from agent.config import AgentConfig, ConfigError, load_config, masked_dict, to_toml
-from agent.logs import JsonFormatter, setup_logging
+from agent.models.backends.base import Array
+from agent.ops import logs
+from agent.ops.logs import JsonFormatter, setup_logging
 
 __all__ = ["JsonFormatter", "build_parser", "main", "setup_logging"]
 
@@ -71,8 +72,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     limit_malloc_arenas()  # first: before the agent's threads make their arenas
     config = _with_overrides(_load(args), args)
     setup_logging(config.log_level, config.log_format, secrets=logs.config_secrets(config))
-    from agent.service import Agent
-    from agent.systemd import Notifier
+    from agent.ops.systemd import Notifier
+    from agent.service.agent import Agent
 
     # The handler only queues: the main thread does the work, outside the signal context.
     signals: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -330,7 +331,7 @@ def cmd_subscribe(args: argparse.Namespace) -> int:
 
 def cmd_models(args: argparse.Namespace) -> int:
     if args.local:
-        from agent.repository import scan_repository
+        from agent.models.repository import scan_repository
 
         config = _load(args)
         for name, info in sorted(scan_repository(config.models.repository).items()):
@@ -363,7 +364,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from agent.demo import run_demo
+    from agent.demo.run import run_demo
 
     setup_logging(args.log_level, "text")
     return run_demo(host=args.host, port=args.port, steps=args.steps, repeats=args.repeats)
@@ -424,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     subscribe.add_argument("--duration", type=float, default=0, help="stop after N seconds")
     subscribe.set_defaults(func=cmd_subscribe)
 
-    from agent import engine_builder
+    from agent.models import engine_builder
 
     build = sub.add_parser(
         "build-engine", help="build a TensorRT engine from ONNX as a new model version"

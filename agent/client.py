@@ -32,8 +32,8 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
-from agent import wire
-from agent.backends.base import Array
+from agent.models.backends.base import Array
+from agent.protocol import wire
 
 __all__ = ["AgentClient", "AgentError", "Chunk", "Reply", "ReplyTimeout", "StreamEnd"]
 

@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from agent.systemd import credential_path
+from agent.ops.systemd import credential_path
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -128,7 +128,7 @@ class SchedulerConfig(_Section):
 
 
 class LimitsConfig(_Section):
-    """Limits on outside input, applied before decoding (see agent.wire.Limits)."""
+    """Limits on outside input, applied before decoding (see agent.protocol.wire.Limits)."""
 
     max_payload_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     max_decompressed_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
@@ -149,7 +149,7 @@ class OutboxConfig(_Section):
 
 
 class SpoolConfig(_Section):
-    """The on-disk store of QoS 1/2 messages and requests (see agent.spool)."""
+    """The on-disk store of QoS 1/2 messages and requests (see agent.delivery.spool)."""
 
     enabled: bool = True
     path: Path | None = None  # default: {state_dir}/spool.sqlite
@@ -176,7 +176,7 @@ class TelemetryConfig(_Section):
 
 
 class MetricsConfig(_Section):
-    """The Prometheus endpoint (`/metrics`, `/healthz`); see agent.metrics."""
+    """The Prometheus endpoint (`/metrics`, `/healthz`); see agent.ops.metrics."""
 
     enabled: bool = True
     host: str = "127.0.0.1"  # loopback: expose it on purpose, never by default

@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import paho.mqtt.client as mqtt
 
-from agent import demo_models, wire
-from agent.broker import EmbeddedBroker
-from agent.demo import DECODER_CONFIG
+from agent.demo import models as demo_models
+from agent.demo.broker import EmbeddedBroker
+from agent.demo.run import DECODER_CONFIG
+from agent.protocol import wire
 
 MODEL = "decoder-long"
 CONFIG = DECODER_CONFIG.format(steps=100000)  # the demo decoder's, with long streams

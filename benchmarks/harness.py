@@ -18,8 +18,8 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 
-from agent import wire
-from agent.broker import EmbeddedBroker
+from agent.demo.broker import EmbeddedBroker
+from agent.protocol import wire
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -25,7 +25,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from agent.broker import EmbeddedBroker  # noqa: E402
+from agent.demo.broker import EmbeddedBroker  # noqa: E402
 from benchmarks import speed  # noqa: E402
 from benchmarks.harness import machine  # noqa: E402
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from agent import demo_models
-from agent.backends.base import BackendOptions
 from agent.client import AgentClient, AgentError
-from agent.models import ModelManager
+from agent.demo import models as demo_models
+from agent.models.backends.base import BackendOptions
+from agent.models.manager import ModelManager
 
 MODEL = "swap-mlp"
 

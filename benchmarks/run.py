@@ -30,8 +30,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from agent.broker import EmbeddedBroker  # noqa: E402
 from agent.client import AgentClient  # noqa: E402
+from agent.demo.broker import EmbeddedBroker  # noqa: E402
 from benchmarks import delivery, hot_swap, resend, speed  # noqa: E402
 from benchmarks import sources as local_sources  # noqa: E402
 from benchmarks.harness import AgentProcess, machine, versions, wait_online  # noqa: E402

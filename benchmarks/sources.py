@@ -37,10 +37,11 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from agent import demo_models, wire  # noqa: E402
-from agent.broker import EmbeddedBroker  # noqa: E402
-from agent.preprocess import PreprocessConfig, preprocess  # noqa: E402
-from agent.repository import parse_model_config  # noqa: E402
+from agent.demo import models as demo_models  # noqa: E402
+from agent.demo.broker import EmbeddedBroker  # noqa: E402
+from agent.inference.preprocess import PreprocessConfig, preprocess  # noqa: E402
+from agent.models.repository import parse_model_config  # noqa: E402
+from agent.protocol import wire  # noqa: E402
 
 TARGET = 0.9
 BIG = 640  # conv_net input side (as a detector's): ~10 ms a frame on one core, the bottleneck

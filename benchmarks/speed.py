@@ -34,10 +34,11 @@ from typing import Any
 
 import numpy as np
 
-from agent import demo_models, wire
-from agent.broker import EmbeddedBroker
 from agent.config import SchedulerConfig
-from agent.demo import DECODER_CONFIG
+from agent.demo import models as demo_models
+from agent.demo.broker import EmbeddedBroker
+from agent.demo.run import DECODER_CONFIG
+from agent.protocol import wire
 from benchmarks.harness import (
     REPO,
     AgentProcess,

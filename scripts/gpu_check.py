@@ -32,8 +32,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent import demo_models
-from agent.backends.base import BackendOptions
+from agent.demo import models as demo_models
+from agent.models.backends.base import BackendOptions
 
 MIB = 1024 * 1024
 
@@ -158,7 +158,7 @@ class GpuCheck:
         except ImportError as exc:
             r.add("onnxruntime", "SKIP", f"onnxruntime not importable: comparisons skipped ({exc})")
         try:
-            from agent.backends import cuda
+            from agent.models.backends import cuda
 
             device = cuda.get_device(self.args.device)
         except Exception as exc:
@@ -184,7 +184,7 @@ class GpuCheck:
     # -- checks --------------------------------------------------------------------------
 
     def build(self) -> tuple[str, str, dict[str, Any]]:
-        from agent.engine_builder import BuildOptions, build_engine
+        from agent.models.engine_builder import BuildOptions, build_engine
 
         seconds: dict[str, float] = {}
         for name, make in MODELS.items():
@@ -198,7 +198,7 @@ class GpuCheck:
         return "PASS", f"built {detail}", {"seconds": seconds}
 
     def cache_hit(self) -> tuple[str, str, dict[str, Any]]:
-        from agent.engine_builder import BuildOptions, build_engine
+        from agent.models.engine_builder import BuildOptions, build_engine
 
         if "mlp" not in self.plans:
             return "SKIP", "no engine was built", {}
@@ -217,7 +217,7 @@ class GpuCheck:
         )
 
     def _session(self, name: str, **tensorrt: Any) -> Any:
-        from agent.backends.tensorrt import TensorRTBackend
+        from agent.models.backends.tensorrt import TensorRTBackend
 
         return TensorRTBackend().load(
             self.plans[name], BackendOptions(extra={"tensorrt": tensorrt})
@@ -292,7 +292,7 @@ class GpuCheck:
         return ("PASS" if ok else "FAIL"), detail, {"contexts": contexts}
 
     def swaps(self) -> tuple[str, str, dict[str, Any]]:
-        from agent.backends import cuda
+        from agent.models.backends import cuda
 
         if "mlp" not in self.plans or "conv" not in self.plans:
             return "SKIP", "needs the built engines", {}
@@ -349,8 +349,8 @@ class GpuCheck:
         return "PASS", detail, {"us_per_run": results}
 
     def fp16(self) -> tuple[str, str, dict[str, Any]]:
-        from agent.backends.tensorrt import TensorRTBackend
-        from agent.engine_builder import BuildOptions, build_engine
+        from agent.models.backends.tensorrt import TensorRTBackend
+        from agent.models.engine_builder import BuildOptions, build_engine
 
         if self.ort is None:
             return "SKIP", "needs onnxruntime", {}
@@ -372,7 +372,7 @@ class GpuCheck:
         )
 
     def ort_gpu(self) -> tuple[str, str, dict[str, Any]]:
-        from agent.backends.onnxruntime import OnnxRuntimeBackend
+        from agent.models.backends.onnxruntime import OnnxRuntimeBackend
 
         if self.ort is None:
             return "SKIP", "onnxruntime not importable", {}
@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             check.run_all()
     finally:
         try:
-            from agent.backends.tensorrt import shutdown
+            from agent.models.backends.tensorrt import shutdown
 
             shutdown()
         except Exception as exc:

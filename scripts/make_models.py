@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write the example model repository (``models/``) from agent.demo_models.
+"""Write the example model repository (``models/``) from agent.demo.models.
 
 Idempotent: a file whose bytes would not change is left alone (mtime included), so running
 this against the folder of a live agent triggers no reload.
@@ -18,7 +18,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run from a checkout without installing the package
     sys.path.insert(0, str(REPO_ROOT))
 
-from agent import demo_models  # noqa: E402
+from agent.demo import models as demo_models  # noqa: E402
 
 DECODER_CONFIG = """\
 # A GRU decoder run one step at a time; each step's token is streamed as it is made.

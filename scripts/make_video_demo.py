@@ -3,7 +3,7 @@
 
 Writes, under `var/video-demo/` (or `--out DIR`):
 
-* `models/camera-net/1/model.onnx`: agent.demo_models.conv_net (3 x 32 x 32 -> 10 scores)
+* `models/camera-net/1/model.onnx`: agent.demo.models.conv_net (3 x 32 x 32 -> 10 scores)
   and `models/camera-net/config.toml` with the `[preprocess]` that turns a 640 x 480 BGR
   frame into its input (resize, RGB, scale, normalise, NCHW);
 * `demo.avi`: `--frames` frames (MJPG, 30 fps) of a bright square moving over a gradient,
@@ -26,8 +26,8 @@ if str(REPO_ROOT) not in sys.path:  # run from a checkout without installing the
 
 import numpy as np  # noqa: E402
 
-from agent import demo_models  # noqa: E402
-from agent.preprocess import load_cv2  # noqa: E402
+from agent.demo import models as demo_models  # noqa: E402
+from agent.inference.preprocess import load_cv2  # noqa: E402
 
 MODEL_CONFIG = """\
 # How a local source turns a camera frame into this model's input (see agent/preprocess.py).

@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from agent import demo_models
-from agent.broker import EmbeddedBroker
 from agent.client import AgentClient
 from agent.config import AgentConfig, load_config
-from agent.service import Agent
+from agent.demo import models as demo_models
+from agent.demo.broker import EmbeddedBroker
+from agent.service.agent import Agent
 
 OUR_THREADS = (
     "mqtt-",
@@ -75,7 +75,7 @@ def write_repository(root: Path) -> Path:
 
 def write_long_decoder(root: Path, max_steps: int = 5000) -> Path:
     """A decoder whose streams can run for thousands of steps (for outage and crash tests)."""
-    from agent.demo import DECODER_CONFIG
+    from agent.demo.run import DECODER_CONFIG
 
     (root / "decoder" / "1").mkdir(parents=True)
     demo_models.save(

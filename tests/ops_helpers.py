@@ -109,7 +109,7 @@ def base_config(
     tmp: Path, broker_host: str, broker_port: int, repository: Path, extra: str = ""
 ) -> str:
     """TOML for an agent process: its own device id and state, metrics on a free port."""
-    from agent.broker import free_port
+    from agent.demo.broker import free_port
 
     device = f"ops-{uuid.uuid4().hex[:8]}"
     return (

@@ -10,8 +10,8 @@ import time
 import cbor2
 import numpy as np
 
-from agent import wire
 from agent.client import REPLY_LIMITS
+from agent.protocol import wire
 
 
 def _rss_bytes() -> int:

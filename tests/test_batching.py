@@ -16,10 +16,11 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from agent import batching, demo_models
-from agent.demo import DECODER_CONFIG
-from agent.repository import ModelConfigError, parse_model_config
-from agent.scheduler import BatchSpec, Scheduler
+from agent.demo import models as demo_models
+from agent.demo.run import DECODER_CONFIG
+from agent.inference import batching
+from agent.inference.scheduler import BatchSpec, Scheduler
+from agent.models.repository import ModelConfigError, parse_model_config
 from tests.conftest import decoder_reference
 
 BATCHING = "[batching]\nmax_batch = 64\nmax_queue_delay_us = 150000\n"

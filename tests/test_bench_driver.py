@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from agent.broker import EmbeddedBroker
+from agent.demo.broker import EmbeddedBroker
 from benchmarks.harness import cpu_s
 from benchmarks.lean_mqtt import PUBLISH, LeanClient, parse_publish, puback
 from benchmarks.sources import paired_ratio, turn_rate

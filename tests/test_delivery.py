@@ -17,8 +17,9 @@ import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from agent import demo_models, wire
-from agent.broker import EmbeddedBroker
+from agent.demo import models as demo_models
+from agent.demo.broker import EmbeddedBroker
+from agent.protocol import wire
 from tests.conftest import write_long_decoder
 
 REPO = Path(__file__).resolve().parent.parent

@@ -14,10 +14,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from agent import demo_models, engine_builder
-from agent.backends.base import BackendOptions
-from agent.backends.tensorrt import TensorRTBackend
-from agent.engine_builder import (
+from agent.demo import models as demo_models
+from agent.models import engine_builder
+from agent.models.backends.base import BackendOptions
+from agent.models.backends.tensorrt import TensorRTBackend
+from agent.models.engine_builder import (
     BuildOptions,
     EngineBuildError,
     ShapeRange,
@@ -25,7 +26,7 @@ from agent.engine_builder import (
     main,
     parse_profile,
 )
-from agent.repository import scan_repository, verify_checksum
+from agent.models.repository import scan_repository, verify_checksum
 from tests import fakes
 from tests.fakes import FakeGPU, install, uninstall
 
@@ -188,7 +189,7 @@ def test_a_config_pinning_onnxruntime_is_warned_about(
     fake_gpu: FakeGPU, tmp_path: Path, onnx_file: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     (onnx_file.parent.parent / "config.toml").write_text('backend = "onnxruntime"\n')
-    with caplog.at_level("WARNING", logger="agent.engine_builder"):
+    with caplog.at_level("WARNING", logger="agent.models.engine_builder"):
         build_engine(onnx_file, onnx_file.parent.parent, options(tmp_path))
     assert any("marked failed" in r.getMessage() for r in caplog.records)
 

@@ -13,10 +13,10 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from agent import demo_models
-from agent.backends.base import BackendOptions
 from agent.client import AgentError
-from agent.models import ModelManager
+from agent.demo import models as demo_models
+from agent.models.backends.base import BackendOptions
+from agent.models.manager import ModelManager
 
 BATCH_CONFIG = '[stream]\nmode = "batch"\nmicro_batch = 4\n'
 
@@ -305,7 +305,7 @@ def test_drain_timeout_closes_a_stuck_lease(tmp_path):
     drop_version(root, "mlp", 3, mlp_bytes(103))
     for _ in range(3):
         manager.sync()
-    from agent.backends.base import InferenceError
+    from agent.models.backends.base import InferenceError
 
     with pytest.raises(InferenceError):
         lease.session.run({"x": np.ones((1, 16), dtype=np.float32)})

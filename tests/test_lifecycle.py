@@ -7,9 +7,9 @@ import time
 
 import numpy as np
 
-from agent import wire
 from agent.config import load_config
-from agent.service import Agent, intra_op_threads
+from agent.protocol import wire
+from agent.service.agent import Agent, intra_op_threads
 from tests.conftest import agent_config
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from agent import logs
 from agent.config import load_config
+from agent.ops import logs
 
 
 @pytest.fixture

@@ -14,10 +14,10 @@ import uuid
 import numpy as np
 import pytest
 
-from agent import wire
 from agent.client import AgentError
-from agent.metrics import AgentMetrics, Gauges, MetricsServer
-from agent.service import Agent
+from agent.ops.metrics import AgentMetrics, Gauges, MetricsServer
+from agent.protocol import wire
+from agent.service.agent import Agent
 from tests.conftest import agent_config
 from tests.ops_helpers import sample, scrape, wait_until
 
@@ -130,7 +130,7 @@ def test_a_port_in_use_costs_the_metrics_not_the_service(tmp_path, broker, repos
         port = taken.getsockname()[1]
         config = agent_config(tmp_path, broker, repository, METRICS__PORT=str(port))
         agent = Agent(config)
-        with caplog.at_level(logging.ERROR, logger="agent.service"):
+        with caplog.at_level(logging.ERROR, logger="agent.service.agent"):
             agent.start()
         try:
             assert agent.wait_ready(10)

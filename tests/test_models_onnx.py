@@ -12,17 +12,17 @@ import numpy.typing as npt
 import onnx
 import pytest
 
-from agent import demo_models
-from agent.backends.base import BackendOptions, InferenceError, ModelLoadError, Session
-from agent.backends.onnxruntime import OnnxRuntimeBackend, OnnxSession, select_providers
-from agent.backends.registry import (
+from agent.demo import models as demo_models
+from agent.models.backends.base import BackendOptions, InferenceError, ModelLoadError, Session
+from agent.models.backends.onnxruntime import OnnxRuntimeBackend, OnnxSession, select_providers
+from agent.models.backends.registry import (
     BACKENDS,
     backend_for_file,
     get_backend,
     warm_up,
     zero_inputs,
 )
-from agent.repository import scan_repository, verify_checksum
+from agent.models.repository import scan_repository, verify_checksum
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CPU = BackendOptions()
@@ -136,7 +136,7 @@ def test_missing_provider_falls_back_with_one_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     options = BackendOptions(providers=("NoSuchExecutionProvider", "CPUExecutionProvider"))
-    with caplog.at_level(logging.WARNING, logger="agent.backends.onnxruntime"):
+    with caplog.at_level(logging.WARNING, logger="agent.models.backends.onnxruntime"):
         session = load(tmp_path, demo_models.mlp(), options)
     assert tuple(session.providers) == ("CPUExecutionProvider",)
     lines = [r.getMessage() for r in caplog.records]
@@ -297,7 +297,7 @@ def test_tensorrt_without_its_module_is_a_model_load_error(
 ) -> None:
     import sys
 
-    monkeypatch.setitem(sys.modules, "agent.backends.tensorrt", None)
+    monkeypatch.setitem(sys.modules, "agent.models.backends.tensorrt", None)
     with pytest.raises(ModelLoadError, match="backend 'tensorrt' is not available in this build"):
         get_backend("tensorrt")
 

@@ -14,10 +14,10 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from agent import demo_models
-from agent.backends.base import BackendOptions, TensorSpec
-from agent.backends.onnxruntime import OnnxRuntimeBackend
-from agent.repository import (
+from agent.demo import models as demo_models
+from agent.models.backends.base import BackendOptions, TensorSpec
+from agent.models.backends.onnxruntime import OnnxRuntimeBackend
+from agent.models.repository import (
     ModelConfig,
     ModelConfigError,
     StreamConfig,

@@ -1,4 +1,4 @@
-"""Repeats of a request's layout are parsed from its bytes (agent.request_layouts): whatever
+"""Repeats of a request's layout are parsed from its bytes (agent.protocol.layouts): whatever
 that accepts, the full way (decode, parse) must accept as the same request."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import cbor2
 import numpy as np
 import pytest
 
-from agent import wire
-from agent.request_layouts import BACKOFF_AFTER, BACKOFF_EVERY, MAX_LAYOUTS, RequestLayouts
+from agent.protocol import wire
+from agent.protocol.layouts import BACKOFF_AFTER, BACKOFF_EVERY, MAX_LAYOUTS, RequestLayouts
 
 LIMITS = wire.Limits()
 PREFIXES = ["edge/"]

@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from agent import wire
-from agent.broker import EmbeddedBroker
 from agent.client import AgentClient, AgentError
+from agent.demo.broker import EmbeddedBroker
+from agent.protocol import wire
 from tests.conftest import write_long_decoder
 
 
@@ -64,7 +64,7 @@ def test_sdk_recovers_every_message_across_three_broker_crashes(
             chunks, error = results[i]
             assert error is None, (
                 f"stream {i}: {error}; counters {dict(agent.counters)}, "
-                f"spool {agent.spool.count if agent.spool else None}, "
+                f"spool {agent.delivery.spool.count if agent.delivery.spool else None}, "
                 f"resender {vars(agent.resender) if agent.resender else None}"
             )
             assert [c.seq for c in chunks] == list(range(steps))
@@ -101,7 +101,7 @@ def test_a_quiet_stream_is_asked_for_again_at_a_bounded_pace():
 
 def _held_stream(spool, rid: str, seqs: range) -> list[int]:
     """Spool ids of one run of stream `rid`'s messages (seqs as given), written and acked."""
-    from agent.outbox import OutMessage
+    from agent.delivery.outbox import OutMessage
 
     items = []
     for seq in seqs:
@@ -116,7 +116,7 @@ def _held_stream(spool, rid: str, seqs: range) -> list[int]:
 def test_a_stream_held_twice_is_resent_once_per_seq(tmp_path):
     """A request that ran twice (redelivered after it finished) holds every seq twice; a
     resend carries each seq once, the first run's."""
-    from agent.spool import Spool
+    from agent.delivery.spool import Spool
 
     spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 24, max_messages=100_000)
     first = _held_stream(spool, "r1", range(50))
@@ -130,9 +130,9 @@ def test_a_stream_held_twice_is_resent_once_per_seq(tmp_path):
 def test_a_stream_longer_than_the_message_bucket_is_resent_in_pieces(tmp_path):
     """`messages_per_s` bounds one answer, it does not refuse it: a stream longer than the
     bucket goes out as far as the bucket allows, and the next ask gets the rest."""
-    from agent.outbox import OutMessage
-    from agent.resend import Resender, ResendRequest
-    from agent.spool import Spool
+    from agent.delivery.outbox import OutMessage
+    from agent.delivery.resend import Resender, ResendRequest
+    from agent.delivery.spool import Spool
 
     spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 24, max_messages=100_000)
     _held_stream(spool, "long", range(30))

@@ -15,8 +15,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from agent.broker import EmbeddedBroker
-from agent.service import Agent
+from agent.demo.broker import EmbeddedBroker
+from agent.service.agent import Agent
 from tests.conftest import agent_config
 
 

@@ -1,5 +1,5 @@
-"""Short requests run on the network thread: which ones (agent.short_runs), the scheduler's
-slot they take, and the whole path against a real Mosquitto and real ONNX models."""
+"""Short requests run on the network thread: which ones (agent.inference.short_runs), the
+scheduler's slot they take, and the whole path against a real Mosquitto and real ONNX models."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import time
 import numpy as np
 import onnxruntime as ort
 
-from agent import demo_models
-from agent.scheduler import Scheduler
-from agent.short_runs import MAX_MESSAGES, ShortRuns
+from agent.demo import models as demo_models
+from agent.inference.scheduler import Scheduler
+from agent.inference.short_runs import MAX_MESSAGES, ShortRuns
 from tests.ops_helpers import wait_until
 
 

@@ -14,9 +14,9 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from agent import wire
 from agent.client import AgentClient
 from agent.config import load_config
+from agent.protocol import wire
 from tests.ops_helpers import (
     LineReader,
     NotifyListener,
@@ -327,7 +327,7 @@ def test_health_command_asks_the_running_agent(tmp_path, broker, repository, pro
 
 
 def test_plan_reload_applies_the_safe_keys_and_lists_the_rest(tmp_path):
-    from agent.service import plan_reload
+    from agent.service.agent import plan_reload
 
     path = tmp_path / "agent.toml"
     path.write_text('device_id = "a"\n')

@@ -22,12 +22,13 @@ import paho.mqtt.client as mqtt
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from agent import demo_models, wire
-from agent.broker import EmbeddedBroker
 from agent.config import ConfigError, load_config, masked_dict, to_toml
-from agent.preprocess import PreprocessConfig, PreprocessError, preprocess
-from agent.repository import ModelConfigError, parse_model_config
-from agent.service import Agent
+from agent.demo import models as demo_models
+from agent.demo.broker import EmbeddedBroker
+from agent.inference.preprocess import PreprocessConfig, PreprocessError, preprocess
+from agent.models.repository import ModelConfigError, parse_model_config
+from agent.protocol import wire
+from agent.service.agent import Agent
 from agent.sources import FramingError, SeqStore, SourceError, cbor_item_end
 from tests.conftest import agent_config, unique_device
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.outbox import Outbox, OutMessage
-from agent.spool import (
+from agent.delivery.outbox import Outbox, OutMessage
+from agent.delivery.spool import (
     STORED_BYTES_SQL,
     WAL_SIZE_LIMIT,
     Spool,
@@ -22,7 +22,7 @@ from agent.spool import (
     StoreRequest,
     stored_bytes,
 )
-from agent.spool_writer import SpoolWriter
+from agent.delivery.spool_writer import SpoolWriter
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -183,7 +183,7 @@ def test_outbox_resumes_a_previous_runs_messages(tmp_path: Path):
 WRITER = """
 import sys, time
 from pathlib import Path
-from agent.spool import Spool
+from agent.delivery.spool import Spool
 spool = Spool(Path(sys.argv[1]), max_bytes=1 << 30, max_messages=10**7)
 n = 0
 while True:
@@ -261,7 +261,7 @@ def test_a_request_answered_in_the_same_batch_is_never_written(tmp_path: Path):
     """Group commit: the store and the terminal message in one transaction cancel out (the
     commit is still fsynced before the acknowledgement: the terminal message is not
     acknowledged yet); across batches the row comes and goes."""
-    from agent.spool import FinishRequest, StoreRequest
+    from agent.delivery.spool import FinishRequest, StoreRequest
 
     spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 20, max_messages=100)
     acked: list[str] = []
@@ -306,7 +306,7 @@ def test_a_batch_stores_and_deletes_requests_in_a_few_statements(tmp_path: Path)
     go in a few multi-row statements (each statement costs the writer a release and retake of
     the GIL), power-of-two pieces of at most `INSERT_REQUESTS` / `DELETE_REQUESTS` rows, with
     the same rows as one statement each."""
-    from agent.spool import DELETE_REQUESTS, INSERT_REQUESTS, FinishRequest, StoreRequest
+    from agent.delivery.spool import DELETE_REQUESTS, INSERT_REQUESTS, FinishRequest, StoreRequest
 
     spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 26, max_messages=100_000)
     statements = _Statements(spool._db)
@@ -344,7 +344,7 @@ def test_multi_row_statements_come_in_a_few_sizes(tmp_path: Path):
     """Batches of every size from 1 to 200 messages and requests: the spool prepares a
     statement per power-of-two piece, so the connection's statement cache holds a few dozen
     statements, not one per row count (which took megabytes)."""
-    from agent.spool import FinishRequest, StoreRequest, _pieces
+    from agent.delivery.spool import FinishRequest, StoreRequest, _pieces
 
     assert _pieces(0, 64) == [] and _pieces(1, 64) == [1]
     assert _pieces(37, 64) == [32, 4, 1] and _pieces(200, 64) == [64, 64, 64, 8]
@@ -373,7 +373,7 @@ def test_an_fsync_only_where_a_stored_request_still_needs_the_disk(tmp_path: Pat
     """A request stored and settled in one batch (answered, each reply acknowledged by the
     broker, or answered at QoS 0) needs nothing on disk: no fsync before its acknowledgement.
     One with a reply the broker may not have, or not answered yet, is fsynced."""
-    from agent.spool import FinishRequest, StoreRequest
+    from agent.delivery.spool import FinishRequest, StoreRequest
 
     spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 20, max_messages=100)
     statements = _Statements(spool._db)
@@ -443,7 +443,7 @@ def test_the_caps_count_what_the_rows_take_on_disk(tmp_path: Path, payload_size:
 def test_a_young_unsettled_request_waits_for_the_next_batch_instead_of_an_fsync():
     """The batch ends before a request stored moments ago and not answered yet, where every
     request before it is settled; an old unsettled one makes the whole batch durable."""
-    from agent.spool import FinishRequest, StoreRequest, settled_prefix
+    from agent.delivery.spool import FinishRequest, StoreRequest, settled_prefix
 
     def store(key: str, queued_at: float) -> StoreRequest:
         return StoreRequest(key, "t", b"req", 1, None, None, queued_at=queued_at)
@@ -482,9 +482,9 @@ def test_the_writer_fsyncs_nothing_for_a_stream_of_fast_requests(
     """Requests answered (and their replies acknowledged) soon after they arrive, one after
     the other: each is acknowledged to the broker without a single fsync; one that stays
     unanswered past the grace is fsynced and acknowledged."""
-    from agent import spool_writer
-    from agent.spool import StoreRequest
-    from agent.spool_writer import SpoolWriter
+    from agent.delivery import spool_writer
+    from agent.delivery.spool import StoreRequest
+    from agent.delivery.spool_writer import SpoolWriter
 
     # A grace no scheduling hiccup of a busy CI machine reaches, for the fast requests.
     monkeypatch.setattr(spool_writer, "SETTLE_GRACE_S", 2.0)
@@ -534,8 +534,8 @@ def test_the_writer_fsyncs_nothing_for_a_stream_of_fast_requests(
 def test_the_writer_calls_after_callbacks_once_per_batch_that_ran_callbacks(tmp_path: Path):
     """The callbacks queue acknowledgements; `after_callbacks` has them sent, once for all
     the callbacks of a batch (not once each), and not for a batch without any."""
-    from agent.spool import AfterWrite
-    from agent.spool_writer import SpoolWriter
+    from agent.delivery.spool import AfterWrite
+    from agent.delivery.spool_writer import SpoolWriter
 
     spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 24, max_messages=10_000)
     events: list[str] = []

@@ -10,9 +10,10 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from agent import demo_models, wire
-from agent.broker import EmbeddedBroker
 from agent.client import AgentClient, AgentError, ReplyTimeout
+from agent.demo import models as demo_models
+from agent.demo.broker import EmbeddedBroker
+from agent.protocol import wire
 from tests.conftest import decoder_reference
 
 
@@ -348,7 +349,7 @@ def test_requests_that_repeat_a_layout_each_get_their_own_answer(
     broker, repository, make_agent, make_client
 ):
     """Same keys, shapes and options with new ids and data: the agent reads such repeats from
-    their bytes (agent.request_layouts). Each answer must still be its own request's, and a
+    their bytes (agent.protocol.layouts). Each answer must still be its own request's, and a
     repeat whose id the contract refuses is refused as the full decoding refuses it."""
     agent = make_agent(broker, repository)
     client = make_client(broker, agent)

@@ -14,11 +14,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent import service
-from agent.broker import EmbeddedBroker
 from agent.config import load_config
-from agent.service import Agent
-from agent.systemd import Notifier, ServiceReporter, credential_path, socket_address, watchdog_usec
+from agent.demo.broker import EmbeddedBroker
+from agent.ops.systemd import (
+    Notifier,
+    ServiceReporter,
+    credential_path,
+    socket_address,
+    watchdog_usec,
+)
+from agent.service import agent as service
+from agent.service.agent import Agent
 from tests.conftest import agent_config
 from tests.ops_helpers import NotifyListener, base_config, start_agent, wait_until, write_config
 
@@ -95,7 +101,7 @@ def test_watchdog_usec_is_only_for_the_named_pid():
 
 def test_a_vanished_socket_is_logged_once_and_never_raises(tmp_path, caplog):
     notifier = Notifier(str(tmp_path / "gone"))
-    with caplog.at_level(logging.WARNING, logger="agent.systemd"):
+    with caplog.at_level(logging.WARNING, logger="agent.ops.systemd"):
         assert not notifier.ready()
         assert not notifier.watchdog()
     assert len([r for r in caplog.records if "notify socket" in r.getMessage()]) == 1

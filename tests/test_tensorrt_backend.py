@@ -18,14 +18,14 @@ import numpy as np
 import onnx
 import pytest
 
-from agent import demo_models
-from agent.backends import cuda
-from agent.backends.base import BackendOptions, InferenceError, ModelLoadError, Session
-from agent.backends.onnxruntime import OnnxRuntimeBackend, gpu_provider_options
-from agent.backends.registry import get_backend, warm_up
-from agent.backends.tensorrt import TensorRTBackend, TensorRTOptions, TensorRTSession
-from agent.engine_builder import BuildOptions, ShapeRange, build_engine
-from agent.models import ModelManager
+from agent.demo import models as demo_models
+from agent.models.backends import cuda
+from agent.models.backends.base import BackendOptions, InferenceError, ModelLoadError, Session
+from agent.models.backends.onnxruntime import OnnxRuntimeBackend, gpu_provider_options
+from agent.models.backends.registry import get_backend, warm_up
+from agent.models.backends.tensorrt import TensorRTBackend, TensorRTOptions, TensorRTSession
+from agent.models.engine_builder import BuildOptions, ShapeRange, build_engine
+from agent.models.manager import ModelManager
 from tests import fakes
 from tests.fakes import FakeGPU, install, uninstall
 from tests.fakes import tensorrt as fake_trt
@@ -695,7 +695,7 @@ def test_gpu_providers_fall_back_to_cpu_with_their_options(
             "provider_options": {"TensorrtExecutionProvider": {"trt_fp16_enable": "False"}},
         },
     )
-    with caplog.at_level("WARNING", logger="agent.backends.onnxruntime"):
+    with caplog.at_level("WARNING", logger="agent.models.backends.onnxruntime"):
         session = OnnxRuntimeBackend().load(path, options)
     assert tuple(session.providers) == ("CPUExecutionProvider",)  # no GPU build here
     warned = [r.getMessage() for r in caplog.records]

@@ -17,9 +17,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from agent import demo_models
-from agent.outbox import Outbox, OutMessage
-from agent.spool import Spool
+from agent.delivery.outbox import Outbox, OutMessage
+from agent.delivery.spool import Spool
+from agent.demo import models as demo_models
 
 WIDTH = 1 << 17  # float32: 512 KiB a reply, sent in parts
 # 60 MiB in all: more than loopback TCP can hold while the broker does not read (a send

@@ -16,9 +16,9 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from agent.config import ConfigError, load_config, masked_dict, to_toml
-from agent.outbox import Outbox, OutboxClosed, OutMessage
-from agent.scheduler import Scheduler
-from agent.transport import (
+from agent.delivery.outbox import Outbox, OutboxClosed, OutMessage
+from agent.inference.scheduler import Scheduler
+from agent.mqtt.transport import (
     EpochStore,
     RequestProperties,
     _Client,

@@ -13,8 +13,8 @@ import pytest
 import zstandard
 from cbor2 import CBORTag
 
-from agent import wire
-from agent.backends.base import TensorSpec
+from agent.models.backends.base import TensorSpec
+from agent.protocol import wire
 
 LIMITS = wire.Limits()
 PREFIXES = ("edge/",)
@@ -928,7 +928,7 @@ def test_outputs_are_built_from_buffers_with_cbor2s_bytes(arr: np.ndarray) -> No
 
 
 def test_a_result_envelope_is_the_generic_encoding(monkeypatch: pytest.MonkeyPatch) -> None:
-    from agent import streaming
+    from agent.inference import streaming
 
     monkeypatch.setattr(time, "time_ns", lambda: 1_234_567_890_123_456_789)
     outputs = {"y": np.arange(6, dtype=np.float32).reshape(2, 3), "n": np.array([300], np.int64)}
@@ -954,7 +954,7 @@ def test_a_result_envelope_is_the_generic_encoding(monkeypatch: pytest.MonkeyPat
 
 
 def test_a_chunk_envelope_is_the_generic_encoding(monkeypatch: pytest.MonkeyPatch) -> None:
-    from agent import streaming
+    from agent.inference import streaming
 
     monkeypatch.setattr(time, "time_ns", lambda: 1_234_567_890_123_456_789)
     sent: list = []

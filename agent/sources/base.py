@@ -8,9 +8,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from agent import wire
-from agent.backends.base import Array
 from agent.config import SourceConfig
+from agent.models.backends.base import Array
+from agent.protocol import wire
 
 FIELD = "frame"  # the field a video frame, an image or a .npy file arrives as
 

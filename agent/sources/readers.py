@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from agent import wire
-from agent.backends.base import Array, TensorSpec
 from agent.config import SourceConfig
-from agent.preprocess import load_cv2
+from agent.inference.preprocess import load_cv2
+from agent.models.backends.base import Array, TensorSpec
+from agent.protocol import wire
 from agent.sources.base import FIELD, FramingError, Outcome, ReaderContext, Record, SourceError
 
 log = logging.getLogger(__name__)
@@ -428,7 +428,7 @@ class PipeReader:
 
     A FIFO outlives its writers: when one closes, the reader opens it again and waits for the
     next (a half-written record is discarded). Every record is decoded with the agent's
-    limits (agent.wire), so a broken writer costs errors, never memory.
+    limits (agent.protocol.wire), so a broken writer costs errors, never memory.
     """
 
     def __init__(self, ctx: ReaderContext, on_bad: Callable[[str], None]) -> None:

@@ -15,13 +15,14 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from agent import wire
-from agent.backends.base import Array, InferenceError, TensorSpec
 from agent.config import AgentConfig, SourceConfig
-from agent.metrics import LATENCY_BUCKETS, PREFIX
-from agent.models import LoadedVersion, ModelManager
-from agent.outbox import OutboxClosed, OutMessage
-from agent.preprocess import PreprocessError, preprocess
+from agent.delivery.outbox import OutboxClosed, OutMessage
+from agent.inference.preprocess import PreprocessError, preprocess
+from agent.inference.streaming import PART_OVERHEAD, ReplyStream, encode_with_outputs
+from agent.models.backends.base import Array, InferenceError, TensorSpec
+from agent.models.manager import LoadedVersion, ModelManager
+from agent.ops.metrics import LATENCY_BUCKETS, PREFIX
+from agent.protocol import wire
 from agent.sources.base import FIELD, Outcome, Reader, Record, SourceError
 from agent.sources.readers import (
     FolderReader,
@@ -31,7 +32,6 @@ from agent.sources.readers import (
     describe_where,
 )
 from agent.sources.seq import SeqStore
-from agent.streaming import PART_OVERHEAD, ReplyStream, encode_with_outputs
 
 log = logging.getLogger(__name__)
 

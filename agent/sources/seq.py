@@ -7,7 +7,7 @@ import os
 import threading
 from pathlib import Path
 
-from agent.outbox import OutboxClosed
+from agent.delivery.outbox import OutboxClosed
 from agent.sources.base import SourceError
 
 log = logging.getLogger(__name__)

@@ -51,8 +51,8 @@ def install(
 
 def uninstall() -> None:
     """Release what the agent holds process-wide (runtime, device), then the fake GPU."""
-    from agent.backends import cuda
-    from agent.backends import tensorrt as backend
+    from agent.models.backends import cuda
+    from agent.models.backends import tensorrt as backend
 
     try:
         backend.shutdown()

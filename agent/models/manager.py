@@ -23,10 +23,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
-from agent import wire
-from agent.backends.base import BackendOptions, ModelLoadError, Session, TensorSpec
-from agent.backends.registry import get_backend, warm_up
-from agent.repository import (
+from agent.models.backends.base import BackendOptions, ModelLoadError, Session, TensorSpec
+from agent.models.backends.registry import get_backend, warm_up
+from agent.models.repository import (
     BatchingConfig,
     ModelConfig,
     ModelInfo,
@@ -37,6 +36,7 @@ from agent.repository import (
     scan_repository,
     verify_checksum,
 )
+from agent.protocol import wire
 
 log = logging.getLogger(__name__)
 

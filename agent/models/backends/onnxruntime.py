@@ -14,7 +14,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from agent.backends.base import BackendOptions, Dim, InferenceError, ModelLoadError, TensorSpec
+from agent.models.backends.base import (
+    BackendOptions,
+    Dim,
+    InferenceError,
+    ModelLoadError,
+    TensorSpec,
+)
 
 __all__ = [
     "CPU_PROVIDER",

@@ -31,7 +31,7 @@ __all__ = [
 
 OPSET = 17
 IR_VERSION = 8  # the newest IR that ONNX Runtime 1.17 (JetPack 6's wheels) fully supports
-PRODUCER = "edge-stream-agent.demo_models"
+PRODUCER = "edge-stream-agent.demo.models"
 AVOID_BIAS = -1.0e4
 
 

@@ -34,7 +34,7 @@ import numpy.typing as npt
 import zstandard
 
 if TYPE_CHECKING:
-    from agent.backends.base import TensorSpec
+    from agent.models.backends.base import TensorSpec
 
 __all__ = [
     "ERROR_CODES",
@@ -987,7 +987,7 @@ def validate_inputs(
 ) -> dict[str, Array]:
     """Check inputs against a model's declared inputs; return them in declaration order.
 
-    ``specs`` are :class:`agent.backends.base.TensorSpec` (name, dtype, shape with int or
+    ``specs`` are :class:`agent.models.backends.base.TensorSpec` (name, dtype, shape with int or
     symbolic dims). No dtype is cast implicitly: a silent float64 -> float32 would hide a client
     bug. The one exception is the wire's own: booleans travel as uint8, so uint8 holding only
     0 and 1 is viewed as bool for a bool input.

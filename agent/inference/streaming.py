@@ -23,10 +23,10 @@ from typing import Any
 import cbor2
 import numpy as np
 
-from agent import wire
-from agent.backends.base import Array, InferenceError, Session
-from agent.outbox import OutMessage
-from agent.repository import StreamConfig
+from agent.delivery.outbox import OutMessage
+from agent.models.backends.base import Array, InferenceError, Session
+from agent.models.repository import StreamConfig
+from agent.protocol import wire
 
 Arrays = dict[str, Array]
 

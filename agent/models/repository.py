@@ -28,9 +28,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from agent.backends.base import BackendOptions, Dim, Session, TensorSpec
-from agent.backends.registry import backend_for_file
-from agent.preprocess import PreprocessConfig
+from agent.inference.preprocess import PreprocessConfig
+from agent.models.backends.base import BackendOptions, Dim, Session, TensorSpec
+from agent.models.backends.registry import backend_for_file
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -11,8 +11,8 @@ key. The worker that takes it also takes the queued jobs of that key (best first
 submitted ones for that long (they go straight into its batch, never into the queue).
 
 `run_here` runs a job on the calling thread instead (the network thread, for a request known
-to be short: see agent.short_runs) when nothing is queued and a worker slot is free; it takes
-that slot, so `workers` stays the bound on jobs running at once.
+to be short: see agent.inference.short_runs) when nothing is queued and a worker slot is
+free; it takes that slot, so `workers` stays the bound on jobs running at once.
 """
 
 from __future__ import annotations

@@ -24,19 +24,15 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from pydantic import BaseModel
 
-from agent import __version__, batching, logs, short_runs, wire
-from agent.backends.base import BackendOptions, InferenceError, TensorSpec
+from agent import __version__
 from agent.config import AgentConfig
-from agent.metrics import AgentMetrics, Gauges, MetricsServer
-from agent.models import LoadedVersion, ModelManager, Serving, summarize
-from agent.outbox import Outbox, OutMessage
-from agent.request_layouts import RequestLayouts
-from agent.resend import Resender, parse_resend
-from agent.scheduler import BatchSpec, Scheduler
-from agent.short_runs import ShortRuns
-from agent.sources import SourceJob, SourceManager
-from agent.spool import AfterWrite, Eviction, Spool, StoreRequest, request_key
-from agent.streaming import (
+from agent.delivery.outbox import Outbox, OutMessage
+from agent.delivery.resend import Resender, parse_resend
+from agent.delivery.spool import AfterWrite, Eviction, Spool, StoreRequest, request_key
+from agent.inference import batching, short_runs
+from agent.inference.scheduler import BatchSpec, Scheduler
+from agent.inference.short_runs import ShortRuns
+from agent.inference.streaming import (
     CancelFlag,
     Cancelled,
     Execution,
@@ -45,9 +41,16 @@ from agent.streaming import (
     max_steps,
     merge_pieces,
 )
-from agent.systemd import Notifier, ServiceReporter
-from agent.transport import EpochStore, Incoming, Transport
-from agent.watcher import RepositoryWatcher
+from agent.models.backends.base import BackendOptions, InferenceError, TensorSpec
+from agent.models.manager import LoadedVersion, ModelManager, Serving, summarize
+from agent.models.watcher import RepositoryWatcher
+from agent.mqtt.transport import EpochStore, Incoming, Transport
+from agent.ops import logs
+from agent.ops.metrics import AgentMetrics, Gauges, MetricsServer
+from agent.ops.systemd import Notifier, ServiceReporter
+from agent.protocol import wire
+from agent.protocol.layouts import RequestLayouts
+from agent.sources import SourceJob, SourceManager
 
 log = logging.getLogger(__name__)
 
@@ -317,7 +320,7 @@ class Agent:
         # writes what it holds: the last acknowledgements).
         self.transport.close(final=self._status_message("offline", self.epoch), timeout=5.0)
         self.models.close(drain_timeout=1.0)
-        tensorrt = sys.modules.get("agent.backends.tensorrt")
+        tensorrt = sys.modules.get("agent.models.backends.tensorrt")
         if tensorrt is not None:  # the runtime and CUDA context go last, after every engine
             tensorrt.shutdown()
         if self.spool is not None:
@@ -613,9 +616,10 @@ class Agent:
         )
 
     def _short(self, request: wire.Request, serving: Serving, payload_bytes: int) -> bool:
-        """Whether the request may run on this, the network thread (agent.short_runs): not a
-        `steps` model (whose run count the request chooses), expected to be short, and room in
-        the outbox for what it sends (this thread could not wait for room: only it makes some)."""
+        """Whether the request may run on this, the network thread
+        (agent.inference.short_runs): not a `steps` model (whose run count the request
+        chooses), expected to be short, and room in the outbox for what it sends (this thread
+        could not wait for room: only it makes some)."""
         version = serving.version if request.version is None else request.version
         return (
             serving.stream.mode != "steps"

@@ -2,10 +2,10 @@
 
 Like Triton's dynamic batcher (`[batching]` in a model's config.toml): the scheduler hands a
 worker up to `max_batch` leading-axis items of requests for the same model and pinned version
-(`agent.scheduler.BatchSpec`); here their inputs are joined along the leading axis, the model
-runs once per batch (once per step in `steps` mode) and every request gets its own rows of
-every output, which it streams as its own chunks. Requests whose inputs cannot be joined
-(another dtype, other trailing dims) run as separate batches.
+(`agent.inference.scheduler.BatchSpec`); here their inputs are joined along the leading
+axis, the model runs once per batch (once per step in `steps` mode) and every request gets
+its own rows of every output, which it streams as its own chunks. Requests whose inputs
+cannot be joined (another dtype, other trailing dims) run as separate batches.
 
 In `steps` mode the batch decodes in lock step: a request leaves the batch when its stop
 condition holds for its rows or it reached its own `max_steps`, and the next step runs on the
@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from agent.backends.base import Array, InferenceError, Session
-from agent.repository import StreamConfig
-from agent.streaming import CancelFlag, Cancelled
+from agent.inference.streaming import CancelFlag, Cancelled
+from agent.models.backends.base import Array, InferenceError, Session
+from agent.models.repository import StreamConfig
 
 Arrays = dict[str, Array]
 

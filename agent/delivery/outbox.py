@@ -3,7 +3,7 @@
 Inference never waits on a socket or a disk, and the socket never waits on inference: workers
 put encoded messages here, the network thread takes them out in order and publishes them,
 and the spool writer thread stores the QoS 1/2 ones meanwhile (write-behind, group commit;
-see `agent.spool_writer`).
+see `agent.delivery.spool_writer`).
 
 * QoS 1/2 messages that belong to a stream (replies, events) get a spool id when they are put
   and are written to the spool by the writer thread; they stay there until the broker
@@ -26,8 +26,15 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from agent.spool import AfterWrite, Eviction, FinishRequest, Spool, SpooledMessage, stored_bytes
-from agent.spool_writer import SpoolWriter
+from agent.delivery.spool import (
+    AfterWrite,
+    Eviction,
+    FinishRequest,
+    Spool,
+    SpooledMessage,
+    stored_bytes,
+)
+from agent.delivery.spool_writer import SpoolWriter
 
 REFILL_BATCH = 256
 

@@ -5,7 +5,7 @@ Why SQLite: it is in the standard library, crash-safe (a SIGKILL or power cut le
 committed state, never a torn file), and an ordered table with a primary key is exactly a
 durable FIFO.
 
-One thread writes it (`agent.spool_writer.SpoolWriter`), in batches: every wake-up of that
+One thread writes it (`agent.delivery.spool_writer.SpoolWriter`), in batches: every wake-up of that
 thread is one transaction holding all the messages, request stores, request deletions and
 acknowledgements that arrived since the last one (group commit). A commit that holds a
 request store is made with `synchronous=FULL` (an fsync: the request is acknowledged to the
@@ -170,7 +170,7 @@ class Eviction:
 
 
 class MessageRow(Protocol):
-    """A queued message as the spool stores it (`agent.outbox.OutMessage` is one)."""
+    """A queued message as the spool stores it (`agent.delivery.outbox.OutMessage` is one)."""
 
     @property
     def spool_id(self) -> int | None: ...

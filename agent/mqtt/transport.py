@@ -45,7 +45,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
 from agent.config import MqttConfig
-from agent.outbox import Outbox, OutMessage
+from agent.delivery.outbox import Outbox, OutMessage
 
 if TYPE_CHECKING:
     from paho.mqtt.client import _InPacket

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-from agent import demo_models
-from agent.broker import BrokerError, EmbeddedBroker
 from agent.client import AgentClient
 from agent.config import load_config
-from agent.service import Agent
+from agent.demo import models as demo_models
+from agent.demo.broker import BrokerError, EmbeddedBroker
+from agent.service.agent import Agent
 
 DEMO_VOCAB, DEMO_EMBED, DEMO_HIDDEN = 4096, 256, 1024
 

@@ -14,25 +14,25 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from agent.backends.base import Backend, InferenceError, ModelLoadError, Session
+from agent.models.backends.base import Backend, InferenceError, ModelLoadError, Session
 
 __all__ = ["BACKENDS", "SUFFIXES", "backend_for_file", "get_backend", "warm_up", "zero_inputs"]
 
 # Model file suffix -> backend name. Which files a version folder may hold is the
-# repository's business (agent.repository); this maps the ones it accepts.
+# repository's business (agent.models.repository); this maps the ones it accepts.
 SUFFIXES: dict[str, str] = {".onnx": "onnxruntime", ".plan": "tensorrt", ".engine": "tensorrt"}
 
 
 def _onnxruntime() -> Backend:
-    from agent.backends.onnxruntime import OnnxRuntimeBackend
+    from agent.models.backends.onnxruntime import OnnxRuntimeBackend
 
     return OnnxRuntimeBackend()
 
 
 def _tensorrt() -> Backend:
-    """agent.backends.tensorrt is optional (and needs tensorrt + pycuda); import it late."""
+    """agent.models.backends.tensorrt is optional (and needs tensorrt + pycuda); import it late."""
     try:
-        module = importlib.import_module("agent.backends.tensorrt")
+        module = importlib.import_module("agent.models.backends.tensorrt")
         factory: Callable[[], Any] = module.TensorRTBackend
     except (ImportError, AttributeError) as exc:
         raise ModelLoadError(f"backend 'tensorrt' is not available in this build ({exc})") from exc

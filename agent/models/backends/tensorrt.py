@@ -9,7 +9,7 @@ How memory and threads are handled (the parts that are easy to get wrong):
 * One process-wide logger and one ``trt.Runtime`` (:func:`process_logger`). TensorRT keeps a
   single global logger anyway; ours records each thread's errors, so a failed call can say
   *why* (``deserialize_cuda_engine`` returns ``None`` with the reason only in the log).
-* CUDA comes from :mod:`agent.backends.cuda`: the primary context is pushed around every
+* CUDA comes from :mod:`agent.models.backends.cuda`: the primary context is pushed around every
   block that touches the GPU, because the worker threads calling :meth:`run` are not the
   thread that loaded the engine, and :meth:`close` may run on yet another.
 * Execution contexts are created lazily, one per concurrent caller, each with its own
@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from agent.backends import cuda
-from agent.backends.base import (
+from agent.models.backends import cuda
+from agent.models.backends.base import (
     BackendOptions,
     Dim,
     InferenceError,
@@ -62,7 +62,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-trt_log = logging.getLogger("agent.backends.tensorrt.trt")  # TensorRT's own messages
+trt_log = logging.getLogger("agent.models.backends.tensorrt.trt")  # TensorRT's own messages
 
 TENSORRT_HINT = (
     "tensorrt is not importable: on Jetson it comes with JetPack "

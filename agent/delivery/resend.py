@@ -19,9 +19,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agent import wire
-from agent.outbox import OutMessage
-from agent.spool import Spool, SpooledMessage
+from agent.delivery.outbox import OutMessage
+from agent.delivery.spool import Spool, SpooledMessage
+from agent.protocol import wire
 
 MAX_SEQS = 1000  # seqs one resend request may list
 REPEAT_S = 1.0  # the same resend request again within this time is ignored

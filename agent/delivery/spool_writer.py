@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from agent.spool import AfterWrite, Eviction, Spool, WriteItem, settled_prefix
+from agent.delivery.spool import AfterWrite, Eviction, Spool, WriteItem, settled_prefix
 
 log = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ from typing import Any
 import cbor2
 import numpy as np
 
-from agent import wire
-from agent.backends.base import Array
+from agent.models.backends.base import Array
+from agent.protocol import wire
 
 # Larger payloads are not learned: finding the spans costs a pass over the payload, and their
 # decoding is dominated by the data, which the full way does not copy either.

@@ -37,10 +37,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.backends import cuda
-from agent.backends.base import ModelLoadError
-from agent.backends.tensorrt import import_tensorrt, process_logger, shutdown, tensorrt_version
-from agent.repository import ModelConfigError, load_model_config
+from agent.models.backends import cuda
+from agent.models.backends.base import ModelLoadError
+from agent.models.backends.tensorrt import (
+    import_tensorrt,
+    process_logger,
+    shutdown,
+    tensorrt_version,
+)
+from agent.models.repository import ModelConfigError, load_model_config
 
 __all__ = [
     "BUILD_INFO",
@@ -730,7 +735,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m agent.engine_builder ONNX [options]`` (same as ``edge-agent build-engine``)."""
+    """``python -m agent.models.engine_builder ONNX [options]``: ``edge-agent build-engine``."""
     parser = argparse.ArgumentParser(
         prog="edge-agent build-engine",
         description="Build a TensorRT engine from ONNX; add it to the repository as a version.",

@@ -1,1 +1,0 @@
-"""Inference backends, registered by a type key (see :mod:`agent.backends.registry`)."""

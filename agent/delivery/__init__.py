@@ -1,0 +1,9 @@
+"""What happens to a message between the reply stream and the connection.
+
+Owns: the outbox (the bounded queue the connection takes from), the on-disk spool (QoS 1/2
+messages until acknowledged, requests until answered, the resend window), the one spool
+writer thread, and application-level resend.
+
+May import: `agent.protocol`, `agent.config`. Never paho (the connection is `agent.mqtt`),
+never inference or models.
+"""

@@ -1,0 +1,1 @@
+"""Inference backends, registered by a type key (see :mod:`agent.models.backends.registry`)."""
