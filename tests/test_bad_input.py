@@ -11,7 +11,7 @@ import cbor2
 import numpy as np
 
 from agent.client import REPLY_LIMITS
-from agent.protocol import wire
+from agent.protocol.errors import ERROR_CODES
 
 
 def _rss_bytes() -> int:
@@ -121,7 +121,7 @@ def test_four_hundred_malformed_requests(broker, repository, make_agent, make_cl
     assert set(got) == readable
     for rid, message in got.items():
         assert message["type"] == "error" and message["seq"] == 0
-        assert message["code"] in wire.ERROR_CODES
+        assert message["code"] in ERROR_CODES
         expected = "too_large" if rid.startswith("huge-") else "bad_request"
         assert message["code"] == expected, (rid, message)
         assert message["message"]

@@ -12,35 +12,38 @@ import cbor2
 import numpy as np
 import pytest
 
-from agent.protocol import wire
+from agent.protocol.errors import Limits, WireError
 from agent.protocol.layouts import BACKOFF_AFTER, BACKOFF_EVERY, MAX_LAYOUTS, RequestLayouts
+from agent.protocol.payload import ZSTD_MAGIC, decode_payload
+from agent.protocol.requests import Request, parse_request
+from agent.protocol.tensors import encode_tensor
 
-LIMITS = wire.Limits()
+LIMITS = Limits()
 PREFIXES = ["edge/"]
 
 
 def _tensor(arr: np.ndarray, tag: int | None = None) -> cbor2.CBORTag:
     if tag is None:
-        return wire.encode_tensor(arr)
+        return encode_tensor(arr)
     return cbor2.CBORTag(40, [list(arr.shape), cbor2.CBORTag(tag, arr.tobytes())])
 
 
-def _full(payload: bytes, model: str = "m") -> wire.Request:
-    return wire.parse_request(
-        wire.decode_payload(payload, LIMITS), model, LIMITS, allowed_reply_prefixes=PREFIXES
+def _full(payload: bytes, model: str = "m") -> Request:
+    return parse_request(
+        decode_payload(payload, LIMITS), model, LIMITS, allowed_reply_prefixes=PREFIXES
     )
 
 
 def _learned(payload: bytes, model: str = "m") -> RequestLayouts:
     layouts = RequestLayouts()
-    decoded = wire.decode_payload(payload, LIMITS)
-    request = wire.parse_request(decoded, model, LIMITS, allowed_reply_prefixes=PREFIXES)
+    decoded = decode_payload(payload, LIMITS)
+    request = parse_request(decoded, model, LIMITS, allowed_reply_prefixes=PREFIXES)
     layouts.learn(payload, decoded, request, LIMITS, PREFIXES)
     return layouts
 
 
-def _same(a: wire.Request, b: wire.Request) -> None:
-    for f in dataclasses.fields(wire.Request):
+def _same(a: Request, b: Request) -> None:
+    for f in dataclasses.fields(Request):
         if f.name != "inputs":
             assert getattr(a, f.name) == getattr(b, f.name), f.name
     assert list(a.inputs) == list(b.inputs)
@@ -144,7 +147,7 @@ def test_an_id_the_pattern_refuses_goes_the_full_way() -> None:
     for bad in ("req 000000002", "req/000000002", "req+000000002", "réq-00000002"):
         payload = cbor2.dumps(body(bad, g))
         assert layouts.parse(payload, "m", LIMITS, PREFIXES) is None
-        with pytest.raises(wire.WireError):
+        with pytest.raises(WireError):
             _full(payload)
 
 
@@ -156,7 +159,7 @@ def test_another_size_model_limits_or_prefixes_go_the_full_way() -> None:
     assert layouts.parse(repeat, "m", LIMITS, PREFIXES) is not None
     assert layouts.parse(cbor2.dumps(body("req-02", g)), "m", LIMITS, PREFIXES) is None
     assert layouts.parse(repeat, "other-model", LIMITS, PREFIXES) is None
-    assert layouts.parse(repeat, "m", wire.Limits(), PREFIXES) is None  # reloaded limits
+    assert layouts.parse(repeat, "m", Limits(), PREFIXES) is None  # reloaded limits
     assert layouts.parse(repeat, "m", LIMITS, ["other/"]) is None
     assert layouts.parse(bytearray(repeat), "m", LIMITS, PREFIXES) is None  # type: ignore[arg-type]
 
@@ -168,8 +171,8 @@ def test_each_size_of_a_model_has_its_own_layout() -> None:
     for rows in (1, 4):
         body = {"id": "req-000000001", "inputs": {"x": _tensor(g.random((rows, 8), np.float32))}}
         payload = cbor2.dumps(body)
-        decoded = wire.decode_payload(payload, LIMITS)
-        request = wire.parse_request(decoded, "m", LIMITS, allowed_reply_prefixes=PREFIXES)
+        decoded = decode_payload(payload, LIMITS)
+        request = parse_request(decoded, "m", LIMITS, allowed_reply_prefixes=PREFIXES)
         layouts.learn(payload, decoded, request, LIMITS, PREFIXES)
     for rows in (1, 4):
         body = {"id": "req-000000002", "inputs": {"x": _tensor(g.random((rows, 8), np.float32))}}
@@ -199,8 +202,8 @@ def test_a_failed_learn_forgets_the_old_layout_of_that_size() -> None:
     assert len(layouts) == 1
     body = {"id": "req-1", "inputs": {"a": _tensor(same)}, "params": {"e": "req-1"}}
     payload = cbor2.dumps({"id": "req-1", "inputs": {"a": _tensor(same)}})
-    decoded = wire.decode_payload(cbor2.dumps(body), LIMITS)
-    request = wire.parse_request(decoded, "m", LIMITS, allowed_reply_prefixes=PREFIXES)
+    decoded = decode_payload(cbor2.dumps(body), LIMITS)
+    request = parse_request(decoded, "m", LIMITS, allowed_reply_prefixes=PREFIXES)
     layouts.learn(cbor2.dumps(body), decoded, request, LIMITS, PREFIXES)
     assert len(layouts) == 1  # another size: the first layout stays
     assert layouts.parse(payload, "m", LIMITS, PREFIXES) is not None
@@ -211,10 +214,10 @@ def test_compressed_and_large_payloads_are_not_learned() -> None:
     big = {"id": "req-1", "inputs": {"x": _tensor(g.standard_normal((1, 20000)).astype("<f4"))}}
     assert len(_learned(cbor2.dumps(big))) == 0  # 80 kB
     small = cbor2.dumps({"id": "req-1", "inputs": {"x": _tensor(np.ones((1, 4), np.float32))}})
-    packed = wire.ZSTD_MAGIC + b"\0" * 8
+    packed = ZSTD_MAGIC + b"\0" * 8
     layouts = RequestLayouts()
-    decoded = wire.decode_payload(small, LIMITS)
-    request = wire.parse_request(decoded, "m", LIMITS, allowed_reply_prefixes=PREFIXES)
+    decoded = decode_payload(small, LIMITS)
+    request = parse_request(decoded, "m", LIMITS, allowed_reply_prefixes=PREFIXES)
     layouts.learn(packed, decoded, request, LIMITS, PREFIXES)
     assert len(layouts) == 0
 
@@ -223,8 +226,8 @@ def test_layouts_are_bounded() -> None:
     layouts = RequestLayouts()
     for n in range(MAX_LAYOUTS + 20):
         payload = cbor2.dumps({"id": "req-1", "inputs": {"x": _tensor(np.full((1, 4), n, "<f4"))}})
-        decoded = wire.decode_payload(payload, LIMITS)
-        request = wire.parse_request(decoded, f"m{n}", LIMITS, allowed_reply_prefixes=PREFIXES)
+        decoded = decode_payload(payload, LIMITS)
+        request = parse_request(decoded, f"m{n}", LIMITS, allowed_reply_prefixes=PREFIXES)
         layouts.learn(payload, decoded, request, LIMITS, PREFIXES)
     assert len(layouts) == MAX_LAYOUTS
 
@@ -241,8 +244,8 @@ def test_learning_backs_off_where_learned_layouts_never_match() -> None:
         payload = cbor2.dumps(body)
         assert layouts.parse(payload, "m", LIMITS, PREFIXES) is None
         before = layouts._layouts.get(("m", len(payload)))
-        decoded = wire.decode_payload(payload, LIMITS)
-        request = wire.parse_request(decoded, "m", LIMITS, allowed_reply_prefixes=PREFIXES)
+        decoded = decode_payload(payload, LIMITS)
+        request = parse_request(decoded, "m", LIMITS, allowed_reply_prefixes=PREFIXES)
         layouts.learn(payload, decoded, request, LIMITS, PREFIXES)
         learned.append(layouts._layouts.get(("m", len(payload))) is not before)
     assert sum(learned) == BACKOFF_AFTER + 2
@@ -251,8 +254,8 @@ def test_learning_backs_off_where_learned_layouts_never_match() -> None:
     body["params"] = {"ts": 2_000_000}
     payload = cbor2.dumps(body)
     again = {**body, "id": "req-2", "inputs": {"x": _tensor(g.random((1, 4), np.float32))}}
-    decoded = wire.decode_payload(payload, LIMITS)
-    request = wire.parse_request(decoded, "m", LIMITS, allowed_reply_prefixes=PREFIXES)
+    decoded = decode_payload(payload, LIMITS)
+    request = parse_request(decoded, "m", LIMITS, allowed_reply_prefixes=PREFIXES)
     for _ in range(BACKOFF_EVERY):  # until the back-off lets one through
         layouts.learn(payload, decoded, request, LIMITS, PREFIXES)
         if layouts.parse(cbor2.dumps(again), "m", LIMITS, PREFIXES) is not None:
@@ -269,9 +272,9 @@ def test_an_mqtt5_response_topic_must_be_the_learned_one() -> None:
     body = BODIES["mlp, stream false"]
     topic = "edge/backend-7/replies"
 
-    def full(payload: bytes, response_topic: str) -> tuple[dict[str, Any], wire.Request]:
-        decoded = {**wire.decode_payload(payload, LIMITS), "reply_to": response_topic}
-        return decoded, wire.parse_request(decoded, "m", LIMITS, allowed_reply_prefixes=PREFIXES)
+    def full(payload: bytes, response_topic: str) -> tuple[dict[str, Any], Request]:
+        decoded = {**decode_payload(payload, LIMITS), "reply_to": response_topic}
+        return decoded, parse_request(decoded, "m", LIMITS, allowed_reply_prefixes=PREFIXES)
 
     layouts = RequestLayouts()
     first = cbor2.dumps(body("req-000000001", g))
@@ -288,7 +291,7 @@ def test_an_mqtt5_response_topic_must_be_the_learned_one() -> None:
 def test_the_request_fields_are_those_a_layout_carries() -> None:
     """`RequestLayouts.parse` builds a Request field by field: a new field must be added there
     (and to the bodies above) before this passes again."""
-    assert [f.name for f in dataclasses.fields(wire.Request)] == [
+    assert [f.name for f in dataclasses.fields(Request)] == [
         "id", "model", "inputs", "version", "stream", "priority", "deadline_ms", "qos",
         "reply_to", "params", "correlation_data",
     ]  # fmt: skip

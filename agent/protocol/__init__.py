@@ -2,7 +2,18 @@
 
 Owns: the hostile-payload guard (size, zstd, a header walk before any CBOR object is built),
 RFC 8746 tensors, request parsing and input checks, reply envelopes and parts, and the
-layouts of repeated requests.
+layouts of repeated requests. One module each, imported in this order (none imports a later
+one):
+
+- `errors`: `WireError` and the contract's error codes, `Limits`, the id pattern and the
+  protocol's constants, the helpers that keep messages one bounded line;
+- `tensors`: RFC 8746 tensors to and from CBOR tags, and the hand-built CBOR of reply outputs
+  (`outputs_pieces`, `encode_outputs`, `cbor_uint`, `cbor_text`: the reply hot path);
+- `cbor_scan`: the header-only walk of a CBOR map that bounds it before cbor2 decodes it;
+- `payload`: the guard in its order (`decode_payload`) and `encode_payload`;
+- `requests`: `Request`, `parse_request` (the request table), `validate_inputs`;
+- `replies`: reply envelopes, the `gone` message, parts split and reassembled;
+- `layouts`: requests that repeat a recent request's layout, parsed without decoding.
 
 May import: the standard library, numpy, cbor2, zstandard, and the tensor types of
 `agent.models.backends.base`. Nothing else of the agent.

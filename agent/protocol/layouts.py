@@ -12,7 +12,7 @@ model's inputs (`Agent._precheck`) run on it as on any request.
 
 Anything else (an unknown size, one byte that differs outside those spans, an id the pattern
 refuses, other limits, reply prefixes or MQTT 5 response topic) goes the full way
-(`wire.decode_payload`, `wire.parse_request`), and a request that passes it and its model's
+(`decode_payload`, `parse_request`), and a request that passes it and its model's
 checks becomes the layout for its size. So a payload parsed here is one the full way parses
 to the same request: the bytes it shares with an accepted payload (and the response topic)
 decide the structure, the limits and every option, and the bytes that differ are an id
@@ -20,8 +20,8 @@ decide the structure, the limits and every option, and the bytes that differ are
 of a numeric dtype; a bool input's 0/1 rule is checked by the precheck).
 
 Why: decoding, parsing and checking a small request was the largest single cost of the
-network thread, which reads every request (docs/architecture.md, "Requests that repeat a
-layout"): 16 µs in a loop against 3.4 µs here, and about 40 µs of CPU a request under load.
+network thread, which reads every request (docs/decisions/0010-read-requests-by-
+layout.md): 16 µs in a loop against 3.4 µs here, and about 40 µs of CPU a request under load.
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ import cbor2
 import numpy as np
 
 from agent.models.backends.base import Array
-from agent.protocol import wire
+from agent.protocol.errors import ID_PATTERN, Limits
+from agent.protocol.payload import ZSTD_MAGIC
+from agent.protocol.requests import Request
+from agent.protocol.tensors import cbor_text, typed_array_dtypes
 
 # Larger payloads are not learned: finding the spans costs a pass over the payload, and their
 # decoding is dominated by the data, which the full way does not copy either.
@@ -64,8 +67,8 @@ class _Layout:
     id_start: int
     id_end: int
     tensors: tuple[_Tensor, ...]
-    template: wire.Request  # the parsed request, without inputs (never handed out)
-    limits: wire.Limits  # the limits and reply prefixes it was checked under
+    template: Request  # the parsed request, without inputs (never handed out)
+    limits: Limits  # the limits and reply prefixes it was checked under
     prefixes: tuple[str, ...]
     response_topic: str | None  # MQTT 5's, which the full way makes its reply_to if it has none
 
@@ -85,10 +88,10 @@ class RequestLayouts:
         self,
         payload: bytes,
         model: str,
-        limits: wire.Limits,
+        limits: Limits,
         prefixes: Sequence[str],
         response_topic: str | None = None,
-    ) -> wire.Request | None:
+    ) -> Request | None:
         """The request, when `payload` (with this MQTT 5 response topic) repeats a layout of
         the model; else None."""
         key = (model, len(payload))
@@ -108,7 +111,7 @@ class RequestLayouts:
             request_id = payload[layout.id_start : layout.id_end].decode("ascii")
         except UnicodeDecodeError:
             return None
-        if not wire.ID_PATTERN.match(request_id):
+        if not ID_PATTERN.match(request_id):
             return None
         inputs: dict[str, Array] = {}
         for tensor in layout.tensors:
@@ -122,7 +125,7 @@ class RequestLayouts:
         if self._unmatched:
             self._unmatched.pop(key, None)
         # Every field of the template (dataclasses.replace would cost 2 µs more a request).
-        return wire.Request(
+        return Request(
             id=request_id,
             model=model,
             inputs=inputs,
@@ -139,21 +142,21 @@ class RequestLayouts:
         self,
         payload: bytes,
         decoded: Mapping[str, Any],
-        request: wire.Request,
-        limits: wire.Limits,
+        request: Request,
+        limits: Limits,
         prefixes: Sequence[str],
         response_topic: str | None = None,
     ) -> None:
         """Keep the layout of a request that passed the full way: `decoded` is what
-        `wire.decode_payload` gave for `payload` (with the response topic merged as the full
-        way merges it), `request` what `wire.parse_request` made of that. Nothing is kept
+        `decode_payload` gave for `payload` (with the response topic merged as the full
+        way merges it), `request` what `parse_request` made of that. Nothing is kept
         where its id or a tensor's data is not in the payload exactly once (then no span can
         be trusted)."""
         key = (request.model, len(payload))
         if (
             type(payload) is not bytes
             or len(payload) > MAX_PAYLOAD_BYTES
-            or payload[:4] == wire.ZSTD_MAGIC
+            or payload[:4] == ZSTD_MAGIC
             or (key not in self._layouts and len(self._layouts) >= MAX_LAYOUTS)
         ):
             return
@@ -173,12 +176,12 @@ class RequestLayouts:
 def _find_layout(
     payload: bytes,
     decoded: Mapping[str, Any],
-    request: wire.Request,
-    limits: wire.Limits,
+    request: Request,
+    limits: Limits,
     prefixes: Sequence[str],
     response_topic: str | None,
 ) -> _Layout | None:
-    encoded_id = wire.cbor_text(request.id)
+    encoded_id = cbor_text(request.id)
     id_at = _once(payload, encoded_id)
     raw_inputs = decoded.get("inputs")
     if id_at is None or not isinstance(raw_inputs, Mapping):
@@ -198,7 +201,7 @@ def _find_layout(
         if at is None:
             return None
         start = at + len(encoded) - len(raw)
-        dtypes = wire.typed_array_dtypes(typed.tag)
+        dtypes = typed_array_dtypes(typed.tag)
         if dtypes is None:
             return None
         dtype, native = dtypes
