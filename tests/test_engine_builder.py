@@ -26,6 +26,7 @@ from agent.models.engine_builder import (
     main,
     parse_profile,
 )
+from agent.models.engine_builder.publish import sha256_file
 from agent.models.repository import scan_repository, verify_checksum
 from tests import fakes
 from tests.fakes import FakeGPU, install, uninstall
@@ -66,7 +67,7 @@ def test_build_adds_a_complete_version_the_repository_serves(
         "name": "Orin (fake)",
         "compute_capability": [8, 7],
     }
-    assert info["onnx_sha256"] == engine_builder._sha256_file(onnx_file)
+    assert info["onnx_sha256"] == sha256_file(onnx_file)
     scanned = scan_repository(tmp_path / "models")["mlp"].versions
     assert scanned[2].backend == "tensorrt" and scanned[2].ok
     assert scanned[2].sha256_expected is not None and verify_checksum(scanned[2]) is None
@@ -163,7 +164,7 @@ def test_publishing_is_atomic(fake_gpu: FakeGPU, tmp_path: Path, onnx_file: Path
         raise OSError(28, "No space left on device")
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(engine_builder.os, "rename", crash)
+        patch.setattr(os, "rename", crash)  # publish renames the finished version folder
         with pytest.raises(EngineBuildError, match="No space left"):
             build_engine(onnx_file, model_dir, options(tmp_path))
     assert sorted(p.name for p in model_dir.iterdir()) == [".build.lock", "1"]  # no half version

@@ -5,42 +5,20 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 import pytest
 
-from agent.demo import models as demo_models
-from agent.models.backends.base import BackendOptions, TensorSpec
-from agent.models.backends.onnxruntime import OnnxRuntimeBackend
+from agent.models.model_config import ModelConfig
 from agent.models.repository import (
-    ModelConfig,
-    ModelConfigError,
-    StreamConfig,
-    check_signature,
     file_fingerprint,
-    load_model_config,
     parse_checksum,
-    parse_model_config,
     scan_repository,
     verify_checksum,
 )
+from tests.models_helpers import MODEL_BYTES, put
 
-MODEL_BYTES = b"\x08\x08 not really onnx, the scanner never parses it"
 DIGEST = hashlib.sha256(MODEL_BYTES).hexdigest()
-
-
-def put(path: Path, content: bytes | str = MODEL_BYTES) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if isinstance(content, str):
-        path.write_text(content)
-    else:
-        path.write_bytes(content)
-    return path
 
 
 def problem(root: Path, model: str, version: int) -> str | None:
@@ -314,171 +292,7 @@ def test_scanning_writes_nothing(tmp_path: Path) -> None:
     assert before == after
 
 
-# --------------------------------------------------------------------------- config.toml
-
-
-STEPS_H = "[stream]\nmode = 'steps'\nstate = { h = 'h_out' }\n"
-STOP = "stop = {{ output = {}, value = {} }}\n"
-
-FULL_CONFIG = """
-backend = "onnxruntime"
-[stream]
-mode = "steps"
-max_steps = 64
-feed = { token = "next_token" }
-state = { h = "h_out" }
-stop = { output = "next_token", value = 0 }
-emit = ["next_token"]
-[inputs.token]
-dtype = "int64"
-shape = ["batch", 1]
-[outputs.logits]
-dtype = "float32"
-shape = ["batch", 32]
-[policy]
-version_policy = "pinned"
-pinned = 2
-keep_loaded = 0
-[backend_options]
-intra_op_threads = 2
-providers = ["CUDAExecutionProvider"]
-"""
-
-
-def test_full_config_parses(tmp_path: Path) -> None:
-    config = load_model_config(put(tmp_path / "config.toml", FULL_CONFIG))
-    assert config.backend == "onnxruntime"
-    s = config.stream
-    assert (s.mode, s.max_steps, s.feed, s.state) == (
-        "steps",
-        64,
-        {"token": "next_token"},
-        {"h": "h_out"},
-    )
-    assert s.stop is not None and (s.stop.output, s.stop.value) == ("next_token", 0)
-    assert s.emit == ["next_token"]
-    assert config.inputs["token"].shape == ["batch", 1]
-    assert (config.policy.version_policy, config.policy.pinned, config.policy.keep_loaded) == (
-        "pinned",
-        2,
-        0,
-    )
-    options = config.backend_options.apply(BackendOptions())
-    assert options == BackendOptions(intra_op_threads=2, providers=("CUDAExecutionProvider",))
-    assert ModelConfig().backend_options.apply(BackendOptions()) == BackendOptions()
-
-
-def test_defaults() -> None:
-    config = parse_model_config("", "config.toml")
-    assert config.backend is None
-    assert (config.stream.mode, config.stream.micro_batch, config.stream.max_steps) == (
-        "whole",
-        1,
-        32,
-    )
-    assert config.stream.stop is None and config.stream.emit is None
-    assert (config.policy.version_policy, config.policy.keep_loaded) == ("latest", 1)
-
-
-def test_emitted_defaults_to_all_but_state_outputs() -> None:
-    steps = StreamConfig(mode="steps", state={"h": "h_out"})
-    assert steps.emitted(["next_token", "logits", "h_out"]) == ["next_token", "logits"]
-    assert StreamConfig(emit=["y"]).emitted(["y", "z"]) == ["y"]
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("colour = 'red'\n", "colour: unknown key"),
-        ("[stream]\nmicro_batc = 4\n", "stream.micro_batc: unknown key"),
-        (
-            "[stream]\nstop = { output = 'y', value = 0, when = 1 }\n",
-            "stream.stop.when: unknown key",
-        ),
-        ("backend = 'torch'\n", "backend: Input should be 'onnxruntime' or 'tensorrt'"),
-        ("[stream]\nmode = 'stream'\n", "stream.mode: Input should be"),
-        (
-            "[stream]\nmicro_batch = 0\n",
-            "stream.micro_batch: Input should be greater than or equal to 1",
-        ),
-        ("[stream]\nmicro_batch = '4'\n", "stream.micro_batch: Input should be a valid integer"),
-        ("[stream]\nmicro_batch = 2.0\n", "stream.micro_batch: Input should be a valid integer"),
-        (
-            "[stream]\nmax_steps = 100001\n",
-            "stream.max_steps: Input should be less than or equal to 100000",
-        ),
-        ("[stream]\nmode = 'steps'\n", 'stream: mode = "steps" needs feed or state'),
-        (
-            "[stream]\nfeed = { token = 'next_token' }\n",
-            'stream: feed only apply to mode = "steps"',
-        ),
-        (
-            "[stream]\nmode = 'batch'\nstate = { h = 'h_out' }\n" + STOP.format("'y'", 1),
-            'stream: state, stop only apply to mode = "steps"',
-        ),
-        (
-            "[stream]\nmode = 'steps'\nfeed = { h = 'a' }\nstate = { h = 'b' }\n",
-            "stream: input(s) h set by both feed and state",
-        ),
-        (
-            "[stream]\nfeed = { token = 3 }\nmode = 'steps'\n",
-            "stream.feed.token: Input should be a valid string",
-        ),
-        (
-            STEPS_H + STOP.format("'y'", "'end'"),
-            "stream.stop.value: must be a number",
-        ),
-        (
-            STEPS_H + STOP.format("'y'", "true"),
-            "stream.stop.value: must be a number",
-        ),
-        ("[stream]\nemit = []\n", "stream.emit: must name at least one output"),
-        ("[stream]\nemit = ['y', 'y']\n", "stream.emit: names an output twice"),
-        ("[inputs.x]\ndtype = 'float'\nshape = [1]\n", "inputs.x.dtype: unknown dtype 'float'"),
-        (
-            "[inputs.x]\ndtype = 'float32'\nshape = [-1]\n",
-            "inputs.x.shape: dims are sizes >= 0 or names",
-        ),
-        ("[inputs.x]\nshape = [1]\n", "inputs.x.dtype: Field required"),
-        ("[policy]\nversion_policy = 'pinned'\n", 'policy: version_policy = "pinned" needs pinned'),
-        ("[policy]\npinned = 3\n", 'policy: pinned is set but version_policy is "latest"'),
-        (
-            "[policy]\nkeep_loaded = -1\n",
-            "policy.keep_loaded: Input should be greater than or equal to 0",
-        ),
-        ("[backend_options]\nthreads = 2\n", "backend_options.threads: unknown key"),
-        ("[stream\nmode = 'whole'\n", "invalid TOML: "),
-    ],
-)
-def test_config_errors_are_one_line_naming_file_and_key(
-    tmp_path: Path, text: str, expected: str
-) -> None:
-    path = put(tmp_path / "m" / "config.toml", text)
-    with pytest.raises(ModelConfigError) as info:
-        load_model_config(path)
-    message = str(info.value)
-    assert message.startswith(f"{path}: ")
-    assert expected in message
-    assert "\n" not in message
-
-
-def test_several_config_errors_in_one_line(tmp_path: Path) -> None:
-    path = put(tmp_path / "config.toml", "[stream]\nmicro_batch = 0\nmax_steps = 0\nextra = 1\n")
-    with pytest.raises(ModelConfigError) as info:
-        load_model_config(path)
-    message = str(info.value)
-    assert "\n" not in message
-    for key in ["stream.micro_batch", "stream.max_steps", "stream.extra: unknown key"]:
-        assert key in message
-
-
-def test_unreadable_configs(tmp_path: Path) -> None:
-    with pytest.raises(ModelConfigError, match="cannot read"):
-        load_model_config(tmp_path / "absent.toml")
-    with pytest.raises(ModelConfigError, match="not UTF-8"):
-        load_model_config(put(tmp_path / "latin1.toml", b"# caf\xe9\n"))
-    with pytest.raises(ModelConfigError, match="more than 65536"):
-        load_model_config(put(tmp_path / "big.toml", "#" * 70_000))
+# --------------------------------------------------------------------------- config errors
 
 
 def test_a_broken_config_is_reported_and_the_versions_still_listed(
@@ -501,110 +315,3 @@ def test_config_that_is_a_folder_is_a_config_error(tmp_path: Path) -> None:
     model = scan_repository(tmp_path)["m"]
     assert model.config is None and model.config_error is not None
     assert "cannot read" in model.config_error
-
-
-# --------------------------------------------------------------------------- signature
-
-
-@dataclass
-class FakeSession:
-    """Just enough of a Session for check_signature."""
-
-    inputs: Sequence[TensorSpec]
-    outputs: Sequence[TensorSpec]
-    providers: Sequence[str] = field(default_factory=lambda: ("Fake",))
-
-    def run(self, inputs: Mapping[str, npt.NDArray[Any]]) -> dict[str, npt.NDArray[Any]]:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
-
-
-def spec(name: str, dtype: str, *shape: int | str | None) -> TensorSpec:
-    return TensorSpec(name, np.dtype(dtype), tuple(shape))
-
-
-DECODER = FakeSession(
-    inputs=[spec("token", "int64", "batch", 1), spec("h", "float32", "batch", 32)],
-    outputs=[
-        spec("next_token", "int64", "batch", 1),
-        spec("logits", "float32", "batch", 32),
-        spec("h_out", "float32", "batch", 32),
-    ],
-)
-
-
-def test_a_fitting_config_has_no_signature_problems(tmp_path: Path) -> None:
-    config = parse_model_config(FULL_CONFIG, "config.toml")
-    assert check_signature(config, DECODER) == []
-    real = OnnxRuntimeBackend().load(
-        demo_models.save(demo_models.gru_decoder(), tmp_path / "model.onnx"), BackendOptions()
-    )
-    assert check_signature(config, real) == []
-    assert check_signature(ModelConfig(), real) == []
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        (
-            "[inputs.tok]\ndtype = 'int64'\nshape = [1]\n",
-            "declared input 'tok' is not in the model (it has token, h)",
-        ),
-        (
-            "[inputs.token]\ndtype = 'int32'\nshape = ['b', 1]\n",
-            "input 'token': declared int32, model has int64",
-        ),
-        (
-            "[inputs.token]\ndtype = 'int64'\nshape = [1]\n",
-            "input 'token': declared rank 1, model has token: int64[?,1]",
-        ),
-        (
-            "[outputs.logits]\ndtype = 'float32'\nshape = [1, 16]\n",
-            "output 'logits': dim 1 declared 16, model has 32",
-        ),
-        (
-            "[stream]\nmode = 'steps'\nfeed = { tok = 'next_token' }\n",
-            "feed input 'tok' is not a model input",
-        ),
-        (
-            "[stream]\nmode = 'steps'\nfeed = { token = 'next' }\n",
-            "feed output 'next' is not a model output",
-        ),
-        (
-            "[stream]\nmode = 'steps'\nfeed = { token = 'logits' }\n",
-            "feed token <- logits: int64 input, float32 output",
-        ),
-        ("[stream]\nmode = 'steps'\nstate = { h = 'logits' }\n", None),
-        (
-            STEPS_H + STOP.format("'eos'", 1),
-            "stop output 'eos' is not a model output",
-        ),
-        ("[stream]\nemit = ['next_token', 'probs']\n", "emit output 'probs' is not a model output"),
-    ],
-)
-def test_signature_problems(text: str, expected: str | None) -> None:
-    problems = check_signature(parse_model_config(text, "config.toml"), DECODER)
-    if expected is None:
-        assert problems == []  # h <- logits: same dtype and shape, so it fits
-    else:
-        assert len(problems) == 1 and problems[0].startswith(expected), problems
-
-
-def test_state_shapes_must_agree() -> None:
-    session = FakeSession(
-        inputs=[spec("h", "float32", "batch", 32)], outputs=[spec("h_out", "float32", "batch", 16)]
-    )
-    config = parse_model_config("[stream]\nmode='steps'\nstate = { h = 'h_out' }\n", "c.toml")
-    assert check_signature(config, session) == [
-        "state h <- h_out: shapes differ (h: float32[?,32]; h_out: float32[?,16])"
-    ]
-
-
-def test_batch_mode_needs_a_leading_axis() -> None:
-    session = FakeSession(inputs=[spec("scale", "float32")], outputs=[spec("y", "float32", 4)])
-    config = parse_model_config("[stream]\nmode = 'batch'\nmicro_batch = 2\n", "c.toml")
-    assert check_signature(config, session) == [
-        "batch mode slices the leading axis, but input 'scale' is a scalar"
-    ]

@@ -10,6 +10,10 @@ Invariants this module keeps:
 `sync()` makes the loaded state match the repository on disk. It is idempotent, so the
 watcher (or a timer) may call it as often as it likes; loading happens outside the state
 lock, so requests keep leasing the serving version while a new one warms up.
+
+The records it keeps and the leases it hands out are :mod:`agent.models.records`; what a
+version must pass to serve is :mod:`agent.models.loading`; when its files count as
+complete is :mod:`agent.models.settling`.
 """
 
 from __future__ import annotations
@@ -17,112 +21,38 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
-from agent.models.backends.base import BackendOptions, ModelLoadError, Session, TensorSpec
-from agent.models.backends.registry import get_backend, warm_up
-from agent.models.repository import (
-    BatchingConfig,
-    ModelConfig,
-    ModelInfo,
-    StreamConfig,
-    VersionInfo,
-    check_signature,
-    file_fingerprint,
-    scan_repository,
-    verify_checksum,
+from agent.models.backends.base import BackendOptions, ModelLoadError, TensorSpec
+from agent.models.loading import open_version
+from agent.models.model_config import ModelConfig
+from agent.models.records import (
+    Event,
+    Fingerprint,
+    Lease,
+    LoadedVersion,
+    ModelRecord,
+    Serving,
+    VersionRecord,
+    inventory_of,
+    summarize,
 )
-from agent.protocol import wire
+from agent.models.repository import ModelInfo, VersionInfo, scan_repository
+from agent.models.settling import SettleTracker, fingerprint_of
+from agent.protocol.errors import WireError
+
+# LoadedVersion, Serving and summarize live in agent.models.records; the service and the
+# inference package import them from here, next to the manager that makes them.
+__all__ = ["LoadedVersion", "ModelManager", "Serving", "summarize"]
 
 log = logging.getLogger(__name__)
 
-State = Literal["loading", "ready", "failed", "draining", "unloaded"]
-Fingerprint = tuple[int, int]
-
-
-@dataclass
-class LoadedVersion:
-    """A ready session plus what requests need to run it."""
-
-    model: str
-    version: int
-    session: Session
-    config: ModelConfig
-    backend: str
-    leases: int = 0
-    retired: bool = False
-    retired_at: float = 0.0
-    closed: bool = False
-
-
-@dataclass
-class VersionRecord:
-    """What the inventory says about one version folder."""
-
-    state: State
-    backend: str | None
-    error: str | None = None
-    fingerprint: Fingerprint | None = None
-    loaded: LoadedVersion | None = None
-    removed: bool = False  # the folder is gone: forget the entry once it is closed
-
-
-@dataclass
-class ModelRecord:
-    name: str
-    config: ModelConfig = field(default_factory=ModelConfig)
-    serving: LoadedVersion | None = None
-    versions: dict[int, VersionRecord] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Serving:
-    """What ingress checks a request against: the serving version's inputs and the model's
-    stream and batching settings (one read, no lock, for every request)."""
-
-    version: int
-    inputs: Sequence[TensorSpec]
-    stream: StreamConfig
-    batching: BatchingConfig | None  # None: off
-
-
-class Lease:
-    """Holds one version open for the length of a request (a context manager)."""
-
-    def __init__(self, manager: ModelManager, loaded: LoadedVersion) -> None:
-        self._manager = manager
-        self.loaded = loaded
-        self._released = False
-
-    @property
-    def session(self) -> Session:
-        return self.loaded.session
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._manager._release(self.loaded)
-
-    def __enter__(self) -> Lease:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()
-
-
-Event = dict[str, Any]
-
 
 class ModelManager:
+    """Every model's loaded versions: requests lease them, `sync()` follows the disk."""
+
     def __init__(
         self,
         repository: Path,
@@ -146,12 +76,8 @@ class ModelManager:
         # model -> (serving version, config, what ingress needs of them): rebuilt on a change
         self._serving: dict[str, tuple[LoadedVersion, ModelConfig, Serving]] = {}
         self._closed = False
-        self._settle_s = settle_s
         self._drain_timeout_s = drain_timeout_s
-        self._complete: set[Path] = set()  # version folders renamed into place
-        self._seen: dict[tuple[str, int], tuple[Fingerprint | None, float]] = {}
-        self._first_sync = True
-        self._next_check: float | None = None
+        self._settling = SettleTracker(settle_s)
 
     # -- requests --------------------------------------------------------------------------
 
@@ -160,22 +86,22 @@ class ModelManager:
         with self._lock:
             record = self._models.get(model)
             if record is None or (record.serving is None and not record.versions):
-                raise wire.WireError("unknown_model", f"no model named '{model}'")
+                raise WireError("unknown_model", f"no model named '{model}'")
             if version is None:
                 loaded = record.serving
                 if loaded is None:
-                    raise wire.WireError("unknown_model", f"model '{model}' has no ready version")
+                    raise WireError("unknown_model", f"model '{model}' has no ready version")
             else:
                 entry = record.versions.get(version)
                 loaded = entry.loaded if entry is not None else None
                 if loaded is None or loaded.retired:
                     ready = sorted(v for v, r in record.versions.items() if r.state == "ready")
-                    raise wire.WireError(
+                    raise WireError(
                         "unknown_version",
                         f"version {version} of '{model}' is not loaded (loaded: {ready})",
                     )
             loaded.leases += 1
-            return Lease(self, loaded)
+            return Lease(self._release, loaded)
 
     def _release(self, loaded: LoadedVersion) -> None:
         close = False
@@ -226,21 +152,7 @@ class ModelManager:
     def inventory(self) -> dict[str, Any]:
         """The retained `ROOT/models` payload of the contract."""
         with self._lock:
-            models: dict[str, Any] = {}
-            for name, record in sorted(self._models.items()):
-                versions: dict[str, Any] = {}
-                for number, entry in sorted(record.versions.items()):
-                    item: dict[str, Any] = {"state": entry.state, "backend": entry.backend}
-                    if entry.error:
-                        item["error"] = entry.error
-                    if entry.loaded is not None and entry.state == "ready":
-                        item["providers"] = list(entry.loaded.session.providers)
-                    versions[str(number)] = item
-                models[name] = {
-                    "serving": record.serving.version if record.serving else None,
-                    "versions": versions,
-                }
-            return {"models": models}
+            return inventory_of(self._models)
 
     # -- reconciling with the disk -----------------------------------------------------------
 
@@ -253,7 +165,7 @@ class ModelManager:
         with self._sync_lock:
             if self._closed:
                 return None
-            self._next_check = None
+            self._settling.start_round()
             try:
                 found = scan_repository(self._root)
             except OSError as e:
@@ -263,14 +175,13 @@ class ModelManager:
                 self._remove_model(name)
             for _, info in sorted(found.items()):
                 self._sync_model(info)
-            self._first_sync = False
+            next_check = self._settling.finish_round()
             self._reap()
-            return self._next_check
+            return next_check
 
     def mark_complete(self, version_folder: Path) -> None:
         """A version folder was renamed into place: its files are complete at once."""
-        with self._lock:
-            self._complete.add(version_folder.resolve())
+        self._settling.mark_complete(version_folder)
 
     def _sync_model(self, info: ModelInfo) -> None:
         with self._lock:
@@ -311,12 +222,12 @@ class ModelManager:
                     changed = True
                 break
             version = info.versions[number]
-            fingerprint = _fingerprint(version)
+            fingerprint = fingerprint_of(version)
             if entry.state == "failed" and entry.fingerprint == fingerprint:
                 continue  # the same broken files: do not retry until they change
             if entry.state == "draining":
                 continue  # retired, still held by a request: not a candidate
-            if not self._settled(version, fingerprint):
+            if not self._settling.settled(version, fingerprint):
                 continue  # still being written: a lower ready version keeps serving meanwhile
             loaded = self._load(record, version, fingerprint)
             changed = True
@@ -325,29 +236,6 @@ class ModelManager:
                 break
         changed |= self._trim(record, config.policy.keep_loaded)
         return changed
-
-    def _settled(self, version: VersionInfo, fingerprint: Fingerprint | None) -> bool:
-        """Files count as complete once renamed into place, or unchanged for `settle_s`.
-
-        The newest mtime of the version's files must be `settle_s` old, and the fingerprint
-        the same as at the previous look (a write in between restarts the wait).
-        """
-        with self._lock:
-            if version.path.resolve() in self._complete:
-                return True
-        key = (version.model, version.version)
-        stamp = _newest_mtime(version.path)
-        now = time.time()
-        previous = self._seen.get(key)
-        self._seen[key] = (fingerprint, stamp)
-        age = now - stamp
-        if age >= self._settle_s and previous is not None and previous == (fingerprint, stamp):
-            return True
-        if age >= self._settle_s and previous is None and self._first_sync:
-            return True  # present and untouched when the agent started
-        wait = max(self._settle_s - age, 0.05) if age < self._settle_s else 0.05
-        self._next_check = wait if self._next_check is None else min(self._next_check, wait)
-        return False
 
     def _load(
         self, record: ModelRecord, version: VersionInfo, fingerprint: Fingerprint | None
@@ -358,7 +246,7 @@ class ModelManager:
         self._on_inventory()
         started = time.monotonic()
         try:
-            session = self._open(record, version)
+            session = open_version(record, version, self._options, warmup=self._warmup)
         except ModelLoadError as e:
             self._mark_failed(record, version, str(e))
             return None
@@ -388,36 +276,8 @@ class ModelManager:
         )
         return loaded
 
-    def _open(self, record: ModelRecord, version: VersionInfo) -> Session:
-        if version.problem is not None:
-            raise ModelLoadError(version.problem)
-        if version.model_file is None or version.backend is None:
-            raise ModelLoadError("no model file in the version folder")
-        problem = verify_checksum(version)
-        if problem is not None:
-            raise ModelLoadError(problem)
-        backend = get_backend(version.backend)
-        session = backend.load(
-            version.model_file, record.config.backend_options.apply(self._options)
-        )
-        try:
-            problems = check_signature(record.config, session)
-            serving = record.serving
-            if serving is not None and record.config.policy.require_compatible:
-                problems += incompatibilities(serving.session, session, serving.version)
-            if problems:
-                raise ModelLoadError("; ".join(problems))
-            if self._warmup:
-                warm_up(session)
-        except Exception as e:
-            session.close()
-            if isinstance(e, ModelLoadError):
-                raise
-            raise ModelLoadError(f"warm-up failed: {e}") from e
-        return session
-
     def _mark_failed(self, record: ModelRecord, version: VersionInfo, error: str) -> bool:
-        fingerprint = _fingerprint(version)
+        fingerprint = fingerprint_of(version)
         with self._lock:
             entry = record.versions.setdefault(
                 version.version, VersionRecord("unloaded", version.backend)
@@ -584,62 +444,3 @@ class ModelManager:
                     item.session.close()
                 except Exception:
                     log.exception("model %s v%d: close failed", item.model, item.version)
-
-
-def incompatibilities(old: Session, new: Session, old_version: int) -> list[str]:
-    """How `new` differs from the version it would replace, in what requests and replies see."""
-    problems = []
-    for role, before, after in (
-        ("input", old.inputs, new.inputs),
-        ("output", old.outputs, new.outputs),
-    ):
-        was = {s.name: s for s in before}
-        now = {s.name: s for s in after}
-        if set(was) != set(now):
-            problems.append(f"{role}s {sorted(now)} differ from v{old_version}'s {sorted(was)}")
-            continue
-        for name, spec in now.items():
-            prior = was[name]
-            fixed_differ = any(
-                isinstance(a, int) and isinstance(b, int) and a != b
-                for a, b in zip(prior.shape, spec.shape, strict=False)
-            )
-            if spec.dtype != prior.dtype or spec.rank != prior.rank or fixed_differ:
-                problems.append(
-                    f"{role} {spec.describe()} is incompatible with v{old_version}'s "
-                    f"{prior.describe()}"
-                )
-    return problems
-
-
-def _newest_mtime(folder: Path) -> float:
-    """The latest modification time of a version folder and the files in it."""
-    newest = 0.0
-    try:
-        newest = folder.stat().st_mtime
-        for child in folder.iterdir():
-            try:
-                newest = max(newest, child.stat().st_mtime)
-            except OSError:
-                continue
-    except OSError:
-        pass
-    return newest
-
-
-def _fingerprint(version: VersionInfo) -> Fingerprint | None:
-    if version.model_file is None:
-        return None
-    try:
-        return file_fingerprint(version.model_file)
-    except OSError:
-        return None
-
-
-def summarize(inventory: Mapping[str, Any]) -> str:
-    """One line per model for logs and the CLI."""
-    lines = []
-    for name, model in inventory.get("models", {}).items():
-        states = ", ".join(f"v{n}:{v['state']}" for n, v in model["versions"].items())
-        lines.append(f"{name}: serving {model['serving']} ({states})")
-    return "\n".join(lines)

@@ -1,0 +1,424 @@
+"""A deserialized TensorRT engine as a :class:`Session`: contexts, buffers, profiles, runs.
+
+Execution contexts are created lazily, one per concurrent caller, each with its own
+page-locked + device buffers sized to the largest shape of every optimization profile, and
+reused for the session's life; a thread keeps "its" context. The CUDA context is pushed
+around every block that touches the GPU, and ``close()`` releases contexts, then the
+engine, then the buffers (deferred to the last running call at a drain timeout).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy.typing as npt
+
+from agent.models.backends import cuda
+from agent.models.backends.base import InferenceError, TensorSpec
+from agent.models.backends.tensorrt.runtime import (
+    SharedRuntime,
+    TensorRTOptions,
+    one_line,
+    tensorrt_version,
+)
+from agent.models.backends.tensorrt.tensors import EngineTensor, Shape, ShapeRange, dims_of, volume
+
+__all__ = ["TensorRTSession"]
+
+log = logging.getLogger(__name__)
+
+
+class _Worker:
+    """One execution context with its buffers; used by one request at a time."""
+
+    def __init__(self, context: Any, buffers: cuda.BufferPool) -> None:
+        self.context: Any = context
+        self.buffers = buffers
+        self.profile: int | None = None  # not yet chosen: the first run sets it explicitly
+
+    def __repr__(self) -> str:
+        return f"<_Worker profile={self.profile} buffers={len(self.buffers)}>"
+
+
+class TensorRTSession:
+    """A deserialized engine. ``run`` may be called from several threads at once."""
+
+    def __init__(
+        self,
+        shared: SharedRuntime,
+        engine: Any,
+        tensors: Sequence[EngineTensor],
+        model_file: Path,
+        options: TensorRTOptions,
+    ) -> None:
+        self.model_file = model_file
+        self._shared = shared
+        self._trt = shared.trt
+        self._logger = shared.logger
+        self._device = shared.device
+        self._engine: Any = engine
+        self._options = options
+        self._tensors = tuple(tensors)
+        self._in = tuple(t for t in tensors if t.is_input)
+        self._out = tuple(t for t in tensors if not t.is_input)
+        self._inputs = tuple(t.spec() for t in self._in)
+        self._outputs = tuple(t.spec() for t in self._out)
+        self._profiles = len(self._in[0].profiles)
+        version = tensorrt_version(self._trt)
+        # Before 8.6 a profile may be used by one live execution context at a time.
+        self._exclusive_profiles = version < (8, 6)
+        self.version = str(getattr(self._trt, "__version__", "?"))
+        self._lock = threading.Lock()
+        self._workers: list[_Worker] = []  # every context of this session (strong refs)
+        self._idle: list[_Worker] = []
+        self._claims: dict[int, _Worker] = {}  # profile -> worker (exclusive mode only)
+        self._affinity = threading.local()  # weakref to the worker this thread used last
+        self._active = 0
+        self._closing = False
+        self._closed = False
+
+    # -- the Session protocol ---------------------------------------------------------------
+
+    @property
+    def inputs(self) -> Sequence[TensorSpec]:
+        return self._inputs
+
+    @property
+    def outputs(self) -> Sequence[TensorSpec]:
+        return self._outputs
+
+    @property
+    def providers(self) -> Sequence[str]:
+        return ("TensorRT",)
+
+    @property
+    def closed(self) -> bool:
+        return self._closing
+
+    @property
+    def profiles(self) -> tuple[dict[str, ShapeRange], ...]:
+        """(min, opt, max) of every input, per optimization profile."""
+        return tuple({t.name: t.profiles[p] for t in self._in} for p in range(self._profiles))
+
+    @property
+    def contexts(self) -> int:
+        """Execution contexts created so far (one per concurrent caller)."""
+        with self._lock:
+            return len(self._workers)
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory held by this session's buffers (not TensorRT's own)."""
+        with self._lock:
+            return sum(w.buffers.device_bytes for w in self._workers)
+
+    def run(self, inputs: Mapping[str, npt.NDArray[Any]]) -> dict[str, npt.NDArray[Any]]:
+        """Run once; every failure is an :class:`InferenceError` with one line of reason."""
+        shapes = self._check_inputs(inputs)
+        self._enter()
+        try:
+            with self._device.activate():
+                return self._run_checked_out(inputs, shapes)
+        except InferenceError:
+            raise
+        except Exception as exc:
+            raise InferenceError(f"TensorRT run failed: {one_line(exc)}") from exc
+        finally:
+            self._leave()
+
+    def close(self) -> None:
+        """Release contexts, engine and buffers now, or when the last running call returns."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            busy = self._active
+        if busy:
+            log.info("%s: %d request(s) still running; released when they finish", self, busy)
+            return
+        self._teardown()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closing else f"TensorRT {self.version}"
+        return f"<TensorRTSession {self.model_file} {state}>"
+
+    # -- one request ------------------------------------------------------------------------
+
+    def _check_inputs(self, inputs: Mapping[str, npt.NDArray[Any]]) -> dict[str, Shape]:
+        """Names, dtypes and static dims, before any GPU work; the shapes by input name."""
+        expected = {t.name for t in self._in}
+        missing = sorted(expected - set(inputs))
+        unknown = sorted(set(inputs) - expected)
+        if missing or unknown:
+            parts = []
+            if missing:
+                parts.append(f"missing input(s) {', '.join(missing)}")
+            if unknown:
+                parts.append(f"unknown input(s) {', '.join(unknown)}")
+            raise InferenceError("; ".join(parts))
+        shapes: dict[str, Shape] = {}
+        for t in self._in:
+            array = inputs[t.name]
+            if array.dtype != t.dtype:
+                raise InferenceError(
+                    f"input {t.name!r} is {array.dtype}, the engine takes {t.dtype}"
+                )
+            shape = tuple(int(d) for d in array.shape)
+            if len(shape) != len(t.shape) or any(
+                e >= 0 and e != s for e, s in zip(t.shape, shape, strict=True)
+            ):
+                raise InferenceError(
+                    f"input {t.name!r} has shape {list(shape)}, the engine takes {list(t.shape)}"
+                )
+            shapes[t.name] = shape
+        return shapes
+
+    def _run_checked_out(
+        self, inputs: Mapping[str, npt.NDArray[Any]], shapes: Mapping[str, Shape]
+    ) -> dict[str, npt.NDArray[Any]]:
+        """Take a context, run, give it back; a context that failed oddly is discarded."""
+        self._logger.take_errors()  # start this request with a clean slate
+        worker = self._checkout()
+        reusable = False
+        try:
+            result = self._execute(worker, inputs, shapes)
+            reusable = True
+            return result
+        except InferenceError:
+            reusable = True  # refused by a check or by TensorRT before launching: still sound
+            raise
+        finally:
+            if reusable:
+                self._checkin(worker)
+            else:
+                self._discard(worker)
+
+    def _execute(
+        self, worker: _Worker, inputs: Mapping[str, npt.NDArray[Any]], shapes: Mapping[str, Shape]
+    ) -> dict[str, npt.NDArray[Any]]:
+        """Shapes, copies in, launch, copies out, synchronize; the outputs as fresh arrays."""
+        stream = self._device.stream()
+        try:
+            out_shapes = self._set_shapes(worker, shapes, stream)
+            self._launch(worker, inputs, out_shapes, stream)
+        finally:
+            stream.synchronize()  # never leave work in flight on buffers we hand out again
+        return {t.name: worker.buffers[t.name].read(t.dtype, out_shapes[t.name]) for t in self._out}
+
+    # worker.context is never bound to a local in these methods: a traceback kept after a
+    # failed run must not keep the context (and through it the engine) alive past close().
+
+    def _set_shapes(
+        self, worker: _Worker, shapes: Mapping[str, Shape], stream: Any
+    ) -> dict[str, Shape]:
+        """Pick the profile, set every input shape, and read the output shapes TensorRT infers."""
+        self._select_profile(worker, shapes, stream)
+        for t in self._in:
+            if not worker.context.set_input_shape(t.name, shapes[t.name]):
+                raise self._failure(f"input {t.name!r}: shape {list(shapes[t.name])} refused")
+        unresolved = list(worker.context.infer_shapes())
+        if unresolved:
+            raise self._failure(f"shapes not resolved for {', '.join(map(str, unresolved))}")
+        out_shapes = {t.name: dims_of(worker.context.get_tensor_shape(t.name)) for t in self._out}
+        for t in self._out:
+            shape = out_shapes[t.name]
+            nbytes = volume(shape) * t.dtype.itemsize
+            if any(d < 0 for d in shape) or nbytes > worker.buffers[t.name].nbytes:
+                raise InferenceError(
+                    f"output {t.name!r} has shape {list(shape)}, beyond its buffer"
+                )
+        return out_shapes
+
+    def _launch(
+        self,
+        worker: _Worker,
+        inputs: Mapping[str, npt.NDArray[Any]],
+        out_shapes: Mapping[str, Shape],
+        stream: Any,
+    ) -> None:
+        """Enqueue the input copies, the inference and the output copies on ``stream``."""
+        for t in self._in:
+            worker.buffers[t.name].upload(inputs[t.name], stream)
+        for t in self._tensors:
+            if not worker.context.set_tensor_address(t.name, worker.buffers[t.name].device_ptr):
+                raise self._failure(f"tensor {t.name!r}: address refused")
+        if not worker.context.execute_async_v3(stream.handle):
+            raise self._failure("execute_async_v3 failed")
+        for t in self._out:
+            worker.buffers[t.name].download(volume(out_shapes[t.name]) * t.dtype.itemsize, stream)
+
+    def _failure(self, what: str) -> InferenceError:
+        """An InferenceError carrying what TensorRT logged on this thread about it."""
+        errors = self._logger.take_errors()
+        reason = "; ".join(errors) if errors else "TensorRT logged no reason"
+        return InferenceError(f"{what}: {reason}")
+
+    # -- optimization profiles --------------------------------------------------------------
+
+    def _admitting(self, shapes: Mapping[str, Shape]) -> list[int]:
+        def fits(profile: int) -> bool:
+            for t in self._in:
+                low, _, high = t.profiles[profile]
+                shape = shapes[t.name]
+                if any(not lo <= s <= hi for lo, s, hi in zip(low, shape, high, strict=True)):
+                    return False
+            return True
+
+        return [p for p in range(self._profiles) if fits(p)]
+
+    def _describe_profiles(self) -> str:
+        parts = []
+        for p in range(self._profiles):
+            ranges = ", ".join(
+                f"{t.name} {list(t.profiles[p][0])}..{list(t.profiles[p][2])}" for t in self._in
+            )
+            parts.append(f"profile {p}: {ranges}")
+        return "; ".join(parts)
+
+    def _select_profile(self, worker: _Worker, shapes: Mapping[str, Shape], stream: Any) -> None:
+        """Keep the context's profile when it admits the shapes, else switch to one that does."""
+        admitting = self._admitting(shapes)
+        if not admitting:
+            given = ", ".join(f"{n} {list(s)}" for n, s in shapes.items())
+            raise InferenceError(
+                f"input shapes ({given}) fit no optimization profile ({self._describe_profiles()})"
+            )
+        if worker.profile in admitting:
+            return
+        profile = self._claim(worker, admitting)
+        try:
+            switched = worker.context.set_optimization_profile_async(profile, stream.handle)
+        except RuntimeError as exc:
+            self._unclaim(worker, profile)
+            raise self._failure(f"optimization profile {profile}: {one_line(exc)}") from exc
+        if not switched:
+            self._unclaim(worker, profile)
+            raise self._failure(f"optimization profile {profile} refused")
+        if worker.profile is not None:
+            self._unclaim(worker, worker.profile)
+        worker.profile = profile
+
+    def _claim(self, worker: _Worker, admitting: Sequence[int]) -> int:
+        """The profile to use; before TensorRT 8.6 one that no other context holds."""
+        if not self._exclusive_profiles:
+            return admitting[0]
+        with self._lock:
+            for profile in admitting:
+                if self._claims.get(profile, worker) is worker:
+                    self._claims[profile] = worker
+                    return profile
+        raise InferenceError(
+            f"optimization profile(s) {list(admitting)} are held by other workers' contexts; "
+            f"TensorRT {self.version} lets one context use a profile at a time: build the "
+            "engine with one profile per worker"
+        )
+
+    def _unclaim(self, worker: _Worker, profile: int) -> None:
+        with self._lock:
+            if self._claims.get(profile) is worker:
+                del self._claims[profile]
+
+    # -- contexts ---------------------------------------------------------------------------
+
+    def _checkout(self) -> _Worker:
+        """This thread's context if idle, else any idle one, else a new one."""
+        ref = getattr(self._affinity, "worker", None)
+        preferred: _Worker | None = ref() if ref is not None else None
+        with self._lock:
+            if preferred is not None and preferred in self._idle:
+                self._idle.remove(preferred)
+                return preferred
+            if self._idle:
+                worker = self._idle.pop()
+                self._affinity.worker = weakref.ref(worker)
+                return worker
+        worker = self._new_worker()
+        with self._lock:
+            self._workers.append(worker)
+        self._affinity.worker = weakref.ref(worker)
+        return worker
+
+    def _checkin(self, worker: _Worker) -> None:
+        with self._lock:
+            self._idle.append(worker)
+
+    def _new_worker(self) -> _Worker:
+        """An execution context and its buffers (the context is current: see run)."""
+        context = self._engine.create_execution_context()
+        if context is None:
+            raise self._failure("cannot create an execution context")
+        pool = self._device.buffer_pool(mapped=self._options.zero_copy)
+        try:
+            for t in self._tensors:
+                pool.allocate(t.name, t.max_bytes)
+        except BaseException:
+            context = None
+            pool.free_all()
+            raise
+        log.debug(
+            "%s: execution context %d for %s, %d bytes of buffers",
+            self.model_file,
+            len(self._workers) + 1,
+            threading.current_thread().name,
+            pool.device_bytes + pool.host_bytes,
+        )
+        return _Worker(context, pool)
+
+    def _discard(self, worker: _Worker) -> None:
+        """Release a context that failed mid-run (a CUDA error may have left it unsound)."""
+        with self._lock:
+            if worker in self._workers:
+                self._workers.remove(worker)
+            for profile in [p for p, w in self._claims.items() if w is worker]:
+                del self._claims[profile]
+        worker.context = None
+        worker.buffers.free_all()
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def _enter(self) -> None:
+        with self._lock:
+            if self._closing:
+                raise InferenceError("session closed")
+            self._active += 1
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._active -= 1
+            last = self._closing and self._active == 0 and not self._closed
+        if last:
+            try:
+                self._teardown()
+            except Exception:
+                log.exception("%s: deferred release failed", self.model_file)
+
+    def _teardown(self) -> None:
+        """Contexts, then the engine, then the buffers, all with the CUDA context current.
+
+        TensorRT objects are released by dropping the last reference (their Python
+        ``__del__`` does nothing); a context keeps its engine alive, so contexts go first.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            workers, self._workers, self._idle = self._workers, [], []
+            self._claims.clear()
+        first: BaseException | None = None
+        with self._device.activate():
+            for worker in workers:
+                worker.context = None
+            self._engine = None
+            for worker in workers:
+                try:
+                    worker.buffers.free_all()
+                except Exception as exc:
+                    first = first or exc
+        log.debug("%s: released %d execution context(s)", self.model_file, len(workers))
+        if first is not None:
+            raise first

@@ -1,0 +1,136 @@
+"""``build_engine``: the cache key, the engine cache on disk, and the flow around a build.
+
+An engine is specific to the TensorRT version and the GPU it was built on, and a build
+takes minutes on a Jetson, so every plan is cached under :func:`cache_key` (the ONNX file's
+sha256, ``tensorrt.__version__``, the GPU's name and compute capability, the build
+options): the same inputs on the same box never build twice, across reboots.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+
+from agent.models.backends import cuda
+from agent.models.backends.base import ModelLoadError
+from agent.models.backends.tensorrt import import_tensorrt
+from agent.models.engine_builder.options import BuildOptions, EngineBuildError, default_cache_dir
+from agent.models.engine_builder.plan import build_in_context
+from agent.models.engine_builder.progress import Progress
+from agent.models.engine_builder.publish import (
+    locked,
+    publish,
+    published,
+    sha256_file,
+    warn_about_config,
+    write_atomic,
+)
+
+__all__ = ["KEY_FORMAT", "build_engine", "cache_key", "gpu_identity"]
+
+log = logging.getLogger(__name__)
+
+KEY_FORMAT = 1  # bump when what goes into a plan changes in a way the key does not show
+
+
+def gpu_identity(ordinal: int) -> cuda.DeviceIdentity:
+    """The GPU the plan will be specific to; without pycuda, the Jetson board model."""
+    try:
+        return cuda.get_device(ordinal).identity
+    except cuda.CudaError as exc:
+        model = Path("/proc/device-tree/model")
+        name = model.read_text(errors="replace").strip("\x00\n ") if model.exists() else "unknown"
+        log.warning(
+            "cannot query the GPU (%s); keying the engine cache by %r only, so move the "
+            "cache along with the board, never between boards",
+            exc,
+            name,
+        )
+        return cuda.DeviceIdentity(
+            name=name, compute_capability=(0, 0), total_memory=0, integrated=False
+        )
+
+
+def cache_key(
+    onnx_sha256: str, trt_version: str, gpu: cuda.DeviceIdentity, options: BuildOptions
+) -> str:
+    """sha256 over everything the plan depends on; the name of its cache entry."""
+    material = json.dumps(
+        {
+            "format": KEY_FORMAT,
+            "onnx": onnx_sha256,
+            "tensorrt": trt_version,
+            "gpu": gpu.name,
+            "compute_capability": list(gpu.compute_capability),
+            "options": options.key_fields(),
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(material.encode()).hexdigest()
+
+
+def build_engine(
+    onnx_path: Path | str, out_repository_model_dir: Path | str, options: BuildOptions | None = None
+) -> Path:
+    """Build (or reuse) the plan for ``onnx_path`` and return the ``model.plan`` in the
+    repository: ``out_repository_model_dir/N+1/model.plan``, or the existing version that
+    already holds the same build. Raises :class:`EngineBuildError` (one line)."""
+    options = options or BuildOptions()
+    onnx_path, model_dir = Path(onnx_path), Path(out_repository_model_dir)
+    progress = Progress(options.progress or (lambda line: log.info("build-engine: %s", line)))
+    try:
+        onnx_sha = sha256_file(onnx_path)
+    except OSError as exc:
+        raise EngineBuildError(f"cannot read {onnx_path}: {exc.strerror or exc}") from exc
+    try:
+        trt = import_tensorrt()
+    except ModelLoadError as exc:
+        raise EngineBuildError(str(exc)) from exc
+    gpu = gpu_identity(options.device)
+    version = str(trt.__version__)
+    key = cache_key(onnx_sha, version, gpu, options)
+    cache_dir = options.cache_dir or default_cache_dir()
+    cached_plan = cache_dir / f"{key}.plan"
+    with locked(model_dir):
+        existing = None if options.force else published(model_dir, key)
+        if existing is not None:
+            progress.phase(f"already built: {existing} (key {key[:12]})")
+            return existing
+        started = time.monotonic()
+        plan = None if options.force else _read_cached(cached_plan)
+        if plan is not None:
+            progress.phase(f"cache hit: {cached_plan}")
+        else:
+            timing = options.timing_cache or cache_dir / f"timing-{version}-{gpu.slug}.cache"
+            plan = build_in_context(trt, onnx_path, options, timing, progress)
+            try:
+                write_atomic(cached_plan, plan)
+            except OSError as exc:  # a full cache disk costs a rebuild later, not this build
+                log.warning("cannot cache the engine in %s: %s", cache_dir, exc.strerror or exc)
+        info = {
+            "key": key,
+            "onnx_file": onnx_path.name,
+            "onnx_sha256": onnx_sha,
+            "tensorrt": version,
+            "gpu": {"name": gpu.name, "compute_capability": list(gpu.compute_capability)},
+            "options": options.key_fields(),
+            "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "seconds": round(time.monotonic() - started, 3),
+        }
+        warn_about_config(model_dir)
+        try:
+            target = publish(model_dir, plan, info)
+        except OSError as exc:
+            raise EngineBuildError(f"cannot write the version into {model_dir}: {exc}") from exc
+    progress.phase(f"wrote {target} ({len(plan)} bytes)")
+    return target
+
+
+def _read_cached(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes() if path.is_file() else None
+    except OSError:
+        return None

@@ -1,0 +1,48 @@
+"""Opening one version for the manager: everything that must pass before it may serve.
+
+This is invariant 2 of :mod:`agent.models.manager` in code: the folder's problem, the
+checksum, the backend's load, the fit with ``config.toml`` and with the version that
+serves now, and a warm-up run. Any failure closes the session and raises
+:class:`ModelLoadError` with one line, so the version is marked ``failed`` and the serving
+one stays.
+"""
+
+from __future__ import annotations
+
+from agent.models.backends.base import BackendOptions, ModelLoadError, Session
+from agent.models.backends.registry import get_backend, warm_up
+from agent.models.records import ModelRecord
+from agent.models.repository import VersionInfo, verify_checksum
+from agent.models.signature import check_signature, incompatibilities
+
+__all__ = ["open_version"]
+
+
+def open_version(
+    record: ModelRecord, version: VersionInfo, options: BackendOptions, *, warmup: bool
+) -> Session:
+    """A checked, warmed-up session of ``version`` (``options``: the agent-wide ones)."""
+    if version.problem is not None:
+        raise ModelLoadError(version.problem)
+    if version.model_file is None or version.backend is None:
+        raise ModelLoadError("no model file in the version folder")
+    problem = verify_checksum(version)
+    if problem is not None:
+        raise ModelLoadError(problem)
+    backend = get_backend(version.backend)
+    session = backend.load(version.model_file, record.config.backend_options.apply(options))
+    try:
+        problems = check_signature(record.config, session)
+        serving = record.serving
+        if serving is not None and record.config.policy.require_compatible:
+            problems += incompatibilities(serving.session, session, serving.version)
+        if problems:
+            raise ModelLoadError("; ".join(problems))
+        if warmup:
+            warm_up(session)
+    except Exception as e:
+        session.close()
+        if isinstance(e, ModelLoadError):
+            raise
+        raise ModelLoadError(f"warm-up failed: {e}") from e
+    return session

@@ -1,0 +1,94 @@
+"""When a version's files count as complete, so that nothing half-copied is ever loaded.
+
+A version folder renamed into place (the watcher reports the move) is complete at once.
+One written in place (``cp`` into ``models/NAME/3/``) is complete once its newest mtime is
+``settle_s`` old and its model file's fingerprint (size, mtime) has not changed since the
+previous look; until then a lower ready version keeps serving and the manager asks for
+another sync after the seconds :meth:`SettleTracker.finish_round` returns.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from agent.models.records import Fingerprint
+from agent.models.repository import VersionInfo, file_fingerprint
+
+__all__ = ["SettleTracker", "fingerprint_of"]
+
+
+class SettleTracker:
+    """Per-version settle state across syncs. One sync (round) at a time: the manager calls
+    :meth:`start_round`, :meth:`settled` per candidate, then :meth:`finish_round`;
+    :meth:`mark_complete` may come from any thread."""
+
+    def __init__(self, settle_s: float) -> None:
+        self._settle_s = settle_s
+        self._lock = threading.Lock()  # guards _complete (the watcher thread adds to it)
+        self._complete: set[Path] = set()  # version folders renamed into place
+        self._seen: dict[tuple[str, int], tuple[Fingerprint | None, float]] = {}
+        self._first_round = True
+        self._next_check: float | None = None
+
+    def mark_complete(self, version_folder: Path) -> None:
+        """A version folder was renamed into place: its files are complete at once."""
+        with self._lock:
+            self._complete.add(version_folder.resolve())
+
+    def start_round(self) -> None:
+        self._next_check = None
+
+    def finish_round(self) -> float | None:
+        """Seconds until a version still settling should be looked at again, else None."""
+        self._first_round = False
+        return self._next_check
+
+    def settled(self, version: VersionInfo, fingerprint: Fingerprint | None) -> bool:
+        """Files count as complete once renamed into place, or unchanged for `settle_s`.
+
+        The newest mtime of the version's files must be `settle_s` old, and the fingerprint
+        the same as at the previous look (a write in between restarts the wait).
+        """
+        with self._lock:
+            if version.path.resolve() in self._complete:
+                return True
+        key = (version.model, version.version)
+        stamp = _newest_mtime(version.path)
+        now = time.time()
+        previous = self._seen.get(key)
+        self._seen[key] = (fingerprint, stamp)
+        age = now - stamp
+        if age >= self._settle_s and previous is not None and previous == (fingerprint, stamp):
+            return True
+        if age >= self._settle_s and previous is None and self._first_round:
+            return True  # present and untouched when the agent started
+        wait = max(self._settle_s - age, 0.05) if age < self._settle_s else 0.05
+        self._next_check = wait if self._next_check is None else min(self._next_check, wait)
+        return False
+
+
+def fingerprint_of(version: VersionInfo) -> Fingerprint | None:
+    """The model file's (size, mtime_ns), or None without a readable one."""
+    if version.model_file is None:
+        return None
+    try:
+        return file_fingerprint(version.model_file)
+    except OSError:
+        return None
+
+
+def _newest_mtime(folder: Path) -> float:
+    """The latest modification time of a version folder and the files in it."""
+    newest = 0.0
+    try:
+        newest = folder.stat().st_mtime
+        for child in folder.iterdir():
+            try:
+                newest = max(newest, child.stat().st_mtime)
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return newest
