@@ -19,11 +19,12 @@ from paho.mqtt.properties import Properties
 
 from agent.demo import models as demo_models
 from agent.demo.broker import EmbeddedBroker
-from agent.protocol import wire
+from agent.protocol.errors import Limits
+from agent.protocol.payload import decode_payload, encode_payload
 from tests.conftest import write_long_decoder
 
 REPO = Path(__file__).resolve().parent.parent
-LIMITS = wire.Limits(max_payload_bytes=1 << 26)
+LIMITS = Limits(max_payload_bytes=1 << 26)
 
 
 class PersistentSubscriber:
@@ -47,7 +48,7 @@ class PersistentSubscriber:
         self.client.loop_start()
 
     def _on_message(self, client, userdata, message) -> None:
-        body = wire.decode_payload(message.payload, LIMITS)
+        body = decode_payload(message.payload, LIMITS)
         key = (body["id"], body["seq"])
         with self._lock:
             if key in self.messages:
@@ -94,7 +95,7 @@ def test_broker_killed_three_times_during_four_long_streams(make_agent, tmp_path
                 "params": {"max_steps": steps},
             }
             publisher.publish(
-                f"{agent.root}/infer/decoder", wire.encode_payload(body), 1
+                f"{agent.root}/infer/decoder", encode_payload(body), 1
             ).wait_for_publish(5)
         publisher.disconnect()
         publisher.loop_stop()
@@ -147,7 +148,7 @@ def test_agent_killed_during_requests_answers_all_after_restart(own_broker, tmp_
     root = "edge/killme"
     statuses: queue.Queue[dict] = queue.Queue()
     watcher = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
-    watcher.on_message = lambda c, u, m: statuses.put(wire.decode_payload(m.payload, LIMITS))
+    watcher.on_message = lambda c, u, m: statuses.put(decode_payload(m.payload, LIMITS))
     watcher.connect(own_broker.host, own_broker.port)
     watcher.subscribe(f"{root}/status", 1)
     watcher.loop_start()
@@ -163,7 +164,7 @@ def test_agent_killed_during_requests_answers_all_after_restart(own_broker, tmp_
         publisher.loop_start()
         for i in range(12):
             body = {"id": f"req-{i}", "inputs": {"x": x}}
-            publisher.publish(f"{root}/infer/mlp", wire.encode_payload(body), 1).wait_for_publish(5)
+            publisher.publish(f"{root}/infer/mlp", encode_payload(body), 1).wait_for_publish(5)
         publisher.disconnect()
         publisher.loop_stop()
         assert wait_for(lambda: len(subscriber.messages) > 100, 20)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from agent.client import AgentError
-from agent.ops.metrics import AgentMetrics, Gauges, MetricsServer
-from agent.protocol import wire
+from agent.ops.metrics import AgentMetrics, Gauges
+from agent.protocol.payload import encode_payload
 from agent.service.agent import Agent
 from tests.conftest import agent_config
 from tests.ops_helpers import sample, scrape, wait_until
@@ -159,7 +159,7 @@ def test_telemetry_carries_the_metrics_snapshot(metered, broker, make_client):
     assert metrics["edge_agent_request_duration_seconds_count"]["model=mlp"] == 1
     assert metrics["edge_agent_process_resident_memory_bytes"] > 0
     assert message["gauges"]["queue_depth"] == 0
-    assert len(wire.encode_payload(message)) < 64 * 1024
+    assert len(encode_payload(message)) < 64 * 1024
 
 
 def test_registries_are_per_agent_and_labels_bounded():
@@ -175,23 +175,6 @@ def test_registries_are_per_agent_and_labels_bounded():
         "model=decoder,outcome=ok,version=3": 1,
     }
     assert "edge_agent_requests_total" not in b.snapshot()
-
-
-def test_metrics_server_reports_a_failing_health_check_as_503():
-    metrics = AgentMetrics(Gauges, device="x", version="0")
-
-    def broken():
-        raise RuntimeError("boom")
-
-    server = MetricsServer(metrics.registry, "127.0.0.1", 0, broken)
-    server.start()
-    try:
-        with pytest.raises(urllib.error.HTTPError) as e:
-            scrape(server.url + "/healthz")
-        assert e.value.code == 503
-        assert "edge_agent_info" in scrape(server.url + "/metrics")
-    finally:
-        server.close()
 
 
 def test_the_grafana_dashboard_only_uses_metrics_that_exist():

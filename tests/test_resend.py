@@ -11,7 +11,7 @@ import pytest
 
 from agent.client import AgentClient, AgentError
 from agent.demo.broker import EmbeddedBroker
-from agent.protocol import wire
+from agent.protocol.payload import encode_payload
 from tests.conftest import write_long_decoder
 
 
@@ -64,7 +64,7 @@ def test_sdk_recovers_every_message_across_three_broker_crashes(
             chunks, error = results[i]
             assert error is None, (
                 f"stream {i}: {error}; counters {dict(agent.counters)}, "
-                f"spool {agent.delivery.spool.count if agent.delivery.spool else None}, "
+                f"spool {agent.spool.count if agent.spool else None}, "
                 f"resender {vars(agent.resender) if agent.resender else None}"
             )
             assert [c.seq for c in chunks] == list(range(steps))
@@ -160,7 +160,7 @@ def test_a_late_subscriber_gets_the_whole_stream(broker, repository, make_agent,
         "inputs": {"token": np.array([[1]], dtype=np.int64)},
         "params": {"max_steps": 7},
     }
-    client.publish_raw(f"{agent.root}/infer/decoder", wire.encode_payload(body))
+    client.publish_raw(f"{agent.root}/infer/decoder", encode_payload(body))
     deadline = time.monotonic() + 5
     while agent.counters["requests_ok"] < 1 and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -193,7 +193,7 @@ def test_old_or_unknown_streams_are_gone(broker, repository, make_agent, make_cl
     client.listen(topic, lambda t, m, raw: got.put(m))
     client.publish_raw(
         f"{agent.root}/resend",
-        wire.encode_payload({"id": "old-1", "from_seq": 0, "model": "decoder"}),
+        encode_payload({"id": "old-1", "from_seq": 0, "model": "decoder"}),
     )
     message = got.get(timeout=5)
     assert message == {"v": 1, "id": "old-1", "type": "gone", "seq": None}
@@ -216,20 +216,18 @@ def test_resend_requests_are_validated_and_rate_limited(
     )
     bad = [
         b"\xff\x00",
-        wire.encode_payload({"id": "x y", "from_seq": 0}),
-        wire.encode_payload({"id": "rl-1"}),
-        wire.encode_payload({"id": "rl-1", "seqs": [-1]}),
-        wire.encode_payload({"id": "rl-1", "from_seq": 0, "extra": 1}),
-        wire.encode_payload({"id": "rl-1", "seqs": list(range(2000))}),
+        encode_payload({"id": "x y", "from_seq": 0}),
+        encode_payload({"id": "rl-1"}),
+        encode_payload({"id": "rl-1", "seqs": [-1]}),
+        encode_payload({"id": "rl-1", "from_seq": 0, "extra": 1}),
+        encode_payload({"id": "rl-1", "seqs": list(range(2000))}),
     ]
     for payload in bad * 10:
         client.publish_raw(f"{agent.root}/resend", payload)
     for _ in range(10):  # the same ask again and again: answered once
-        client.publish_raw(
-            f"{agent.root}/resend", wire.encode_payload({"id": "rl-1", "from_seq": 0})
-        )
+        client.publish_raw(f"{agent.root}/resend", encode_payload({"id": "rl-1", "from_seq": 0}))
     for i in range(50):  # distinct asks: the token bucket (5 a second) drops most
-        client.publish_raw(f"{agent.root}/resend", wire.encode_payload({"id": "rl-1", "seqs": [i]}))
+        client.publish_raw(f"{agent.root}/resend", encode_payload({"id": "rl-1", "seqs": [i]}))
     deadline = time.monotonic() + 5
     counted = 0
     while counted < len(bad) * 10 and time.monotonic() < deadline:

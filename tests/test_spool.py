@@ -14,14 +14,9 @@ from pathlib import Path
 import pytest
 
 from agent.delivery.outbox import Outbox, OutMessage
-from agent.delivery.spool import (
-    STORED_BYTES_SQL,
-    WAL_SIZE_LIMIT,
-    Spool,
-    SpoolFull,
-    StoreRequest,
-    stored_bytes,
-)
+from agent.delivery.spool import Spool, SpoolFull
+from agent.delivery.spool_items import StoreRequest
+from agent.delivery.spool_sql import STORED_BYTES_SQL, WAL_SIZE_LIMIT, stored_bytes
 from agent.delivery.spool_writer import SpoolWriter
 
 REPO = Path(__file__).resolve().parent.parent
@@ -261,7 +256,7 @@ def test_a_request_answered_in_the_same_batch_is_never_written(tmp_path: Path):
     """Group commit: the store and the terminal message in one transaction cancel out (the
     commit is still fsynced before the acknowledgement: the terminal message is not
     acknowledged yet); across batches the row comes and goes."""
-    from agent.delivery.spool import FinishRequest, StoreRequest
+    from agent.delivery.spool_items import FinishRequest, StoreRequest
 
     spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 20, max_messages=100)
     acked: list[str] = []
@@ -306,7 +301,8 @@ def test_a_batch_stores_and_deletes_requests_in_a_few_statements(tmp_path: Path)
     go in a few multi-row statements (each statement costs the writer a release and retake of
     the GIL), power-of-two pieces of at most `INSERT_REQUESTS` / `DELETE_REQUESTS` rows, with
     the same rows as one statement each."""
-    from agent.delivery.spool import DELETE_REQUESTS, INSERT_REQUESTS, FinishRequest, StoreRequest
+    from agent.delivery.spool_items import FinishRequest, StoreRequest
+    from agent.delivery.spool_sql import DELETE_REQUESTS, INSERT_REQUESTS
 
     spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 26, max_messages=100_000)
     statements = _Statements(spool._db)
@@ -344,10 +340,11 @@ def test_multi_row_statements_come_in_a_few_sizes(tmp_path: Path):
     """Batches of every size from 1 to 200 messages and requests: the spool prepares a
     statement per power-of-two piece, so the connection's statement cache holds a few dozen
     statements, not one per row count (which took megabytes)."""
-    from agent.delivery.spool import FinishRequest, StoreRequest, _pieces
+    from agent.delivery.spool_items import FinishRequest, StoreRequest
+    from agent.delivery.spool_sql import pieces
 
-    assert _pieces(0, 64) == [] and _pieces(1, 64) == [1]
-    assert _pieces(37, 64) == [32, 4, 1] and _pieces(200, 64) == [64, 64, 64, 8]
+    assert pieces(0, 64) == [] and pieces(1, 64) == [1]
+    assert pieces(37, 64) == [32, 4, 1] and pieces(200, 64) == [64, 64, 64, 8]
     spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 28, max_messages=1_000_000)
     statements = _Statements(spool._db)
     spool._db = statements  # type: ignore[assignment]
@@ -373,7 +370,7 @@ def test_an_fsync_only_where_a_stored_request_still_needs_the_disk(tmp_path: Pat
     """A request stored and settled in one batch (answered, each reply acknowledged by the
     broker, or answered at QoS 0) needs nothing on disk: no fsync before its acknowledgement.
     One with a reply the broker may not have, or not answered yet, is fsynced."""
-    from agent.delivery.spool import FinishRequest, StoreRequest
+    from agent.delivery.spool_items import FinishRequest, StoreRequest
 
     spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 20, max_messages=100)
     statements = _Statements(spool._db)
@@ -443,7 +440,7 @@ def test_the_caps_count_what_the_rows_take_on_disk(tmp_path: Path, payload_size:
 def test_a_young_unsettled_request_waits_for_the_next_batch_instead_of_an_fsync():
     """The batch ends before a request stored moments ago and not answered yet, where every
     request before it is settled; an old unsettled one makes the whole batch durable."""
-    from agent.delivery.spool import FinishRequest, StoreRequest, settled_prefix
+    from agent.delivery.spool_items import FinishRequest, StoreRequest, settled_prefix
 
     def store(key: str, queued_at: float) -> StoreRequest:
         return StoreRequest(key, "t", b"req", 1, None, None, queued_at=queued_at)
@@ -483,7 +480,7 @@ def test_the_writer_fsyncs_nothing_for_a_stream_of_fast_requests(
     the other: each is acknowledged to the broker without a single fsync; one that stays
     unanswered past the grace is fsynced and acknowledged."""
     from agent.delivery import spool_writer
-    from agent.delivery.spool import StoreRequest
+    from agent.delivery.spool_items import StoreRequest
     from agent.delivery.spool_writer import SpoolWriter
 
     # A grace no scheduling hiccup of a busy CI machine reaches, for the fast requests.
@@ -534,7 +531,7 @@ def test_the_writer_fsyncs_nothing_for_a_stream_of_fast_requests(
 def test_the_writer_calls_after_callbacks_once_per_batch_that_ran_callbacks(tmp_path: Path):
     """The callbacks queue acknowledgements; `after_callbacks` has them sent, once for all
     the callbacks of a batch (not once each), and not for a batch without any."""
-    from agent.delivery.spool import AfterWrite
+    from agent.delivery.spool_items import AfterWrite
     from agent.delivery.spool_writer import SpoolWriter
 
     spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 24, max_messages=10_000)

@@ -26,14 +26,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from agent.delivery.spool import (
-    AfterWrite,
-    Eviction,
-    FinishRequest,
-    Spool,
-    SpooledMessage,
-    stored_bytes,
-)
+from agent.delivery.spool import Spool
+from agent.delivery.spool_items import AfterWrite, Eviction, FinishRequest, SpooledMessage
+from agent.delivery.spool_sql import stored_bytes
 from agent.delivery.spool_writer import SpoolWriter
 
 REFILL_BATCH = 256

@@ -20,8 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.delivery.outbox import OutMessage
-from agent.delivery.spool import Spool, SpooledMessage
-from agent.protocol import wire
+from agent.delivery.spool import Spool
+from agent.delivery.spool_items import SpooledMessage
+from agent.protocol.errors import ID_PATTERN, WireError
+from agent.protocol.payload import encode_payload
+from agent.protocol.replies import gone_message
 
 MAX_SEQS = 1000  # seqs one resend request may list
 REPEAT_S = 1.0  # the same resend request again within this time is ignored
@@ -79,30 +82,30 @@ def parse_resend(
     which say where `gone` goes for a stream the agent no longer holds)."""
     unknown = set(payload) - {"id", "from_seq", "seqs", "model", "reply_to"}
     if unknown:
-        raise wire.WireError("bad_request", f"unknown key(s) in resend: {sorted(unknown)}")
+        raise WireError("bad_request", f"unknown key(s) in resend: {sorted(unknown)}")
     request_id = payload.get("id")
-    if not isinstance(request_id, str) or not wire.ID_PATTERN.fullmatch(request_id):
-        raise wire.WireError("bad_request", "resend needs a valid id")
+    if not isinstance(request_id, str) or not ID_PATTERN.fullmatch(request_id):
+        raise WireError("bad_request", "resend needs a valid id")
     from_seq, seqs = payload.get("from_seq"), payload.get("seqs")
     if (from_seq is None) == (seqs is None):
-        raise wire.WireError("bad_request", "resend needs exactly one of from_seq and seqs")
+        raise WireError("bad_request", "resend needs exactly one of from_seq and seqs")
     if from_seq is not None and not _uint(from_seq):
-        raise wire.WireError("bad_request", "from_seq must be an unsigned integer")
+        raise WireError("bad_request", "from_seq must be an unsigned integer")
     if seqs is not None and (
         not isinstance(seqs, list | tuple)
         or not 1 <= len(seqs) <= MAX_SEQS
         or not all(_uint(s) for s in seqs)
     ):
-        raise wire.WireError("bad_request", f"seqs must be 1 to {MAX_SEQS} unsigned integers")
+        raise WireError("bad_request", f"seqs must be 1 to {MAX_SEQS} unsigned integers")
     topic = None
     reply_to, model = payload.get("reply_to"), payload.get("model")
     if isinstance(reply_to, str):
         if not any(reply_to.startswith(p) for p in allowed_prefixes) or any(
             c in reply_to for c in "+#\0"
         ):
-            raise wire.WireError("bad_request", "reply_to is not an allowed topic")
+            raise WireError("bad_request", "reply_to is not an allowed topic")
         topic = reply_to
-    elif isinstance(model, str) and wire.ID_PATTERN.fullmatch(model):
+    elif isinstance(model, str) and ID_PATTERN.fullmatch(model):
         topic = f"{root}/result/{model}/{request_id}"
     return ResendRequest(
         request_id,
@@ -188,7 +191,5 @@ class Resender:
             return
         self.gone += 1
         self._send(
-            OutMessage(
-                request.topic, wire.encode_payload(wire.gone_message(request.id)), self._gone_qos
-            )
+            OutMessage(request.topic, encode_payload(gone_message(request.id)), self._gone_qos)
         )

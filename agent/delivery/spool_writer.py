@@ -24,7 +24,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from agent.delivery.spool import AfterWrite, Eviction, Spool, WriteItem, settled_prefix
+from agent.delivery.spool import Spool
+from agent.delivery.spool_items import AfterWrite, Eviction, WriteItem, settled_prefix
 
 log = logging.getLogger(__name__)
 

@@ -1,46 +1,18 @@
-"""Typed configuration: a TOML file, environment overrides, validation, masked printing.
+"""The configuration's schema: one pydantic model per TOML section, with its defaults, bounds
+and the checks that span keys (a source's kind and its keys, unique source names).
 
-Every key has a default, so an empty file is a valid configuration. Unknown keys are an error
-that names the key and the file, because a typo in a config that silently falls back to a
-default is the worst kind of edge-box bug: it only shows up in the field.
+Every section forbids unknown keys and is frozen: a typo is an error that names the key (see
+agent.config.loading), and a loaded configuration is never changed in place.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import socket
-import sys
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
-
-from agent.ops.systemd import credential_path
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 (JetPack 6)
-    import tomli as tomllib
-
-ENV_PREFIX = "EDGE_AGENT__"
-SECRET_MASK = "***"
-
-
-class ConfigError(Exception):
-    """One or more problems with the configuration; each line of `problems` names a key."""
-
-    def __init__(self, problems: list[str]) -> None:
-        super().__init__("\n".join(problems))
-        self.problems = problems
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Section(BaseModel):
@@ -128,7 +100,7 @@ class SchedulerConfig(_Section):
 
 
 class LimitsConfig(_Section):
-    """Limits on outside input, applied before decoding (see agent.protocol.wire.Limits)."""
+    """Limits on outside input, applied before decoding (see agent.protocol.errors.Limits)."""
 
     max_payload_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     max_decompressed_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
@@ -176,7 +148,7 @@ class TelemetryConfig(_Section):
 
 
 class MetricsConfig(_Section):
-    """The Prometheus endpoint (`/metrics`, `/healthz`); see agent.ops.metrics."""
+    """The Prometheus endpoint (`/metrics`, `/healthz`); see agent.ops.endpoint."""
 
     enabled: bool = True
     host: str = "127.0.0.1"  # loopback: expose it on purpose, never by default
@@ -348,176 +320,3 @@ class AgentConfig(_Section):
     @property
     def client_id(self) -> str:
         return self.mqtt.client_id or f"edge-agent-{self.device_id}"
-
-
-SECRET_KEYS = frozenset({"password", "password_file", "key_file", "token"})
-
-
-def load_config(path: Path | None, environ: Mapping[str, str] | None = None) -> AgentConfig:
-    """Read `path` (None: defaults only), apply `EDGE_AGENT__...` overrides, validate.
-
-    Relative paths in the file resolve against the file's folder, so a service started from
-    any working directory finds the same models.
-    """
-    environ = os.environ if environ is None else environ
-    source = str(path) if path is not None else "<defaults>"
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except FileNotFoundError:
-            raise ConfigError([f"{source}: file not found"]) from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError([f"{source}: invalid TOML: {e}"]) from None
-        except OSError as e:
-            raise ConfigError([f"{source}: cannot read: {e.strerror}"]) from None
-    problems = _apply_environment(data, environ)
-    if problems:
-        raise ConfigError(problems)
-    try:
-        config = AgentConfig.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError([_describe(err, source, environ) for err in e.errors()]) from None
-    base = path.parent.resolve() if path is not None else Path.cwd()
-    return _resolve_paths(config, base, environ)
-
-
-def _apply_environment(data: dict[str, Any], environ: Mapping[str, str]) -> list[str]:
-    """`EDGE_AGENT__MQTT__PORT=1884` sets `[mqtt] port`; values parse as TOML when they can."""
-    problems = []
-    for name, raw in sorted(environ.items()):
-        if not name.startswith(ENV_PREFIX):
-            continue
-        keys = [k.lower() for k in name[len(ENV_PREFIX) :].split("__")]
-        if not all(keys):
-            problems.append(f"environment {name}: empty key level")
-            continue
-        target = data
-        for key in keys[:-1]:
-            child = target.setdefault(key, {})
-            if not isinstance(child, dict):
-                problems.append(f"environment {name}: '{key}' is not a section")
-                break
-            target = child
-        else:
-            target[keys[-1]] = _parse_env_value(raw)
-    return problems
-
-
-def _parse_env_value(raw: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw
-
-
-def _describe(err: Any, source: str, environ: Mapping[str, str]) -> str:
-    key = ".".join(str(p) for p in err["loc"])
-    env_name = ENV_PREFIX + "__".join(str(p).upper() for p in err["loc"])
-    origin = f"environment {env_name}" if env_name in environ else source
-    if err["type"] == "extra_forbidden":
-        return f"{origin}: unknown key '{key}'"
-    return f"{origin}: {key}: {str(err['msg']).removeprefix('Value error, ')}"
-
-
-def _resolve_paths(
-    config: AgentConfig, base: Path, environ: Mapping[str, str] | None = None
-) -> AgentConfig:
-    def resolve(p: Path | None) -> Path | None:
-        if p is None:
-            return None
-        p = p.expanduser()
-        return p if p.is_absolute() else (base / p)
-
-    def resolve_secret(p: Path | None) -> Path | None:
-        # Under systemd, a relative name may be a LoadCredential= credential.
-        found = credential_path(p, environ or {}) if p is not None else None
-        return found or resolve(p)
-
-    tls = config.mqtt.tls.model_copy(
-        update={
-            "ca_file": resolve_secret(config.mqtt.tls.ca_file),
-            "cert_file": resolve_secret(config.mqtt.tls.cert_file),
-            "key_file": resolve_secret(config.mqtt.tls.key_file),
-        }
-    )
-    mqtt = config.mqtt.model_copy(
-        update={"tls": tls, "password_file": resolve_secret(config.mqtt.password_file)}
-    )
-    models = config.models.model_copy(update={"repository": resolve(config.models.repository)})
-    state_dir = resolve(config.state_dir)
-    assert state_dir is not None
-    spool = config.spool.model_copy(
-        update={"path": resolve(config.spool.path) or state_dir / "spool.sqlite"}
-    )
-    sources = [  # "-" is standard input (a pipe source), not a file name
-        s
-        if s.path is None or str(s.path) == "-"
-        else s.model_copy(update={"path": resolve(s.path)})
-        for s in config.sources
-    ]
-    return config.model_copy(
-        update={
-            "mqtt": mqtt,
-            "models": models,
-            "state_dir": state_dir,
-            "spool": spool,
-            "sources": sources,
-        }
-    )
-
-
-def masked_dict(config: AgentConfig) -> dict[str, Any]:
-    """The effective configuration as plain data, with every secret replaced by a mask."""
-
-    def mask(node: Any) -> Any:
-        if isinstance(node, dict):
-            return {
-                k: (SECRET_MASK if k in SECRET_KEYS and v is not None else mask(v))
-                for k, v in node.items()
-            }
-        if isinstance(node, list):
-            return [mask(v) for v in node]
-        return node
-
-    result: dict[str, Any] = mask(config.model_dump(mode="json"))
-    return result
-
-
-def to_toml(data: Mapping[str, Any], _prefix: str = "") -> str:
-    """Render plain config data as TOML (scalars first, then sections) for check-config."""
-    lines: list[str] = []
-    tables = []
-    array_tables = []
-    for key, value in data.items():
-        if isinstance(value, dict):
-            tables.append((key, value))
-        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-            array_tables.append((key, value))  # [[sources]]
-        elif value is not None:
-            lines.append(f"{key} = {_toml_value(value)}")
-    out = "\n".join(lines)
-    for key, value in tables:
-        name = f"{_prefix}{key}"
-        body = to_toml(value, f"{name}.")
-        out += (
-            f"\n\n[{name}]\n{body}" if body and not body.startswith("\n") else f"\n\n[{name}]{body}"
-        )
-    for key, items in array_tables:
-        name = f"{_prefix}{key}"
-        for item in items:
-            body = to_toml(item, f"{name}.")
-            out += f"\n\n[[{name}]]" + (f"\n{body}" if body and not body.startswith("\n") else body)
-    return out.strip("\n") if not _prefix else out
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    text = str(value).replace("\\", "\\\\").replace('"', '\\"')
-    return f'"{text}"'

@@ -1,0 +1,278 @@
+"""One request's reply stream, as a subscriber sees it: messages put in `seq` order,
+duplicates dropped (QoS 1 delivers at least once), `part` messages reassembled into one
+chunk, gaps and a stream gone quiet asked for again on `ROOT/resend`, the terminal message
+turned into `end`, `result` or a typed :class:`AgentError`.
+
+No MQTT here: the connection (agent.client.connection) hands each decoded message in and
+publishes the resend requests the stream asks for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from agent.models.backends.base import Array
+from agent.protocol.errors import Limits
+from agent.protocol.replies import reassemble_parts
+from agent.protocol.tensors import decode_tensor
+
+# Replies come from a trusted agent, but still through a broker: decode with generous limits.
+REPLY_LIMITS = Limits(
+    max_payload_bytes=256 * 1024 * 1024,
+    max_decompressed_bytes=1024 * 1024 * 1024,
+    max_depth=16,
+    max_map_keys=4096,
+    max_tensor_elements=1 << 31,
+    max_tensor_bytes=1 << 33,
+    max_rank=16,
+    max_tensors=4096,
+)
+
+Arrays = dict[str, Array]
+
+
+class AgentError(Exception):
+    """The agent answered with an `error` message (`code` is one of the contract's codes)."""
+
+    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+class ReplyTimeout(AgentError, TimeoutError):
+    """No message of the stream arrived within the timeout."""
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__("timeout", message, request_id)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One logical piece of the output (parts already reassembled)."""
+
+    seq: int
+    index: int
+    outputs: Arrays
+    model: str
+    version: int
+    ts: int  # agent's emit time, Unix ns (of the last part)
+    received: float  # local time.perf_counter() when it was complete
+
+
+@dataclass(frozen=True)
+class StreamEnd:
+    chunks: int
+    timing: Mapping[str, float]
+    model: str
+    version: int
+
+
+def decode_outputs(raw: Mapping[str, Any]) -> Arrays:
+    return {str(k): decode_tensor(v, REPLY_LIMITS, name=str(k)) for k, v in raw.items()}
+
+
+@dataclass
+class Reply:
+    """The reply stream of one request: iterate it for chunks; `end` or `result` after."""
+
+    request_id: str
+    topic: str
+    timeout: float
+    _messages: queue.Queue[dict[str, Any]] = field(default_factory=queue.Queue, repr=False)
+    _on_close: Callable[[Reply], None] | None = field(default=None, repr=False)
+    # Gap recovery: `_ask(payload)` publishes a resend request (None: no recovery).
+    _ask: Callable[[dict[str, Any]], None] | None = field(default=None, repr=False)
+    model: str | None = None
+    gap_wait_s: float = 0.3  # a missing seq this long, with later ones here: ask for it
+    quiet_s: float = 1.5  # nothing this long before the terminal message: ask from next seq
+    resend_requests: int = 0  # resend requests this stream sent
+    recovered: int = 0  # messages that arrived after they were asked for again
+    _asked: set[int] = field(default_factory=set, repr=False)
+    _attempt: int = 0
+    _last_message: float = field(default_factory=time.monotonic, repr=False)
+    _last_ask: float = 0.0  # monotonic time of the last resend request (0: none yet)
+    _gap_since: float | None = None
+    end: StreamEnd | None = None
+    result: Arrays | None = None
+    timing: Mapping[str, float] | None = None
+    version: int | None = None
+    duplicates: int = 0
+    messages: int = 0
+    sent_at: float = 0.0
+    _next_seq: int = 0
+    _pending: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)
+    _parts: dict[int, list[dict[str, Any]]] = field(default_factory=dict, repr=False)
+    _done: bool = False
+
+    def _deliver(self, message: dict[str, Any]) -> None:
+        self._messages.put(message)
+
+    def __iter__(self) -> Iterator[Chunk]:
+        try:
+            while not self._done:
+                message = self._next_in_order()
+                chunk = self._handle(message)
+                if chunk is not None:
+                    yield chunk
+        finally:
+            self.close()
+
+    def _next_in_order(self) -> dict[str, Any]:
+        """The message with the next `seq`, dropping duplicates and holding early arrivals.
+
+        A gap (a missing seq while later ones arrived, parts that never complete) or a
+        stream gone quiet before its terminal message is asked for again on `ROOT/resend`,
+        with backoff, until `timeout` passes without any message.
+        """
+        while self._next_seq not in self._pending:
+            now = time.monotonic()
+            silent = now - self._last_message
+            if silent >= self.timeout:
+                raise ReplyTimeout(
+                    f"no message for {self.timeout:.1f} s (next seq {self._next_seq}, "
+                    f"{self.resend_requests} resend requests)",
+                    self.request_id,
+                )
+            wait = self.timeout - silent
+            due = self._recovery_due(now)
+            if due is not None:
+                wait = min(wait, max(0.0, due - now))
+            try:
+                message = self._messages.get(timeout=wait)
+            except queue.Empty:
+                if due is not None and time.monotonic() >= due:
+                    self._ask_resend()
+                continue
+            self._last_message = time.monotonic()
+            seq = message.get("seq")
+            if message.get("type") == "gone":
+                raise AgentError("gone", "the agent no longer holds this stream", self.request_id)
+            if not isinstance(seq, int) or seq < self._next_seq or seq in self._pending:
+                self.duplicates += 1
+                continue
+            if seq in self._asked:
+                self._asked.discard(seq)
+                self.recovered += 1
+            self._pending[seq] = message
+            if self._next_seq not in self._pending and self._gap_since is None:
+                self._gap_since = self._last_message
+        self.messages += 1
+        message = self._pending.pop(self._next_seq)
+        self._next_seq += 1
+        self._attempt = 0
+        gap = bool(self._pending) and self._next_seq not in self._pending
+        self._gap_since = time.monotonic() if gap else None
+        return message
+
+    def _backoff(self) -> float:
+        return float(min(2**self._attempt, 16))
+
+    def _recovery_due(self, now: float) -> float | None:
+        """When to ask for a resend next, or None (no recovery, or nothing to ask yet)."""
+        if self._ask is None:
+            return None
+        if self._pending and self._gap_since is not None:
+            return self._gap_since + self.gap_wait_s * self._backoff()
+        # A stream gone quiet (or that never started: its first messages may be what was
+        # lost); the agent answers nothing while the request is still queued. Counted from the
+        # last ask too: once the backoff stops growing, a time counted from the last message
+        # alone stays in the past, and every pass would ask again at once.
+        since = max(self._last_message, self._last_ask)
+        return since + self.quiet_s * self._backoff()
+
+    def _ask_resend(self) -> None:
+        assert self._ask is not None
+        body: dict[str, Any] = {"id": self.request_id}
+        if self.model is not None:
+            body["model"] = self.model
+        if self._pending:
+            missing = [
+                s for s in range(self._next_seq, max(self._pending)) if s not in self._pending
+            ]
+            body["seqs"] = missing[:1000]
+            self._asked.update(body["seqs"])
+        else:
+            body["from_seq"] = self._next_seq
+            self._asked.add(self._next_seq)
+        self._attempt += 1
+        self.resend_requests += 1
+        self._last_ask = time.monotonic()
+        if self._pending:
+            self._gap_since = time.monotonic()
+        with contextlib.suppress(ConnectionError):  # not connected now: the next try will do
+            self._ask(body)
+
+    def _handle(self, message: dict[str, Any]) -> Chunk | None:
+        kind = message.get("type")
+        self.version = message.get("version", self.version)
+        if kind == "chunk":
+            return self._chunk(message)
+        if kind == "end":
+            self._done = True
+            self.timing = message.get("timing", {})
+            self.end = StreamEnd(
+                int(message.get("chunks", 0)),
+                self.timing,
+                str(message.get("model")),
+                int(message.get("version") or 0),
+            )
+            return None
+        if kind == "result":
+            self._done = True
+            self.timing = message.get("timing", {})
+            self.result = decode_outputs(message.get("outputs", {}))
+            return None
+        if kind == "error":
+            self._done = True
+            raise AgentError(str(message.get("code")), str(message.get("message")), self.request_id)
+        return None  # a newer message type this SDK does not know: skip it
+
+    def _chunk(self, message: dict[str, Any]) -> Chunk | None:
+        index = int(message["index"])
+        part = message.get("part")
+        if part is None:
+            outputs = decode_outputs(message["outputs"])
+        else:
+            k, n = int(part[0]), int(part[1])
+            parts = self._parts.setdefault(index, [])
+            parts.append(message)
+            if k != n - 1 or len(parts) != n:
+                return None
+            del self._parts[index]
+            outputs = reassemble_parts([bytes(p["data"]) for p in parts])
+        return Chunk(
+            seq=int(message["seq"]),
+            index=index,
+            outputs=outputs,
+            model=str(message.get("model")),
+            version=int(message.get("version") or 0),
+            ts=int(message.get("ts") or 0),
+            received=time.perf_counter(),
+        )
+
+    def collect(self) -> Arrays:
+        """Wait for the whole stream; chunks of every output are concatenated on axis 0.
+
+        A `result` is returned as is.
+        """
+        chunks = list(self)
+        if self.result is not None:
+            return self.result
+        if not chunks:
+            return {}
+        names = list(chunks[0].outputs)
+        return {n: np.concatenate([c.outputs[n] for c in chunks], axis=0) for n in names}
+
+    def close(self) -> None:
+        if self._on_close is not None:
+            on_close, self._on_close = self._on_close, None
+            on_close(self)
