@@ -20,7 +20,7 @@ from agent.demo import models as demo_models
 from agent.demo.run import DECODER_CONFIG
 from agent.inference import batching
 from agent.inference.scheduler import BatchSpec, Scheduler
-from agent.models.repository import ModelConfigError, parse_model_config
+from agent.models.model_config import ModelConfigError, parse_model_config
 from tests.conftest import decoder_reference
 
 BATCHING = "[batching]\nmax_batch = 64\nmax_queue_delay_us = 150000\n"
@@ -246,12 +246,12 @@ def test_stopping_ends_a_batch_that_is_still_collecting():
 
 
 def test_groups_keep_requests_whose_inputs_cannot_be_joined_apart():
-    a = batching.Member({"x": np.zeros((1, 4), np.float32)})
-    b = batching.Member({"x": np.zeros((2, 4), np.float32)})
-    c = batching.Member({"x": np.zeros((1, 5), np.float32)})
-    d = batching.Member({"x": np.zeros((1, 4), np.float64)})
+    a = {"x": np.zeros((1, 4), np.float32)}
+    b = {"x": np.zeros((2, 4), np.float32)}
+    c = {"x": np.zeros((1, 5), np.float32)}
+    d = {"x": np.zeros((1, 4), np.float64)}
     assert batching.groups([a, b, c, d]) == [[0, 1], [2], [3]]
-    joined = batching.join([a.inputs, b.inputs])
+    joined = batching.join([a, b])
     assert joined["x"].shape == (3, 4)
     parts = batching.split({"y": np.arange(3)}, [1, 2])
     assert [p["y"].tolist() for p in parts] == [[0], [1, 2]]

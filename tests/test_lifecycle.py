@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from agent.config import load_config
-from agent.protocol import wire
+from agent.protocol.payload import encode_payload
 from agent.service.agent import Agent, intra_op_threads
 from tests.conftest import agent_config
 
@@ -31,7 +31,7 @@ def test_stop_answers_queued_requests_with_shutting_down(broker, repository, mak
     x = np.random.default_rng(0).standard_normal((512, 16)).astype(np.float32)
     for i in range(20):
         body = {"id": f"stop-{i}", "inputs": {"x": x}}
-        client.publish_raw(f"{agent.root}/infer/mlp", wire.encode_payload(body), qos=1)
+        client.publish_raw(f"{agent.root}/infer/mlp", encode_payload(body), qos=1)
     deadline = time.monotonic() + 5
     while agent.scheduler.depth < 5 and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -64,7 +64,7 @@ def test_running_request_is_cancelled_after_the_drain_timeout(
     replies = _listen(client, f"{agent.root}/result/mlp/long-1")
     x = np.random.default_rng(0).standard_normal((60_000, 16)).astype(np.float32)
     body = {"id": "long-1", "inputs": {"x": x}}
-    client.publish_raw(f"{agent.root}/infer/mlp", wire.encode_payload(body), qos=1)
+    client.publish_raw(f"{agent.root}/infer/mlp", encode_payload(body), qos=1)
     deadline = time.monotonic() + 5
     while agent.scheduler.busy == 0 and time.monotonic() < deadline:
         time.sleep(0.01)

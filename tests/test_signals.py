@@ -16,7 +16,8 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from agent.client import AgentClient
 from agent.config import load_config
-from agent.protocol import wire
+from agent.protocol.errors import Limits, WireError
+from agent.protocol.payload import decode_payload, encode_payload
 from tests.ops_helpers import (
     LineReader,
     NotifyListener,
@@ -58,8 +59,8 @@ class Recorder:
         for topic, qos, payload in items:
             if topic_part in topic:
                 try:
-                    out.append((topic, qos, wire.decode_payload(payload, wire.Limits())))
-                except wire.WireError:
+                    out.append((topic, qos, decode_payload(payload, Limits())))
+                except WireError:
                     continue
         return out
 
@@ -138,7 +139,7 @@ def test_sigterm_under_load_answers_every_request_and_exits_0(
         ids = [f"load-{i}" for i in range(40)]
         for request_id in ids:
             body = {"id": request_id, "inputs": {"x": x}}
-            client.publish_raw(f"{root}/infer/mlp", wire.encode_payload(body), qos=1)
+            client.publish_raw(f"{root}/infer/mlp", encode_payload(body), qos=1)
 
         def all_received() -> bool:
             text = _scrape_or_none(_metrics_url(config)) or ""

@@ -13,7 +13,9 @@ import pytest
 from agent.client import AgentClient, AgentError, ReplyTimeout
 from agent.demo import models as demo_models
 from agent.demo.broker import EmbeddedBroker
-from agent.protocol import wire
+from agent.protocol.errors import Limits
+from agent.protocol.payload import decode_payload, encode_payload
+from agent.protocol.replies import reply_envelope
 from tests.conftest import decoder_reference
 
 
@@ -59,7 +61,7 @@ def test_raw_reply_messages_follow_the_contract(broker, repository, make_agent, 
     client = make_client(broker, agent)
     topic = f"{agent.root}/result/decoder/raw-1"
     messages = _collect(client, topic)
-    payload = wire.encode_payload(
+    payload = encode_payload(
         {
             "id": "raw-1",
             "inputs": {"token": np.array([[1]], dtype=np.int64)},
@@ -141,7 +143,7 @@ def test_large_chunks_travel_as_parts(broker, repository, make_agent, make_clien
     assert [m["part"] for m in parts] == [[k, len(parts)] for k in range(len(parts))]
     assert [m["seq"] for m in raw] == list(range(len(raw)))
     assert raw[-1]["type"] == "end" and raw[-1]["chunks"] == len(parts)
-    assert all(len(wire.encode_payload(m | {"topic": ""})) < 2048 + 64 for m in parts)
+    assert all(len(encode_payload(m | {"topic": ""})) < 2048 + 64 for m in parts)
 
 
 def test_status_and_inventory_are_retained(broker, repository, make_agent, make_client):
@@ -226,7 +228,7 @@ def test_reply_to_and_mqtt5_correlation(broker, repository, make_agent, make_cli
         "inputs": {"token": np.array([[1]], dtype=np.int64)},
         "reply_to": "elsewhere/x",
     }
-    client.publish_raw(f"{agent.root}/infer/decoder", wire.encode_payload(body))
+    client.publish_raw(f"{agent.root}/infer/decoder", encode_payload(body))
     (error,) = _drain(default, 0.5)
     assert error["type"] == "error" and error["code"] == "bad_request"
     assert "reply_to" in error["message"]
@@ -249,20 +251,20 @@ def test_reply_to_and_mqtt5_correlation(broker, repository, make_agent, make_cli
             "inputs": {"token": np.array([[1]], dtype=np.int64)},
             "params": {"max_steps": 2},
         }
-        client.publish_raw(f"{agent.root}/infer/decoder", wire.encode_payload(body), 1, props)
+        client.publish_raw(f"{agent.root}/infer/decoder", encode_payload(body), 1, props)
         messages = [received.get(timeout=5) for _ in range(3)]
         assert all(m.properties.CorrelationData == b"\x01corr" for m in messages)
-        types = [wire.decode_payload(m.payload, wire.Limits())["type"] for m in messages]
+        types = [decode_payload(m.payload, Limits())["type"] for m in messages]
         assert types == ["chunk", "chunk", "end"]
         # A repeat of that request (same layout and response topic, other correlation data)
         # is read from its bytes: its replies carry its own id and correlation data.
         repeats = agent.telemetry()["counters"].get("requests_layout_repeats", 0)
         props = client.response_properties(response_topic, b"\x02corr")
         body["id"] = "corr-2"
-        client.publish_raw(f"{agent.root}/infer/decoder", wire.encode_payload(body), 1, props)
+        client.publish_raw(f"{agent.root}/infer/decoder", encode_payload(body), 1, props)
         messages = [received.get(timeout=5) for _ in range(3)]
         assert all(m.properties.CorrelationData == b"\x02corr" for m in messages)
-        ids = {wire.decode_payload(m.payload, wire.Limits())["id"] for m in messages}
+        ids = {decode_payload(m.payload, Limits())["id"] for m in messages}
         assert ids == {"corr-2"}
         assert agent.telemetry()["counters"]["requests_layout_repeats"] == repeats + 1
     finally:
@@ -275,7 +277,7 @@ def test_overload_answers_every_request_once(broker, repository, make_agent, mak
     client = make_client(broker, agent)
     messages = _collect(client, f"{agent.root}/result/mlp/+")
     x = np.random.default_rng(0).standard_normal((256, 16)).astype(np.float32)
-    payloads = [wire.encode_payload({"id": f"load-{i}", "inputs": {"x": x}}) for i in range(40)]
+    payloads = [encode_payload({"id": f"load-{i}", "inputs": {"x": x}}) for i in range(40)]
     for payload in payloads:  # back to back, faster than one worker can serve them
         client.publish_raw(f"{agent.root}/infer/mlp", payload, qos=0)
     terminal: dict[str, dict] = {}
@@ -306,8 +308,8 @@ def test_sdk_drops_duplicates_and_times_out(broker, repository, make_agent, make
         request_id="dup-1",
     )
     time.sleep(0.3)  # the agent has answered; now a broker redelivers a message
-    duplicate = wire.encode_payload(
-        wire.reply_envelope(
+    duplicate = encode_payload(
+        reply_envelope(
             request_id="dup-1",
             seq=0,
             type="chunk",
@@ -365,7 +367,7 @@ def test_requests_that_repeat_a_layout_each_get_their_own_answer(
     assert agent.telemetry()["counters"]["requests_layout_repeats"] >= 4
 
     # The same layout (16-character id, same image size) with an id the contract refuses.
-    bad = wire.encode_payload(
+    bad = encode_payload(
         {"id": "not a valid id!!", "inputs": {"image": images[0]}, "stream": False}
     )
     client.publish_raw(f"{agent.root}/infer/classifier", bad)

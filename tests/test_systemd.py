@@ -16,6 +16,7 @@ import pytest
 
 from agent.config import load_config
 from agent.demo.broker import EmbeddedBroker
+from agent.inference import modes
 from agent.ops.systemd import (
     Notifier,
     ServiceReporter,
@@ -23,7 +24,6 @@ from agent.ops.systemd import (
     socket_address,
     watchdog_usec,
 )
-from agent.service import agent as service
 from agent.service.agent import Agent
 from tests.conftest import agent_config
 from tests.ops_helpers import NotifyListener, base_config, start_agent, wait_until, write_config
@@ -174,22 +174,19 @@ def test_ready_only_once_the_broker_is_connected_and_models_are_warm(
     assert stopping.at > ready.at
 
 
-class BlockingExecution(service.Execution):
-    """A model run that hangs while `release` is clear: a stuck worker."""
+release = threading.Event()  # while clear, a decode hangs before its first step: a stuck worker
 
-    release = threading.Event()
 
-    def pieces(self):
-        if self.params.get("hang"):
-            self.release.wait(30)
-        yield from super().pieces()
+def _hanging_steps(run):
+    release.wait(30)
+    yield from modes.steps(run)
 
 
 def test_watchdog_pings_stop_while_a_worker_is_stuck(
     tmp_path, broker, repository, listener, make_client, monkeypatch
 ):
-    monkeypatch.setattr(service, "Execution", BlockingExecution)
-    BlockingExecution.release.clear()
+    monkeypatch.setitem(modes.STRATEGIES, "steps", _hanging_steps)
+    release.clear()
     sink = listener()
     agent = _agent(
         tmp_path,
@@ -206,7 +203,7 @@ def test_watchdog_pings_stop_while_a_worker_is_stuck(
         assert len(sink.with_key("WATCHDOG", since=ready.at)) >= 3
         client = make_client(broker, agent)
         token = np.array([[1]], dtype=np.int64)
-        reply = client.request("decoder", {"token": token}, params={"hang": 1, "max_steps": 2})
+        reply = client.request("decoder", {"token": token}, params={"max_steps": 2})
         assert wait_until(lambda: agent.scheduler.busy == 1, 5)
 
         def unhealthy_lines():
@@ -222,12 +219,12 @@ def test_watchdog_pings_stop_while_a_worker_is_stuck(
         # No ping since the worker counted as stuck: systemd would restart the service.
         assert not sink.with_key("WATCHDOG", since=unhealthy.at + 0.05)
         released = time.monotonic()
-        BlockingExecution.release.set()
+        release.set()
         assert reply.collect()["next_token"].shape[0] == 2  # the request still completes
         sink.wait_for("WATCHDOG", "1", timeout=5, after=released)
         assert agent.health_problem() is None
     finally:
-        BlockingExecution.release.set()
+        release.set()
         agent.stop()
 
 

@@ -1,8 +1,8 @@
 """Which requests are short enough to run on the network thread that received them.
 
 Handing a request to a worker thread costs a wake-up on the request's own path: on a 2-core
-box that is a sizeable share of a small request's round trip (see docs/architecture.md,
-"Where a small request's time goes"). A request whose model answers in well under a
+box that is a sizeable share of a small request's round trip (see
+docs/decisions/0011-short-requests-on-the-network-thread.md). A request whose model answers in well under a
 millisecond is cheaper to run where it was decoded. Running it there holds up everything
 else that thread does (reading the next request, acknowledgements, keepalive, publishing the
 workers' chunks), so only requests known to be short qualify: this keeps, per model, the

@@ -1,45 +1,48 @@
-"""How one request's output becomes a stream of messages: the three modes and byte parts.
+"""The reply messages of one request: numbering, byte parts, exactly one terminal message.
 
-* `whole`: one run, one chunk (or one `result`).
-* `batch`: the leading axis `micro_batch` items at a time, one chunk per slice (`index` = the
-  first item of the slice).
-* `steps`: the model is one decode step; outputs are fed back as inputs (`feed`, `state`) and
-  each step's `emit` outputs go out as one chunk the moment the step finishes.
+A :class:`ReplyStream` turns outputs into messages (`chunk`, `result`, `end`, `error`) and
+keeps them until its driver takes them with :meth:`ReplyStream.drain`: it never touches the
+outbox itself, so every message leaves through one door, a :class:`ReplySender` (a run's
+messages after each run of the model, waiting for room; an error at ingress at once, from
+the outbox's reserve). A chunk larger than `max_chunk_bytes` becomes `part` messages.
 
-Each chunk is handed to the :class:`ReplyStream`, which numbers it, splits it into `part`
-messages when it would exceed `max_chunk_bytes`, and queues it for the publisher: inference
-never waits on the network.
+Chunk and result payloads are assembled around the outputs' encoded bytes (the tensor data
+is copied once, into the payload); the bytes are those `encode_with_outputs` would make.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import cbor2
-import numpy as np
 
-from agent.delivery.outbox import OutMessage
-from agent.models.backends.base import Array, InferenceError, Session
-from agent.models.repository import StreamConfig
-from agent.protocol import wire
+from agent.delivery.outbox import Outbox, OutMessage
+from agent.models.backends.base import Array
+from agent.ops.counters import Counters
+from agent.ops.metrics import AgentMetrics
+from agent.protocol.errors import PROTOCOL_VERSION
+from agent.protocol.payload import encode_payload
+from agent.protocol.replies import reply_envelope, split_parts
+from agent.protocol.tensors import cbor_text, cbor_uint, outputs_pieces
 
-Arrays = dict[str, Array]
+log = logging.getLogger(__name__)
 
 # Room for the envelope around a part's `data` and for the MQTT header and topic.
 PART_OVERHEAD = 512
 _CHUNK_KEYS = 9  # v, id, seq, type, model, version, ts, index, outputs
-_INDEX_KEY = wire.cbor_text("index")
-_OUTPUTS_KEY = wire.cbor_text("outputs")
-_SEQ_KEY = wire.cbor_text("seq")
-_TIMING_KEY = wire.cbor_text("timing")
+_INDEX_KEY = cbor_text("index")
+_OUTPUTS_KEY = cbor_text("outputs")
+_SEQ_KEY = cbor_text("seq")
+_TIMING_KEY = cbor_text("timing")
 _RESULT_KEYS = 9  # v, id, seq, type, model, version, ts, timing, outputs
 # A reply envelope's bytes after its map head, up to the id's value.
-_V_AND_ID_KEY = b"".join(cbor2.dumps(x) for x in ("v", wire.PROTOCOL_VERSION, "id"))
+_V_AND_ID_KEY = b"".join(cbor2.dumps(x) for x in ("v", PROTOCOL_VERSION, "id"))
 _RESULT_HEAD = bytes((0xA0 + _RESULT_KEYS,)) + _V_AND_ID_KEY
 
 
@@ -50,26 +53,6 @@ def _envelope_middle(type_: str, model: str, version: int) -> bytes:
     return b"".join(
         cbor2.dumps(x) for x in ("type", type_, "model", model, "version", version, "ts")
     )
-
-
-class Cancelled(Exception):
-    """The agent is stopping and this request could not finish in time."""
-
-
-class CancelFlag:
-    """Set once, when the agent stops, to end a request between pieces. Only ever polled,
-    never waited on: a plain flag, not a `threading.Event` (one per request)."""
-
-    __slots__ = ("_set",)
-
-    def __init__(self) -> None:
-        self._set = False
-
-    def set(self) -> None:
-        self._set = True
-
-    def is_set(self) -> bool:
-        return self._set
 
 
 def encode_with_outputs(fields: Mapping[str, Any], outputs_cbor: bytes) -> bytes:
@@ -98,7 +81,6 @@ class ReplyStream:
     topic: str
     qos: int
     max_chunk_bytes: int
-    send: Callable[[OutMessage], None]
     properties: Any = None  # MQTT 5 properties (correlation data) carried on every message
     correlation: bytes | None = None  # the raw correlation data, kept with spooled messages
     stream_key: str | None = None  # spool stream of QoS 1/2 messages ("model/id")
@@ -106,12 +88,14 @@ class ReplyStream:
     seq: int = 0
     chunks: int = 0
     finished: bool = False
+    # Messages made and not yet taken by the driver (`drain`), in order.
+    out: list[OutMessage] = field(default_factory=list, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     # The constant bytes of this stream's chunk messages, for the version they were made for.
     _prefix: tuple[int, bytes, bytes] | None = field(default=None, repr=False)
 
     def _fields(self, type_: str, **extra: Any) -> dict[str, Any]:
-        fields = wire.reply_envelope(
+        fields = reply_envelope(
             request_id=self.request_id,
             seq=self.seq,
             type=type_,
@@ -122,8 +106,15 @@ class ReplyStream:
         self.seq += 1
         return fields
 
+    def drain(self) -> list[OutMessage]:
+        """The messages made since the last call, in order (the driver sends them)."""
+        messages = self.out
+        if messages:
+            self.out = []
+        return messages
+
     def _emit(self, payload: bytes, *, terminal: bool = False) -> None:
-        self.send(
+        self.out.append(
             OutMessage(
                 self.topic,
                 payload,
@@ -139,7 +130,7 @@ class ReplyStream:
         )
 
     def chunk(self, outputs: Mapping[str, Array], index: int) -> None:
-        pieces, size = wire.outputs_pieces(outputs)
+        pieces, size = outputs_pieces(outputs)
         if size + PART_OVERHEAD <= self.max_chunk_bytes:
             self._emit(self._chunk_payload(pieces, index))
             self.chunks += 1
@@ -167,11 +158,11 @@ class ReplyStream:
         return b"".join(
             (
                 prefix[1],
-                wire.cbor_uint(seq),
+                cbor_uint(seq),
                 prefix[2],
-                wire.cbor_uint(time.time_ns()),
+                cbor_uint(time.time_ns()),
                 _INDEX_KEY,
-                wire.cbor_uint(index),
+                cbor_uint(index),
                 _OUTPUTS_KEY,
                 *outputs,
             )
@@ -179,10 +170,10 @@ class ReplyStream:
 
     def _parts(self, outputs_cbor: bytes, index: int) -> None:
         """A chunk too large for one message: `part: [k, n]` messages carrying its bytes."""
-        pieces = wire.split_parts(outputs_cbor, self.max_chunk_bytes - PART_OVERHEAD)
+        pieces = split_parts(outputs_cbor, self.max_chunk_bytes - PART_OVERHEAD)
         for k, data in enumerate(pieces):
             fields = self._fields("chunk", index=index, part=[k, len(pieces)], data=data)
-            self._emit(wire.encode_payload(fields))
+            self._emit(encode_payload(fields))
             self.chunks += 1
 
     def _terminal(self, payload_fields: dict[str, Any]) -> bool:
@@ -190,14 +181,14 @@ class ReplyStream:
             if self.finished:
                 return False
             self.finished = True
-        self._emit(wire.encode_payload(payload_fields), terminal=True)
+        self._emit(encode_payload(payload_fields), terminal=True)
         return True
 
     def end(self, timing: Mapping[str, float]) -> bool:
         return self._terminal(self._fields("end", chunks=self.chunks, timing=dict(timing)))
 
     def result(self, outputs: Mapping[str, Array], timing: Mapping[str, float]) -> bool:
-        pieces, size = wire.outputs_pieces(outputs)
+        pieces, size = outputs_pieces(outputs)
         if size + PART_OVERHEAD > self.max_chunk_bytes:
             # One message cannot hold it: stream the parts, then close with `end`.
             self._parts(b"".join(pieces), 0)
@@ -220,9 +211,9 @@ class ReplyStream:
                 _RESULT_HEAD,
                 cbor2.dumps(self.request_id),
                 _SEQ_KEY,
-                wire.cbor_uint(seq),
+                cbor_uint(seq),
                 _envelope_middle("result", self.model, self.version),
-                wire.cbor_uint(time.time_ns()),
+                cbor_uint(time.time_ns()),
                 _TIMING_KEY,
                 cbor2.dumps(dict(timing)),
                 _OUTPUTS_KEY,
@@ -234,120 +225,38 @@ class ReplyStream:
         return self._terminal(self._fields("error", code=code, message=message[:500]))
 
 
-@dataclass
-class RunStats:
-    infer_s: float = 0.0
-    runs: int = 0
+class ReplySender:
+    """The one way replies reach the outbox, and are counted on the way.
 
-
-@dataclass
-class Execution:
-    """One request run against one leased session. `cancelled` is checked between pieces."""
-
-    session: Session
-    stream_config: StreamConfig
-    inputs: Arrays
-    params: Mapping[str, Any]
-    cancelled: CancelFlag
-    stats: RunStats = field(default_factory=RunStats)
-
-    def _run(self, inputs: Mapping[str, Array]) -> Arrays:
-        if self.cancelled.is_set():
-            raise Cancelled
-        started = time.perf_counter()
-        outputs = self.session.run(inputs)
-        self.stats.infer_s += time.perf_counter() - started
-        self.stats.runs += 1
-        return outputs
-
-    def pieces(self) -> Iterator[tuple[int, Arrays]]:
-        """Yield `(index, outputs)` for each chunk, as soon as each exists."""
-        mode = self.stream_config.mode
-        if mode == "whole":
-            yield 0, self._run(self.inputs)
-        elif mode == "batch":
-            yield from self._batch()
-        else:
-            yield from self._steps()
-
-    def _batch(self) -> Iterator[tuple[int, Arrays]]:
-        sizes = {v.shape[0] if v.ndim else None for v in self.inputs.values()}
-        if len(sizes) != 1 or None in sizes:
-            raise wire.WireError(
-                "bad_request", "batch mode needs every input to share the same leading axis"
-            )
-        total = int(next(iter(sizes)) or 0)
-        step = self.stream_config.micro_batch
-        for start in range(0, total, step):
-            part = {k: v[start : start + step] for k, v in self.inputs.items()}
-            yield start, self._run(part)
-
-    def _steps(self) -> Iterator[tuple[int, Arrays]]:
-        config = self.stream_config
-        state_outputs = set(config.state.values())
-        emit = config.emit if config.emit is not None else None
-        inputs = dict(self.inputs)
-        for step in range(max_steps(config, self.params)):
-            outputs = self._run(inputs)
-            names = emit if emit is not None else [n for n in outputs if n not in state_outputs]
-            yield step, {n: outputs[n] for n in names}
-            if config.stop is not None and _all_equal(
-                outputs[config.stop.output], config.stop.value
-            ):
-                return
-            for target, source in (*config.feed.items(), *config.state.items()):
-                value = outputs[source]
-                expected = inputs[target]
-                if value.dtype != expected.dtype or value.shape != expected.shape:
-                    raise InferenceError(
-                        f"cannot feed output '{source}' {value.dtype}{list(value.shape)} "
-                        f"into input '{target}' {expected.dtype}{list(expected.shape)}"
-                    )
-                inputs[target] = value
-
-
-def max_steps(config: StreamConfig, params: Mapping[str, Any]) -> int:
-    """Steps a request may run: `params.max_steps` (checked), else the model's bound."""
-    limit = config.max_steps
-    asked = params.get("max_steps")
-    if asked is None:
-        return limit
-    if isinstance(asked, bool) or not isinstance(asked, int) or not 1 <= asked <= limit:
-        raise wire.WireError(
-            "bad_request", f"params.max_steps must be an integer from 1 to {limit}"
-        )
-    return asked
-
-
-def _all_equal(array: Array, value: float) -> bool:
-    return bool(np.all(array == value))
-
-
-def initial_state(session: Session, config: StreamConfig, inputs: Arrays) -> Arrays:
-    """Zero-filled state inputs the request did not give (symbolic dims: the batch size)."""
-    if config.mode != "steps":
-        return inputs
-    given = [v for v in inputs.values() if v.ndim]
-    batch = int(given[0].shape[0]) if given else 1
-    full = dict(inputs)
-    for spec in session.inputs:
-        if spec.name in config.state and spec.name not in full:
-            shape = tuple(d if isinstance(d, int) else batch for d in spec.shape)
-            full[spec.name] = np.zeros(shape, dtype=spec.dtype)
-    return full
-
-
-def merge_pieces(mode: str, pieces: list[tuple[int, Arrays]]) -> Arrays:
-    """The whole output for `stream: false`.
-
-    `batch` slices are concatenated back along the leading axis; `steps` outputs are stacked
-    on a new leading axis (one entry per step), so `result` carries exactly what the chunks
-    would have carried.
+    `send`: a run's messages, together (one round of the outbox's lock, one socket write),
+    waiting for room: a worker's way. `send_now`: never waits, from the outbox's reserve:
+    the network thread's way (errors at ingress), which must never block; a message with no
+    room even there is dropped, counted and logged.
     """
-    if not pieces:
-        return {}
-    if mode == "whole":
-        return pieces[0][1]
-    names = list(pieces[0][1])
-    join = np.concatenate if mode == "batch" else np.stack
-    return {n: join([p[1][n] for p in pieces], axis=0) for n in names}
+
+    def __init__(self, outbox: Outbox, metrics: AgentMetrics, counters: Counters) -> None:
+        self._outbox = outbox
+        self._metrics = metrics
+        self._counters = counters
+
+    def send(self, messages: Sequence[OutMessage]) -> None:
+        """Raises OutboxClosed once the outbox closed (the agent is stopping)."""
+        if not messages:
+            return
+        self._outbox.put_many(messages)
+        self._metrics.reply_sent(sum(len(m.payload) for m in messages), len(messages))
+        self._outbox.kick()
+
+    def has_room(self, messages: int, size: int) -> bool:
+        """Whether `messages` of up to `size` bytes each would be queued without waiting."""
+        return self._outbox.has_room(messages, size)
+
+    def send_now(self, messages: Sequence[OutMessage]) -> None:
+        for message in messages:
+            if not self._outbox.put_nowait_reserved(message):
+                self._counters.add("replies_dropped_outbox_full")
+                log.error(
+                    "outbox full: an error reply to %s could not be queued", message.topic[:200]
+                )
+                continue
+            self._metrics.reply_sent(len(message.payload))

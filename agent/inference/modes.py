@@ -1,0 +1,254 @@
+"""How runs of a model become pieces: the streaming modes, as strategies of one loop.
+
+A :class:`Run` is a group of one or more requests (members) against one leased session.
+Its mode's strategy drives the model and yields, after every run of the model, the pieces
+that run produced, one per member still running (a list: the runner publishes them
+together). Each :class:`Piece` says whose it is, its chunk `index` and whether it is that
+member's `last`. The modes:
+
+* `whole`: one run, one piece per member.
+* `batch`: the member's leading axis `micro_batch` items at a time, one piece per slice
+  (`index` = the first item of the slice).
+* `steps`: the model is one decode step; outputs are fed back as inputs (`feed`, `state`)
+  and each step's `emit` outputs are a piece. Members decode in lock step and leave the run
+  when their stop condition holds for their rows or they reached their own `max_steps`.
+
+A group of one request is run on its inputs as given (no join, no split: its model need not
+have a batch axis); a group of several is joined along the leading axis (`batching`) and
+every member gets its own rows of every output. Cancellation is checked before every run:
+a cancelled member leaves the run and is noted in `failed`.
+
+A new mode is one more strategy function in `STRATEGIES`: it gets the run, calls
+`run.model(inputs)` and yields lists of pieces.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from agent.inference import batching
+from agent.inference.job import CancelFlag, Cancelled
+from agent.models.backends.base import Array, InferenceError, Session
+from agent.models.model_config import StreamConfig
+from agent.protocol.errors import WireError
+
+Arrays = dict[str, Array]
+
+
+@dataclass
+class Member:
+    """One request of a run: its checked inputs, its step limit, its cancel flag."""
+
+    inputs: Arrays
+    max_steps: int = 1
+    cancelled: CancelFlag = field(default_factory=CancelFlag)
+
+    @property
+    def rows(self) -> int:
+        return int(next(iter(self.inputs.values())).shape[0])
+
+
+@dataclass
+class Piece:
+    """One member's outputs of one run: a chunk (or a slice of its result)."""
+
+    member: int  # the member's position in the run
+    index: int  # the chunk's `index`: step number, first item of a slice, 0
+    outputs: Arrays
+    last: bool  # the member's final piece
+
+
+class Run:
+    """One group of members against one session: see the module docstring."""
+
+    def __init__(self, session: Session, config: StreamConfig, members: Sequence[Member]) -> None:
+        self.session = session
+        self.config = config
+        self.members = members
+        self.joined = len(members) > 1
+        self.infer_s = 0.0
+        self.runs = 0
+        self.failed: dict[int, Exception] = {}  # member position -> why it left the run
+
+    def model(self, inputs: Mapping[str, Array]) -> Arrays:
+        """One run of the model, timed."""
+        started = time.perf_counter()
+        outputs = self.session.run(inputs)
+        self.infer_s += time.perf_counter() - started
+        self.runs += 1
+        return outputs
+
+    def live(self, positions: Sequence[int]) -> list[int]:
+        """`positions` less the members cancelled meanwhile (noted in `failed`)."""
+        kept = []
+        for position in positions:
+            if self.members[position].cancelled.is_set():
+                self.failed[position] = Cancelled()
+            else:
+                kept.append(position)
+        return kept
+
+    def pieces(self) -> Iterator[list[Piece]]:
+        """After each run of the model, the pieces it produced."""
+        return STRATEGIES[self.config.mode](self)
+
+
+def whole(run: Run) -> Iterator[list[Piece]]:
+    active = run.live(range(len(run.members)))
+    if not active:
+        return
+    members = [run.members[p] for p in active]
+    if run.joined:
+        outputs = run.model(batching.join([m.inputs for m in members]))
+        parts = batching.split(outputs, [m.rows for m in members])
+    else:
+        parts = [run.model(members[0].inputs)]
+    yield [Piece(p, 0, part, True) for p, part in zip(active, parts, strict=True)]
+
+
+def slices(run: Run) -> Iterator[list[Piece]]:
+    step = run.config.micro_batch
+    for position, member in enumerate(run.members):
+        total = _shared_leading_axis(member.inputs)
+        for start in range(0, total, step):
+            if not run.live([position]):
+                break
+            part = {k: v[start : start + step] for k, v in member.inputs.items()}
+            yield [Piece(position, start, run.model(part), start + step >= total)]
+
+
+def steps(run: Run) -> Iterator[list[Piece]]:
+    config = run.config
+    members = run.members
+    links = (*config.feed.items(), *config.state.items())
+    active = list(range(len(members)))
+    rows = [members[p].rows for p in active] if run.joined else [0]
+    inputs = batching.join([m.inputs for m in members]) if run.joined else dict(members[0].inputs)
+    emit: list[str] | None = None
+    step = 0
+    while True:
+        live = run.live(active)
+        if not live:
+            return
+        if len(live) < len(active):
+            inputs, rows = _keep_rows(inputs, rows, [active.index(p) for p in live])
+            active = live
+        outputs = run.model(inputs)
+        if emit is None:
+            emit = config.emitted(list(outputs))
+        if run.joined:
+            batching.check_rows(outputs, sum(rows))
+        pieces = _step_pieces(run, outputs, emit, active, rows, step)
+        yield pieces
+        going_on = [k for k, piece in enumerate(pieces) if not piece.last]
+        if not going_on:
+            return
+        if len(going_on) < len(active):
+            inputs, _ = _keep_rows(inputs, rows, going_on)
+            outputs, rows = _keep_rows(outputs, rows, going_on)
+            active = [active[k] for k in going_on]
+        inputs = _fed(inputs, outputs, links)
+        step += 1
+
+
+def _step_pieces(
+    run: Run, outputs: Arrays, emit: list[str], active: list[int], rows: list[int], step: int
+) -> list[Piece]:
+    """Each active member's rows of one step's outputs; `last` where it stops."""
+    stop = run.config.stop
+    pieces = []
+    start = 0
+    for position, count in zip(active, rows, strict=True):
+        end = start + count
+        mine = _rows_of(outputs, start, end) if run.joined else outputs
+        stopped = stop is not None and bool(np.all(mine[stop.output] == stop.value))
+        last = stopped or step + 1 >= run.members[position].max_steps
+        pieces.append(Piece(position, step, {name: mine[name] for name in emit}, last))
+        start = end
+    return pieces
+
+
+def _rows_of(arrays: Mapping[str, Array], start: int, end: int) -> Arrays:
+    return {name: arr[start:end] for name, arr in arrays.items()}
+
+
+def _keep_rows(arrays: Arrays, rows: list[int], keep: list[int]) -> tuple[Arrays, list[int]]:
+    """The rows of the members at positions `keep` (of a joined run), and their counts."""
+    if len(rows) == 1:  # one member: nothing to cut
+        return arrays, rows
+    starts = np.cumsum([0, *rows])
+    take = np.concatenate([np.arange(starts[k], starts[k + 1]) for k in keep])
+    return {name: arr[take] for name, arr in arrays.items()}, [rows[k] for k in keep]
+
+
+def _fed(inputs: Arrays, outputs: Arrays, links: Sequence[tuple[str, str]]) -> Arrays:
+    """The next step's inputs: each `feed`/`state` output in place of its input."""
+    next_inputs = dict(inputs)
+    for target, source in links:
+        value, expected = outputs[source], inputs[target]
+        if value.dtype != expected.dtype or value.shape != expected.shape:
+            raise InferenceError(
+                f"cannot feed output '{source}' {value.dtype}{list(value.shape)} "
+                f"into input '{target}' {expected.dtype}{list(expected.shape)}"
+            )
+        next_inputs[target] = value
+    return next_inputs
+
+
+def _shared_leading_axis(inputs: Mapping[str, Array]) -> int:
+    rows = batching.leading_rows(inputs)
+    if rows is None:
+        raise WireError(
+            "bad_request", "batch mode needs every input to share the same leading axis"
+        )
+    return int(rows)
+
+
+Strategy = Callable[[Run], Iterator[list[Piece]]]
+STRATEGIES: dict[str, Strategy] = {"whole": whole, "batch": slices, "steps": steps}
+
+
+def max_steps(config: StreamConfig, params: Mapping[str, Any]) -> int:
+    """Steps a request may run: `params.max_steps` (checked), else the model's bound."""
+    limit = config.max_steps
+    asked = params.get("max_steps")
+    if asked is None:
+        return limit
+    if isinstance(asked, bool) or not isinstance(asked, int) or not 1 <= asked <= limit:
+        raise WireError("bad_request", f"params.max_steps must be an integer from 1 to {limit}")
+    return asked
+
+
+def initial_state(session: Session, config: StreamConfig, inputs: Arrays) -> Arrays:
+    """Zero-filled state inputs the request did not give (symbolic dims: the batch size)."""
+    if config.mode != "steps":
+        return inputs
+    given = [v for v in inputs.values() if v.ndim]
+    batch = int(given[0].shape[0]) if given else 1
+    full = dict(inputs)
+    for spec in session.inputs:
+        if spec.name in config.state and spec.name not in full:
+            shape = tuple(d if isinstance(d, int) else batch for d in spec.shape)
+            full[spec.name] = np.zeros(shape, dtype=spec.dtype)
+    return full
+
+
+def merge_pieces(mode: str, pieces: list[tuple[int, Arrays]]) -> Arrays:
+    """The whole output for `stream: false`.
+
+    `batch` slices are concatenated back along the leading axis; `steps` outputs are stacked
+    on a new leading axis (one entry per step), so `result` carries exactly what the chunks
+    would have carried.
+    """
+    if not pieces:
+        return {}
+    if mode == "whole":
+        return pieces[0][1]
+    names = list(pieces[0][1])
+    join = np.concatenate if mode == "batch" else np.stack
+    return {n: join([p[1][n] for p in pieces], axis=0) for n in names}

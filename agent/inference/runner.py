@@ -1,0 +1,296 @@
+"""The one runner: every admitted request runs here, a single request as a batch of one.
+
+On a worker thread (or, for a short request, on the network thread that read it) the runner
+leases the model version once for the jobs it was handed, checks each job's inputs against
+that version (an error answers that job alone), groups the jobs whose inputs can be joined,
+and runs each group through its mode's strategy (`agent.inference.modes`). After every run
+of the model it hands out the run's pieces with one emit rule:
+
+* `stream: true`: each piece is a `chunk`; a member's last piece is followed by `end`;
+* `stream: false`: a `whole` piece is the `result`; other pieces are collected and merged
+  into one `result` after the last.
+
+The requests a run finished are counted before their replies can reach anyone, then the
+run's messages go to the outbox together (`ReplySender.send`). A model failure answers
+every unfinished member with `model_error`; a member cancelled at shutdown gets
+`shutting_down`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from agent.delivery.outbox import OutboxClosed
+from agent.inference import batching, modes
+from agent.inference.job import Job
+from agent.inference.modes import Arrays, Member, Piece, Run
+from agent.inference.reply_stream import ReplySender
+from agent.inference.short_runs import ShortRuns
+from agent.models.backends.base import InferenceError, TensorSpec
+from agent.models.manager import LoadedVersion, ModelManager
+from agent.ops.counters import Counters
+from agent.ops.metrics import AgentMetrics
+from agent.protocol.errors import WireError
+from agent.protocol.requests import validate_inputs
+
+log = logging.getLogger(__name__)
+
+STOPPED_MESSAGE = "the agent stopped before the request finished"
+
+
+class Runner:
+    """`execute(jobs)` on a worker; `expire`/`cancel` for jobs that never ran."""
+
+    def __init__(
+        self,
+        models: ModelManager,
+        sender: ReplySender,
+        *,
+        counters: Counters,
+        metrics: AgentMetrics,
+        short_runs: ShortRuns,
+    ) -> None:
+        self._models = models
+        self._sender = sender
+        self._counters = counters
+        self._metrics = metrics
+        self._short_runs = short_runs
+        self._running: set[Job] = set()
+        self._running_lock = threading.Lock()
+
+    # -- entry points ------------------------------------------------------------------------
+
+    def execute(self, jobs: Sequence[tuple[Job, float]]) -> None:
+        """Run jobs of one model (and pinned version), each `(job, queued_s)`: one job, or the
+        members of a batch the scheduler gathered."""
+        started = time.monotonic()
+        with self._running_lock:
+            self._running.update(job for job, _ in jobs)
+        try:
+            self._execute_leased(jobs)
+        finally:
+            with self._running_lock:
+                self._running.difference_update(job for job, _ in jobs)
+        if len(jobs) == 1:
+            self._record_short_run(jobs[0][0], time.monotonic() - started)
+
+    def expire(self, job: Job) -> None:
+        """A job whose deadline passed before a worker took it."""
+        self._fail(job, "deadline_exceeded", "not started within deadline_ms")
+        self._send_quietly([job])
+
+    def cancel(self, job: Job) -> None:
+        """A job still queued when the agent stops."""
+        self._fail(job, "shutting_down", "the agent is stopping")
+        self._send_quietly([job])
+
+    def cancel_running(self) -> None:
+        """The drain timeout passed: running jobs end at their next run of the model."""
+        with self._running_lock:
+            for job in self._running:
+                job.cancelled.set()
+
+    # -- one lease, checks, groups -----------------------------------------------------------
+
+    def _execute_leased(self, jobs: Sequence[tuple[Job, float]]) -> None:
+        first = jobs[0][0].request
+        try:
+            with self._models.lease(first.model, first.version) as lease:
+                loaded = lease.loaded
+                members: list[Member] = []
+                ready: list[tuple[Job, float]] = []
+                for job, queued in jobs:
+                    member = self._member(job, loaded)
+                    if member is not None:
+                        members.append(member)
+                        ready.append((job, queued))
+                for group in batching.groups([m.inputs for m in members]):
+                    self._run_group(
+                        loaded,
+                        [members[i] for i in group],
+                        [ready[i] for i in group],
+                        batched=len(jobs) > 1,
+                    )
+        except WireError as e:  # the lease: the model or version went away meanwhile
+            for job, _ in jobs:
+                self._fail(job, e.code, e.message)
+            self._send_quietly([job for job, _ in jobs])
+
+    def _member(self, job: Job, loaded: LoadedVersion) -> Member | None:
+        """The job's inputs checked against the leased version (an error answers the job)."""
+        request, config = job.request, loaded.config.stream
+        job.reply.version = loaded.version
+        try:
+            inputs = modes.initial_state(loaded.session, config, _checked_inputs(job, loaded))
+            return Member(inputs, modes.max_steps(config, request.params), job.cancelled)
+        except WireError as e:
+            self._fail(job, e.code, e.message)
+            self._send_quietly([job])
+            return None
+
+    # -- one group: the loop, the emit rule, the failure rule --------------------------------
+
+    def _run_group(
+        self,
+        loaded: LoadedVersion,
+        members: list[Member],
+        jobs: list[tuple[Job, float]],
+        *,
+        batched: bool,
+    ) -> None:
+        run = Run(loaded.session, loaded.config.stream, members)
+        if batched:
+            self._metrics.batch_run(loaded.model, len(members))
+        collected: dict[int, list[tuple[int, Arrays]]] = {}
+        finished: set[int] = set()
+        failure: tuple[str, str] | None = None
+        try:
+            for pieces in run.pieces():
+                ended = [p.member for p in pieces if self._emit(p, jobs, run, collected)]
+                finished.update(ended)
+                self._publish(loaded, jobs, [jobs[i] for i in ended], run.infer_s)
+            left = [i for i in range(len(jobs)) if i not in finished and i not in run.failed]
+            for index in left:  # members the mode gave no last piece (an empty batch input)
+                self._finish(jobs[index], run, collected.pop(index, []))
+            finished.update(left)
+            self._publish(loaded, jobs, [jobs[i] for i in left], run.infer_s)
+        except OutboxClosed:
+            return  # stopping: nothing can be sent any more
+        except WireError as e:
+            failure = (e.code, e.message)
+        except InferenceError as e:
+            failure = ("model_error", str(e))
+        except Exception as e:
+            log.exception("run of %d request(s) to %s failed", len(members), loaded.model)
+            failure = ("model_error", f"{type(e).__name__}: {e}")
+        for index, (job, _) in enumerate(jobs):
+            if index in run.failed:
+                self._fail(job, "shutting_down", STOPPED_MESSAGE)
+            elif index not in finished and failure is not None:
+                self._fail(job, *failure)
+        self._send_quietly([job for job, _ in jobs])  # after what the run made before failing
+
+    def _emit(
+        self,
+        piece: Piece,
+        jobs: list[tuple[Job, float]],
+        run: Run,
+        collected: dict[int, list[tuple[int, Arrays]]],
+    ) -> bool:
+        """The emit rule for one piece; True when it finished its request."""
+        job, queued = jobs[piece.member]
+        reply = job.reply
+        if job.request.stream:
+            reply.chunk(piece.outputs, piece.index)
+            if piece.index == 0:
+                self._metrics.first_chunk_after(job.request.model, time.monotonic() - job.received)
+            if piece.last:
+                reply.end(_timing(job, queued, run.infer_s))
+        elif run.config.mode == "whole":
+            reply.result(piece.outputs, _timing(job, queued, run.infer_s))
+        else:
+            collected.setdefault(piece.member, []).append((piece.index, piece.outputs))
+            if piece.last:
+                self._finish(jobs[piece.member], run, collected.pop(piece.member))
+        return piece.last
+
+    @staticmethod
+    def _finish(entry: tuple[Job, float], run: Run, pieces: list[tuple[int, Arrays]]) -> None:
+        """The terminal message of a request whose pieces are all out (or collected)."""
+        job, queued = entry
+        timing = _timing(job, queued, run.infer_s)
+        if job.request.stream:
+            job.reply.end(timing)
+        else:
+            job.reply.result(modes.merge_pieces(run.config.mode, pieces), timing)
+
+    # -- what goes out -----------------------------------------------------------------------
+
+    def _publish(
+        self,
+        loaded: LoadedVersion,
+        jobs: list[tuple[Job, float]],
+        done: list[tuple[Job, float]],
+        infer_s: float,
+    ) -> None:
+        """After a run: count what it finished (before anyone can see the replies), then send
+        every member's messages together."""
+        if done:
+            self._record_ok(loaded, done, infer_s)
+        messages = [m for job, _ in jobs for m in job.reply.drain()]
+        self._sender.send(messages)
+
+    def _send_quietly(self, jobs: Sequence[Job]) -> None:
+        """Send what the jobs' streams still hold (errors); a closed outbox drops them."""
+        messages = [m for job in jobs for m in job.reply.drain()]
+        try:
+            self._sender.send(messages)
+        except OutboxClosed:
+            log.debug("outbox closed: %d reply message(s) not sent", len(messages))
+
+    def _fail(self, job: Job, code: str, message: str) -> None:
+        self._counters.add(f"requests_{code}")
+        if job.reply.error(code, message):
+            version = job.reply.version if isinstance(job.reply.version, int) else None
+            self._metrics.request_done(job.request.model, version, code)
+
+    def _record_ok(
+        self, loaded: LoadedVersion, done: list[tuple[Job, float]], infer_s: float
+    ) -> None:
+        """One round of each metric's lock for the requests a run finished."""
+        now = time.monotonic()
+        self._counters.add("requests_ok", len(done))
+        timings = [(queued, infer_s, now - job.received, job.reply.chunks) for job, queued in done]
+        self._metrics.requests_ok(loaded.model, loaded.version, timings)
+        if log.isEnabledFor(logging.DEBUG):
+            for job, _ in done:
+                _log_ok(job, now - job.received)
+
+    def _record_short_run(self, job: Job, seconds: float) -> None:
+        reply = job.reply
+        if isinstance(reply.version, int):  # it leased a version
+            self._short_runs.record(
+                job.request.model, reply.version, seconds, reply.seq, job.payload_bytes
+            )
+
+
+def _checked_inputs(job: Job, loaded: LoadedVersion) -> dict[str, Any]:
+    """The request's inputs checked against the leased version (once: at ingress when it is
+    the version checked there)."""
+    request = job.request
+    if job.checked is not None and job.checked[0] == loaded.version:
+        return job.checked[1]
+    specs = required_inputs(loaded.session.inputs, loaded.config.stream.state, request.inputs)
+    return validate_inputs(request.id, request.inputs, specs)
+
+
+def required_inputs(
+    specs: Sequence[TensorSpec], state_inputs: Mapping[str, str], given: Mapping[str, object]
+) -> list[TensorSpec]:
+    """Inputs a request must carry: all but the state inputs it left out (they start at zero)."""
+    return [s for s in specs if s.name not in state_inputs or s.name in given]
+
+
+def _timing(job: Job, queued_s: float, infer_s: float) -> dict[str, float]:
+    total = time.monotonic() - job.received
+    return {
+        "queue_ms": round(queued_s * 1000, 3),
+        "infer_ms": round(infer_s * 1000, 3),
+        "total_ms": round(total * 1000, 3),
+    }
+
+
+def _log_ok(job: Job, total_s: float) -> None:
+    reply = job.reply
+    log.debug(
+        "request %s (%s v%s): ok in %.1f ms, %d chunk(s)",
+        job.request.id,
+        job.request.model,
+        reply.version,
+        total_s * 1000,
+        reply.chunks,
+    )

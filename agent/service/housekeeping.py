@@ -1,0 +1,105 @@
+"""The `housekeeping` thread: what the agent does on a clock rather than on a message.
+
+Every tick: report bad input without an id (rate-limited), publish telemetry when its period
+came, expire spooled messages past their TTL and forget acknowledged ones past the resend
+window, nudge the spool writer for whatever was queued outside a request, and ping the
+systemd watchdog while healthy. Ticks are short while READY has not gone out, then often
+enough for the watchdog.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from agent.config import AgentConfig
+from agent.delivery.outbox import Outbox
+from agent.delivery.spool import Spool
+from agent.ops.counters import Counters
+from agent.ops.systemd import ServiceReporter
+from agent.service.announce import Announcer
+from agent.service.health import Health
+
+log = logging.getLogger(__name__)
+
+
+class Housekeeping:
+    """`start()`, then `join()` after the agent's stop event is set; `config` follows reloads."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        *,
+        stop: threading.Event,
+        announcer: Announcer,
+        outbox: Outbox,
+        spool: Spool | None,
+        counters: Counters,
+        reporter: ServiceReporter,
+        health: Health,
+        telemetry: Callable[[], dict[str, Any]],
+    ) -> None:
+        self.config = config
+        self._stop = stop
+        self._announcer = announcer
+        self._outbox = outbox
+        self._spool = spool
+        self._counters = counters
+        self._reporter = reporter
+        self._health = health
+        self._telemetry = telemetry
+        self._spool_maintained = 0.0
+        self._thread = threading.Thread(target=self._run, name="housekeeping", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        last_telemetry = time.monotonic()
+        while not self._stop.wait(self._tick_s()):
+            now = time.monotonic()
+            self._announcer.report_bad_requests(now)
+            interval = self.config.telemetry.interval_s  # read each time: SIGHUP may change it
+            if interval and now - last_telemetry >= interval:
+                late = now - last_telemetry > 2 * interval
+                last_telemetry = now if late else last_telemetry + interval
+                self._announcer.telemetry(self._telemetry())
+            self._maintain_spool(now)
+            if self._outbox.writer is not None:  # whatever was queued outside a request
+                self._outbox.writer.nudge()
+            if self._reporter.notifier.enabled:
+                self._reporter.tick(
+                    ready=self._health.transport.connected.is_set(),
+                    problem=self._health.problem(),
+                    status=self._health.status(),
+                )
+
+    def _maintain_spool(self, now: float) -> None:
+        """Every few seconds: expire old pending messages (TTL), forget old acknowledged ones."""
+        config = self.config
+        period = min(5.0, max(0.2, config.resend.window_s / 2))
+        if self._spool is None or now - self._spool_maintained < period:
+            return
+        self._spool_maintained = now
+        expired = self._outbox.expire()
+        if expired:
+            self._counters.add("spool_expired_messages", expired)
+            log.warning("spool: %d message(s) older than ttl_s expired unsent", expired)
+        history_s = config.mqtt.replay_after_reconnect_s
+        if config.resend.enabled:
+            history_s = max(history_s, config.resend.window_s)
+        self._spool.purge_acked(history_s, config.resend.max_bytes)
+
+    def _tick_s(self) -> float:
+        """Fast until READY went out, then often enough for the watchdog pings."""
+        if self._reporter.notifier.enabled and not self._reporter.ready_sent:
+            return 0.1
+        ping = self._reporter.ping_interval_s
+        return 0.5 if ping is None else max(0.02, min(0.5, ping / 2))

@@ -1,0 +1,336 @@
+"""The network thread's side of a request: read -> check -> store -> submit.
+
+Runs on the thread that reads the socket (`mqtt-io`, or a publisher holding the io lock), so
+nothing here may block. One reader (:class:`RequestReader`) turns the bytes of an incoming
+message into either an admitted :class:`Job` or a :class:`Rejection` that already holds the
+reply stream its error goes out on (id, reply topic, QoS, correlation data: whatever could
+be read before the request failed). The reader takes the layout fast path
+(`agent.protocol.layouts`) where the bytes repeat a recent request's layout, else the full
+decode, and teaches the layouts what the full decode found.
+
+:class:`Ingress` then stores a QoS 1/2 request in the spool (its acknowledgement to the broker
+waits until it is on disk), runs a short request right here or queues it for the workers,
+and answers a full queue with `overloaded`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from agent.config import AgentConfig
+from agent.delivery.resend import Resender, parse_resend
+from agent.delivery.spool import Spool
+from agent.delivery.spool_items import AfterWrite, StoreRequest, request_key
+from agent.delivery.spool_writer import SpoolWriter
+from agent.inference import batching, short_runs
+from agent.inference.job import Job
+from agent.inference.reply_stream import ReplySender, ReplyStream
+from agent.inference.runner import required_inputs
+from agent.inference.scheduler import Scheduler
+from agent.inference.short_runs import ShortRuns
+from agent.models.manager import ModelManager, Serving
+from agent.mqtt.connection import Transport
+from agent.mqtt.messages import Incoming, correlation_properties
+from agent.ops.counters import Counters
+from agent.ops.metrics import AgentMetrics
+from agent.protocol.errors import MAX_REPLY_TO_CHARS, Limits, WireError
+from agent.protocol.layouts import RequestLayouts
+from agent.protocol.payload import decode_payload
+from agent.protocol.requests import Request, parse_request, read_request_id, validate_inputs
+from agent.service.announce import Announcer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Rejection:
+    """A request that will not run: its error reply, addressed as far as it could be read
+    (`reply` None: no readable id, so it is only counted and reported as an event)."""
+
+    model: str
+    code: str
+    message: str
+    reply: ReplyStream | None
+
+
+@dataclass
+class Admission:
+    """A request that passed every check: its job, and the version it was checked against."""
+
+    job: Job
+    serving: Serving
+
+
+class RequestReader:
+    """Bytes in, an :class:`Admission` or a :class:`Rejection` out (the network thread's only)."""
+
+    def __init__(self, config: AgentConfig, models: ModelManager) -> None:
+        self.config = config
+        self.limits = limits_of(config)
+        self.layouts = RequestLayouts()
+        self._models = models
+
+    def reconfigure(self, config: AgentConfig) -> None:
+        """A reload changed the limits or the allowed reply prefixes."""
+        self.config = config
+        self.limits = limits_of(config)
+
+    def read(self, model: str, incoming: Incoming, *, accepting: bool) -> Admission | Rejection:
+        prefixes, response_topic = self.config.reply_prefixes, incoming.response_topic
+        payload: dict[str, Any] | None = None
+        request = self.layouts.parse(incoming.payload, model, self.limits, prefixes, response_topic)
+        try:
+            if request is None:
+                payload = decode_payload(incoming.payload, self.limits)
+                if response_topic is not None and "reply_to" not in payload:
+                    payload = {**payload, "reply_to": response_topic}
+                request = parse_request(
+                    payload, model, self.limits, allowed_reply_prefixes=prefixes
+                )
+            request.correlation_data = incoming.correlation_data
+            if not accepting:
+                raise WireError("shutting_down", "the agent is stopping", request.id)
+            serving, checked = self._check(request)
+        except WireError as e:
+            return self._rejection(incoming, model, payload, e)
+        if payload is not None:
+            self.layouts.learn(
+                incoming.payload, payload, request, self.limits, prefixes, response_topic
+            )
+        reply = self.reply_stream(
+            request.id,
+            model,
+            request.version,
+            request.reply_to,
+            request.qos,
+            request.correlation_data,
+        )
+        job = Job(
+            request, reply, time.monotonic(), checked=checked, payload_bytes=len(incoming.payload)
+        )
+        return Admission(job, serving)
+
+    def _check(self, request: Request) -> tuple[Serving, tuple[int, dict[str, Any]] | None]:
+        """Cheap checks against the serving version, so junk never takes a queue slot; the
+        checked inputs come back for a worker that leases that same version."""
+        serving = self._models.serving(request.model)
+        if serving is None:
+            if not self._models.has_model(request.model):
+                message = f"no model named '{request.model}'"
+            else:
+                message = f"model '{request.model}' has no ready version"
+            raise WireError("unknown_model", message, request.id)
+        if request.version is not None:
+            return serving, None  # a pinned version is checked when it is leased
+        specs = required_inputs(serving.inputs, serving.stream.state, request.inputs)
+        return serving, (serving.version, validate_inputs(request.id, request.inputs, specs))
+
+    def _rejection(
+        self,
+        incoming: Incoming,
+        model: str,
+        payload: dict[str, Any] | None,
+        error: WireError,
+    ) -> Rejection:
+        """The error reply, addressed with what was read before the request failed: the id
+        the error names (or the decoded payload's), its reply topic where allowed, its QoS."""
+        request_id = error.request_id or (read_request_id(payload) if payload else None)
+        if request_id is None:
+            return Rejection(model, error.code, error.message, None)
+        reply_to = qos = None
+        if payload is not None:
+            candidate = payload.get("reply_to", incoming.response_topic)
+            if isinstance(candidate, str) and self._reply_allowed(candidate):
+                reply_to = candidate
+            asked = payload.get("qos")
+            qos = asked if asked in (0, 1, 2) and not isinstance(asked, bool) else None
+        reply = self.reply_stream(request_id, model, None, reply_to, qos, incoming.correlation_data)
+        return Rejection(model, error.code, error.message, reply)
+
+    def _reply_allowed(self, topic: str) -> bool:
+        return (
+            len(topic) <= MAX_REPLY_TO_CHARS
+            and not any(c in topic for c in "+#\0")
+            and any(topic.startswith(p) for p in self.config.reply_prefixes)
+        )
+
+    def reply_stream(
+        self,
+        request_id: str,
+        model: str,
+        version: int | None,
+        reply_to: str | None,
+        qos: int | None,
+        correlation: bytes | None,
+    ) -> ReplyStream:
+        config = self.config
+        properties = None
+        if correlation is not None and config.mqtt.protocol == "5":
+            properties = correlation_properties(correlation)
+        return ReplyStream(
+            request_id=request_id,
+            model=model,
+            version=version,  # type: ignore[arg-type]  # set to the leased version later
+            topic=reply_to or f"{config.root_topic}/result/{model}/{request_id}",
+            qos=config.mqtt.qos.reply if qos is None else qos,
+            max_chunk_bytes=config.limits.max_chunk_bytes,
+            properties=properties,
+            correlation=correlation,
+            stream_key=request_key(model, request_id),
+        )
+
+
+class Ingress:
+    """`on_message` for every message the connection delivers (see the module docstring)."""
+
+    def __init__(
+        self,
+        reader: RequestReader,
+        *,
+        scheduler: Scheduler[Any],
+        sender: ReplySender,
+        short_runs: ShortRuns,
+        spool: Spool | None,
+        writer: SpoolWriter | None,
+        resender: Resender | None,
+        announcer: Announcer,
+        counters: Counters,
+        metrics: AgentMetrics,
+    ) -> None:
+        self.reader = reader
+        self.accepting = False
+        self.connection: Transport | None = None  # set once the connection exists
+        self._scheduler = scheduler
+        self._sender = sender
+        self._short_runs = short_runs
+        self._spool = spool
+        self._writer = writer
+        self._resender = resender
+        self._announcer = announcer
+        self._counters = counters
+        self._metrics = metrics
+        self._outbox_has_room = sender.has_room
+        root = reader.config.root_topic
+        self._infer_prefix = f"{root}/infer/"  # every request's topic starts with it
+        self._resend_topic = f"{root}/resend"
+
+    def on_message(self, incoming: Incoming, replay: bool = False) -> None:
+        prefix = self._infer_prefix
+        if incoming.topic.startswith(prefix):
+            self.on_request(incoming.topic[len(prefix) :], incoming, replay)
+        elif incoming.topic == self._resend_topic and self._resender is not None:
+            self._on_resend(incoming)
+
+    def on_request(self, model: str, incoming: Incoming, replay: bool = False) -> None:
+        self._counters.add("requests_received")
+        self._metrics.received.inc()
+        outcome = self.reader.read(model, incoming, accepting=self.accepting)
+        if isinstance(outcome, Rejection):
+            self._refuse(outcome)
+            return
+        job, request = outcome.job, outcome.job.request
+        if self._spool is not None and incoming.qos > 0:
+            key = request_key(model, request.id)
+            if not replay and not self._store(key, incoming):
+                self._counters.add("requests_duplicate")
+                return  # a redelivery of a request that is already stored and running
+            job.reply.request_key = key
+        deadline = None if request.deadline_ms is None else request.deadline_ms / 1000.0
+        batch = batching.batch_spec(request, outcome.serving)
+        short = batch is None and not replay and self._short(job, outcome.serving)
+        if short and self._scheduler.run_here(job):
+            self._counters.add("requests_inline")  # it ran here, on the network thread
+            return
+        if not self._scheduler.submit(job, request.priority, deadline, batch):
+            self._counters.add("rejected_overloaded")
+            self._metrics.request_done(model, None, "overloaded")
+            job.reply.error("overloaded", "the request queue is full; retry later")
+            self._sender.send_now(job.reply.drain())
+
+    def _refuse(self, rejection: Rejection) -> None:
+        """Answer a request that cannot be queued; one without a readable id is counted."""
+        self._counters.add(f"rejected_{rejection.code}")
+        self._metrics.request_done(rejection.model, None, rejection.code)
+        reply = rejection.reply
+        if reply is None:
+            self._announcer.note_bad_request(rejection.message)
+            return
+        reply.error(rejection.code, rejection.message)
+        self._sender.send_now(reply.drain())
+
+    def _short(self, job: Job, serving: Serving) -> bool:
+        """Whether the request may run on this, the network thread
+        (agent.inference.short_runs): not a `steps` model (whose run count the request
+        chooses), expected to be short, and room in the outbox for what it sends (this
+        thread could not wait for room: only it makes some)."""
+        request = job.request
+        version = serving.version if request.version is None else request.version
+        return (
+            serving.stream.mode != "steps"
+            and self._short_runs.is_short(request.model, version, job.payload_bytes)
+            and self._outbox_has_room(
+                short_runs.MAX_MESSAGES,
+                # A message's payload, and generously its topic, ids and correlation data.
+                self.reader.config.limits.max_chunk_bytes + 4096,
+            )
+        )
+
+    def _store(self, key: str, incoming: Incoming) -> bool:
+        """Queue the request for the spool writer; the broker gets its acknowledgement once
+        it is fsynced (the job runs meanwhile). False for a redelivery of a stored request:
+        that one is acknowledged once the original is stored."""
+        assert self._spool is not None and self._writer is not None
+        assert self.connection is not None
+        # Called by the spool writer, which has the acknowledgements of a batch sent together.
+        ack = self.connection.defer(incoming)
+        if key in self._spool.request_keys:
+            self._writer.submit(AfterWrite(lambda spool: ack()))
+            return False
+        self._spool.request_keys.add(key)
+        self._writer.submit(
+            StoreRequest(
+                key,
+                incoming.topic,
+                incoming.payload,
+                incoming.qos,
+                incoming.response_topic,
+                incoming.correlation_data,
+                on_stored=ack,
+            )
+        )
+        return True
+
+    def _on_resend(self, incoming: Incoming) -> None:
+        """Validated and rate-limited like any outside input; bad ones are only counted."""
+        assert self._resender is not None
+        self._counters.add("resend_received")
+        try:
+            payload = decode_payload(incoming.payload, self.reader.limits)
+            request = parse_resend(
+                payload,
+                root=self.reader.config.root_topic,
+                allowed_prefixes=self.reader.config.reply_prefixes,
+            )
+        except WireError as e:
+            self._announcer.note_bad_request(f"resend: {e.message}")
+            return
+        self._resender.handle(request)
+
+
+def limits_of(config: AgentConfig) -> Limits:
+    """The input limits of the configuration, as the wire guard takes them."""
+    lim = config.limits
+    return Limits(
+        max_payload_bytes=lim.max_payload_bytes,
+        max_decompressed_bytes=lim.max_decompressed_bytes,
+        max_depth=lim.max_depth,
+        max_map_keys=lim.max_map_keys,
+        max_tensor_elements=lim.max_tensor_elements,
+        max_tensor_bytes=lim.max_tensor_bytes,
+        max_rank=lim.max_rank,
+        max_tensors=lim.max_tensors,
+        max_items=lim.max_items,
+    )
