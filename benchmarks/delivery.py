@@ -13,7 +13,7 @@ import paho.mqtt.client as mqtt
 from agent.demo import models as demo_models
 from agent.demo.broker import EmbeddedBroker
 from agent.demo.run import DECODER_CONFIG
-from agent.protocol import wire
+from agent.protocol.payload import encode_payload
 
 MODEL = "decoder-long"
 CONFIG = DECODER_CONFIG.format(steps=100000)  # the demo decoder's, with long streams
@@ -83,9 +83,7 @@ def measure_drain(
                 "inputs": {"token": np.array([[i + 1]], dtype=np.int64)},
                 "params": {"max_steps": 100000},
             }
-            publisher.publish(
-                f"{root}/infer/{MODEL}", wire.encode_payload(body), 1
-            ).wait_for_publish(5)
+            publisher.publish(f"{root}/infer/{MODEL}", encode_payload(body), 1).wait_for_publish(5)
         time.sleep(1.0)
         live_rate, _ = counter.rate_over(window_s)
         broker.stop()

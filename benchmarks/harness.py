@@ -19,7 +19,8 @@ from typing import Any
 import paho.mqtt.client as mqtt
 
 from agent.demo.broker import EmbeddedBroker
-from agent.protocol import wire
+from agent.protocol.errors import Limits, WireError
+from agent.protocol.payload import decode_payload
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -224,8 +225,8 @@ def wait_online(broker: EmbeddedBroker, root: str, since: float, timeout: float 
 
     def on_message(c: mqtt.Client, u: Any, message: Any) -> None:
         try:
-            state = wire.decode_payload(message.payload, wire.Limits()).get("state")
-        except wire.WireError:
+            state = decode_payload(message.payload, Limits()).get("state")
+        except WireError:
             return
         if state == "online" and not online.is_set():
             arrived.append(time.perf_counter())

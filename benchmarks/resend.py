@@ -14,7 +14,7 @@ from agent.client import AgentClient
 from agent.demo import models as demo_models
 from agent.demo.broker import EmbeddedBroker
 from agent.demo.run import DECODER_CONFIG
-from agent.protocol import wire
+from agent.protocol.payload import encode_payload
 from benchmarks.hot_swap import _p
 
 MODEL = "decoder-tiny"
@@ -65,7 +65,7 @@ def measure_flood(
     flooder = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
     flooder.connect(broker.host, broker.port)
     flooder.loop_start()
-    payload = wire.encode_payload({"id": "flood-src", "from_seq": 0})
+    payload = encode_payload({"id": "flood-src", "from_seq": 0})
 
     def flood() -> None:
         interval = 1.0 / rate

@@ -4,6 +4,7 @@
     python benchmarks/run.py                        # every section, full length (~5 min)
     python benchmarks/run.py --quick                # the speed targets, short: under a minute
     python benchmarks/run.py --quick --only hot-swap,drain   # other sections, short
+    python benchmarks/run.py --report-only          # rewrite the reports from saved results
     scripts/bench [ARGS]                            # any of these, installing what it needs first
 
 Each section is measured in one run on one machine and saved to
@@ -11,7 +12,11 @@ Each section is measured in one run on one machine and saved to
 one section keeps the others' last figures (each section says when it was measured). The
 agent runs as its own process (`edge-agent run`), as on a box; the broker is a private
 Mosquitto with `set_tcp_nodelay true`. `benchmarks/history.py` measures the speed section
-against earlier commits (what each optimisation gained).
+against earlier commits; its table (`benchmarks/results/history.json`) is written to
+docs/benchmarks-history.md, beside the report, which links to it.
+
+Both files are Markdown for reading: prose is wrapped at `WIDTH` characters (`wrap_markdown`);
+tables, headings and code stay one line each.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -39,6 +45,8 @@ from benchmarks.harness import AgentProcess, machine, versions, wait_online  # n
 RESULTS = REPO / "benchmarks" / "results"
 SECTIONS = ("speed", "hot-swap", "resend", "drain", "sources")
 PLOT = "benchmarks-speed.png"
+HISTORY_DOC = "benchmarks-history.md"  # written beside the report
+WIDTH = 100  # prose lines of the reports
 
 
 def run_speed(broker: EmbeddedBroker, workdir: Path, quick: bool) -> dict[str, Any]:
@@ -115,6 +123,51 @@ def _wait_serving(client: AgentClient, model: str, timeout: float = 60) -> None:
 
 # -- report -----------------------------------------------------------------------------------
 
+# A word that must not begin a wrapped line: there it would start a list item, a quote, a
+# heading or a setext underline instead of continuing the paragraph.
+_BLOCK_START = re.compile(r"^([-+*>]|#+|\d+[.)]|=+|-+)$")
+_KEEP = ("|", "#", "```", "![", "<")  # tables, headings, fences, images, HTML: one line each
+
+
+def wrap_markdown(text: str, width: int = WIDTH) -> str:
+    """`text` with every paragraph and list item wrapped at `width` characters.
+
+    The sections build each paragraph as one line (easy to write, unreadable in a diff or an
+    editor). Tables, headings, fenced code and images stay as they are; a list item's lines
+    continue under its text. Words are never broken, so a backquoted span or a link too long
+    for a line keeps its own line."""
+    out: list[str] = []
+    fenced = False
+    for line in text.split("\n"):
+        if line.startswith("```"):
+            fenced = not fenced
+        kept = line.startswith(_KEEP) or line.startswith(("    ", "\t"))  # or indented code
+        if fenced or line.startswith("```") or not line.strip() or kept:
+            out.append(line)
+            continue
+        leading = line[: len(line) - len(line.lstrip())]
+        marker = re.match(r"^(\s*(?:[-*+]|\d+[.)])\s+)", line)
+        indent = " " * len(marker.group(1)) if marker else leading
+        wrapped = _wrap_words(line.split(), width - len(leading), indent[len(leading) :])
+        out += [leading + w for w in wrapped]
+    return "\n".join(out)
+
+
+def _wrap_words(words: list[str], width: int, indent: str) -> list[str]:
+    """Greedy filling; a line that would begin with a block-starting word takes the previous
+    line's last words along, as many as it takes to begin with another word."""
+    lines: list[list[str]] = [[]]
+    for word in words:
+        current = lines[-1]
+        prefix = indent if len(lines) > 1 else ""
+        if current and len(prefix) + len(" ".join(current)) + 1 + len(word) > width:
+            carried: list[str] = []
+            while len(current) > 1 and _BLOCK_START.match((carried or [word])[0]):
+                carried.insert(0, current.pop())
+            lines.append(carried)
+        lines[-1].append(word)
+    return [(indent if i else "") + " ".join(ws) for i, ws in enumerate(lines)]
+
 
 def load_results() -> dict[str, dict[str, Any]]:
     found = {}
@@ -162,11 +215,13 @@ def _measured(record: dict[str, Any]) -> str:
     return f"_Measured {record['date']} ({mode} run{at}) on {record['machine']}._"
 
 
-def section_lines(name: str, record: dict[str, Any], docs: Path) -> list[str]:
+def section_lines(name: str, record: dict[str, Any], docs: Path, plot: bool = True) -> list[str]:
+    """One section of the report. With `plot`, the speed section's figure is drawn again
+    (when matplotlib is there); without, the figure already in `docs` is linked as it is."""
     data = record["data"]
     if name == "speed":
         result = speed.from_json(data)
-        plotted = speed.plot(result, docs / PLOT)
+        plotted = speed.plot(result, docs / PLOT) if plot else (docs / PLOT).exists()
         lines = speed.section(result, PLOT if plotted else None)
     elif name == "hot-swap":
         lines = hot_swap.section(
@@ -181,22 +236,22 @@ def section_lines(name: str, record: dict[str, Any], docs: Path) -> list[str]:
     return [lines[0], "", _measured(record), *lines[1:]]
 
 
-def write_report(out: Path) -> None:
-    results = load_results()
-    if not results:
-        return
+def report_lines(results: dict[str, dict[str, Any]], docs: Path, plot: bool) -> list[str]:
+    """docs/benchmarks.md: the latest saved run of each section, nothing older."""
     newest = max(results.values(), key=lambda r: str(r["date"]))
     lines = [
         "# Benchmarks",
         "",
-        "Produced by `scripts/bench` (`benchmarks/run.py`; sections: "
+        "The latest run of each section of `scripts/bench` (`benchmarks/run.py`; sections: "
         + ", ".join(f"`{s}`" for s in SECTIONS)
-        + "). Every figure in a table comes from one run on one machine, side by side; "
-        "absolute times on this shared machine are noisy, ratios much less so. Ratios that "
-        "depend on the agent's threads handing work to each other (the message rates, "
-        "batching, latency) still vary from day to day on this VM, by up to a half: to compare "
-        "code, measure it side by side with `benchmarks/history.py` (its table is at the end), "
-        "not against an older report.",
+        + "). Every figure in a table comes from one run on one machine, side by side with its "
+        "baseline; each section says when and at which commit it was measured. Absolute times "
+        "on this shared machine are noisy, ratios much less so, though the ratios that depend "
+        "on the agent's threads handing work to each other (the message rates, batching, "
+        "latency) still move from day to day by up to a half. To compare code, measure it side "
+        "by side with `benchmarks/history.py`, not against an older report: its table of "
+        f"earlier commits is [{HISTORY_DOC}]({HISTORY_DOC}), and how the figures are taken is "
+        "in [decisions/0018](decisions/0018-benchmarks-side-by-side.md).",
         "",
         f"- machine: {newest['machine']}, no GPU",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in newest["versions"].items()),
@@ -206,13 +261,27 @@ def write_report(out: Path) -> None:
     ]
     for name in SECTIONS:
         if name in results:
-            lines += section_lines(name, results[name], out.parent)
+            lines += section_lines(name, results[name], docs, plot)
+    return lines
+
+
+def write_report(out: Path, plot: bool = True) -> list[Path]:
+    """Write the report to `out` and, when a history was measured, its table beside it
+    (`HISTORY_DOC`); both wrapped for reading. Returns the files written."""
+    from benchmarks import history as speed_history
+
+    written = []
+    results = load_results()
+    if results:
+        out.write_text(wrap_markdown("\n".join(report_lines(results, out.parent, plot))))
+        written.append(out)
     history = RESULTS / "history.json"
     if history.exists():
-        from benchmarks import history as speed_history
-
-        lines += speed_history.section(json.loads(history.read_text()))
-    out.write_text("\n".join(lines))
+        target = out.parent / HISTORY_DOC
+        lines = speed_history.document(json.loads(history.read_text()), out.name)
+        target.write_text(wrap_markdown("\n".join(lines)))
+        written.append(target)
+    return written
 
 
 def met(name: str, data: dict[str, Any]) -> bool:
@@ -241,7 +310,13 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma-separated sections: {', '.join(SECTIONS)} (default: all; speed with --quick)",
     )
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks.md")
-    parser.add_argument("--report-only", action="store_true", help="rewrite the report only")
+    parser.add_argument(
+        "--report-only",
+        "--render-only",
+        action="store_true",
+        help="measure nothing: rewrite the report and the history from benchmarks/results "
+        "(the speed figure already in docs/ is kept, not drawn again)",
+    )
     args = parser.parse_args(argv)
     only = args.only or ("speed" if args.quick else ",".join(SECTIONS))
     chosen = [s.strip() for s in only.split(",") if s.strip()]
@@ -260,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
             save_result(name, data, args.quick)
             ok = met(name, data) and ok
         print(f"measured {', '.join(chosen)} in {time.monotonic() - started:.0f} s", flush=True)
-    write_report(args.out)
-    print(f"wrote {args.out}")
+    for path in write_report(args.out, plot=not args.report_only):
+        print(f"wrote {path}")
     return 0 if ok else 1
 
 

@@ -39,9 +39,10 @@ if str(REPO) not in sys.path:
 
 from agent.demo import models as demo_models  # noqa: E402
 from agent.demo.broker import EmbeddedBroker  # noqa: E402
-from agent.inference.preprocess import PreprocessConfig, preprocess  # noqa: E402
-from agent.models.repository import parse_model_config  # noqa: E402
-from agent.protocol import wire  # noqa: E402
+from agent.models.model_config import parse_model_config  # noqa: E402
+from agent.models.preprocess import PreprocessConfig, preprocess  # noqa: E402
+from agent.protocol.errors import Limits  # noqa: E402
+from agent.protocol.payload import decode_payload  # noqa: E402
 
 TARGET = 0.9
 BIG = 640  # conv_net input side (as a detector's): ~10 ms a frame on one core, the bottleneck
@@ -108,7 +109,7 @@ def paired_ratio(turns: list[float], references: list[float]) -> float:
     This VM's speed moves by a quarter for seconds at a time. A ratio of two medians of
     fewer, longer interleaved turns read 0.88-1.09 for two identical bare loops; pairing each
     of 20 short turns with its neighbours and taking the median of the pairs reads 0.97-1.05
-    (docs/architecture.md, "Measuring a source against bare inference")."""
+    (docs/decisions/0017-measuring-sources-against-bare-inference.md)."""
     if len(references) != len(turns) + 1 or not turns:
         raise ValueError("need one reference turn before each turn and one after the last")
     neighbours = itertools.pairwise(references)
@@ -196,7 +197,7 @@ class StreamRecorder:
         """(index, ts) of every chunk so far, in emit order."""
         with self._lock:
             payloads = list(self.payloads)
-        bodies = (wire.decode_payload(p, wire.Limits()) for p in payloads)
+        bodies = (decode_payload(p, Limits()) for p in payloads)
         found = [(int(b["index"]), int(b["ts"])) for b in bodies if b.get("type") == "chunk"]
         return sorted(found, key=lambda f: f[1])
 
@@ -429,8 +430,7 @@ def section(run: SourcesRun) -> list[str]:
         "This VM's speed moves by a quarter for seconds at a time; compared as a ratio of "
         "medians over fewer, longer turns (the method before), two identical loops read "
         "anywhere from 0.88 to 1.09, and paired over these short turns 0.97-1.05, which is why "
-        "the figure pairs each agent turn with its neighbours (docs/architecture.md, "
-        '"Measuring a source against bare inference").',
+        "the figure pairs each agent turn with its neighbours (docs/decisions/0017).",
         "",
     ]
     return lines

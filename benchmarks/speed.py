@@ -38,7 +38,8 @@ from agent.config import SchedulerConfig
 from agent.demo import models as demo_models
 from agent.demo.broker import EmbeddedBroker
 from agent.demo.run import DECODER_CONFIG
-from agent.protocol import wire
+from agent.protocol.errors import Limits
+from agent.protocol.payload import decode_payload, encode_payload
 from benchmarks.harness import (
     REPO,
     AgentProcess,
@@ -74,8 +75,8 @@ WORKERS = SchedulerConfig().workers  # the agent's default, which every agent he
 # At max_batch = 64 a batch never filled from 64 clients (48 requests on average: the rest
 # were on the wire or being answered), so each waited out max_queue_delay_us; at 32 batches
 # held 29 on average and ran twice as often. Side by side (8 pairs, 2026-12-04) 32 ran 1.18
-# times, 16 1.20 times as many requests a second as 64 (docs/architecture.md, dynamic
-# batching, a seventh look).
+# times, 16 1.20 times as many requests a second as 64 (docs/decisions/
+# 0013-dynamic-batching-and-sizing-max-batch.md).
 REQUEST_MAX_BATCH = CONCURRENCY // WORKERS
 REQUEST_BATCHING = f"[batching]\nmax_batch = {REQUEST_MAX_BATCH}\nmax_queue_delay_us = 2000\n"
 MEMORY_CHUNKS = 100_000
@@ -207,7 +208,7 @@ def _peer(broker: EmbeddedBroker, mode: str, *args: str, timeout: float = 300) -
 
 
 def _template(model_inputs: dict[str, np.ndarray], **fields: Any) -> bytes:
-    return wire.encode_payload({"id": MARKER, "inputs": model_inputs, **fields})
+    return encode_payload({"id": MARKER, "inputs": model_inputs, **fields})
 
 
 class Requests:
@@ -238,7 +239,7 @@ def wait_model(
     missing: list[bool] = []
 
     def on_message(c: Any, u: Any, message: Any) -> None:
-        body = wire.decode_payload(message.payload, wire.Limits())
+        body = decode_payload(message.payload, Limits())
         if body.get("type") in ("result", "end", "error"):
             ok.append(body["type"] != "error")
             missing.append(body.get("code") == "unknown_model")
@@ -252,7 +253,7 @@ def wait_model(
             got.clear()
             ok.clear()
             body = {"id": unique_id(), "inputs": inputs, "reply_to": reply, **fields}
-            client.publish(f"{root}/infer/{model}", wire.encode_payload(body), 1)
+            client.publish(f"{root}/infer/{model}", encode_payload(body), 1)
             if got.wait(5) and ok:
                 if ok[0]:
                     return True
@@ -309,7 +310,7 @@ def chunk_payload(broker: EmbeddedBroker, root: str, model: str) -> bytes:
     client.on_message = lambda c, u, m: got.append(bytes(m.payload))
     subscribe(client, f"{root}/result/{model}/{request_id}", 1)
     body = {"id": request_id, "inputs": _token(), "params": {"max_steps": 8}}
-    client.publish(f"{root}/infer/{model}", wire.encode_payload(body), 1)
+    client.publish(f"{root}/infer/{model}", encode_payload(body), 1)
     deadline = time.monotonic() + 30
     while len(got) < 9 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -353,7 +354,7 @@ def measure_agent_stream(
                 "params": {"max_steps": steps},
                 "qos": qos,
             }
-            client.publish(f"{root}/infer/{model}", wire.encode_payload(body), 1)
+            client.publish(f"{root}/infer/{model}", encode_payload(body), 1)
         if not sub.wait_for(expect, max(60.0, expect / 1000)):
             raise RuntimeError(f"agent QoS {qos}: {sub.count} of {expect} messages arrived")
         return sub.rate()
@@ -758,7 +759,7 @@ def section(result: SpeedResult, plot_name: str | None) -> list[str]:
         "after the other: the model run, encoding, publishing. The latency figure adds to the "
         "echo's round trip the request's decoding and checks, storing it and the model run, "
         "all on the network thread (a short request is not handed to a worker: "
-        "docs/architecture.md); on this 2-core virtual machine each of them runs cold after "
+        "docs/decisions/0011); on this 2-core virtual machine each of them runs cold after "
         "the wait for the next request (a model run of a few µs hot takes tens of µs). "
         "Batching pays where a run costs more than the per-request work of the agent, its "
         "client and the broker: the 256-1024-1024-10 MLP (5 MB of weights, memory-bound one "
@@ -776,8 +777,7 @@ def section(result: SpeedResult, plot_name: str | None) -> list[str]:
         "ratio is of the totals, and each round's ratio is shown beside it. Batched, the "
         "agent's one interpreter is the bound (its network thread reads, checks and answers "
         "every request); batching saves the runs' share and the per-run work, not the "
-        "per-request work (docs/architecture.md, dynamic batching, has the accounting); on "
-        "this VM the balance moves from day to day." + _cpu_sentence(result.batching),
+        "per-request work (docs/decisions/0013 has the accounting)." + _cpu_sentence(result.batching),
     ]
     lines.append("")
     if plot_name:

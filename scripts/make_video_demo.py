@@ -27,7 +27,7 @@ if str(REPO_ROOT) not in sys.path:  # run from a checkout without installing the
 import numpy as np  # noqa: E402
 
 from agent.demo import models as demo_models  # noqa: E402
-from agent.inference.preprocess import load_cv2  # noqa: E402
+from agent.models.preprocess import load_cv2  # noqa: E402
 
 MODEL_CONFIG = """\
 # How a local source turns a camera frame into this model's input (see agent/preprocess.py).

@@ -1,17 +1,22 @@
 """The benchmarks' own machinery: the minimal MQTT client (benchmarks.lean_mqtt) that drives the
-batching figure must speak MQTT to a real Mosquitto as paho does, and the sources figure's
-estimator must cancel the drift it is there to cancel, or the figures measure nothing."""
+batching figure must speak MQTT to a real Mosquitto as paho does, the sources figure's
+estimator must cancel the drift it is there to cancel, or the figures measure nothing, and the
+reports written from saved results must have the shape the docs link to."""
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import textwrap
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
 from agent.demo.broker import EmbeddedBroker
+from benchmarks import run
 from benchmarks.harness import cpu_s
 from benchmarks.lean_mqtt import PUBLISH, LeanClient, parse_publish, puback
 from benchmarks.sources import paired_ratio, turn_rate
@@ -77,3 +82,62 @@ def test_turn_rate_is_frames_over_the_emit_times_they_span() -> None:
     frames = [(i * 2, 5 * second + i * second // 50) for i in range(26)]  # 50 fps, 25 periods
     assert turn_rate(frames) == pytest.approx(50.0)
     assert turn_rate(frames[:1]) == 0.0  # a stalled agent counts as a zero-rate turn
+
+
+def _prose(text: str) -> list[str]:
+    """The lines of a Markdown text outside tables and fenced code."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and not line.startswith("|"):
+            lines.append(line)
+    return lines
+
+
+def test_wrap_markdown_wraps_prose_and_keeps_tables_code_and_words() -> None:
+    words = [f"word{i}" for i in range(60)]
+    # Markers at many offsets: some fall where a plain wrap would start a line with them.
+    paragraphs = [" ".join([*words[:k], "- 1. > #", *words[k:]]) for k in range(20, 40)]
+    starts_block = ("-", "1.", ">", "#")
+    plain = [line for p in paragraphs for line in textwrap.wrap(p, 40)[1:]]
+    assert any(line.split()[0] in starts_block for line in plain)  # the case exists
+    paragraph = "\n\n".join(paragraphs)
+    table = "| a | b |\n|---|---|\n| " + "x" * 150 + " | y |"
+    code = "```\n" + "c " * 80 + "\n```"
+    item = "- " + " ".join(words)
+    text = "\n".join(["# " + "h" * 120, "", paragraph, "", table, "", code, "", item])
+    wrapped = run.wrap_markdown(text, width=40)
+    assert wrapped.split() == text.split()  # same words, same order
+    assert table in wrapped and code in wrapped and "# " + "h" * 120 in wrapped
+    starts = {"# " + "h" * 120, item[:40].rsplit(" ", 1)[0]}  # the heading, the item's first
+    for line in _prose(wrapped):
+        if line in starts:
+            continue
+        assert len(line) <= 40, line
+        # a continuation line never starts a list item, a quote or a heading
+        assert line.split()[:1] not in [[s] for s in starts_block], line
+    item_lines = wrapped[wrapped.index("- word0") :].splitlines()
+    assert len(item_lines) > 1 and all(line.startswith("  word") for line in item_lines[1:])
+
+
+def test_report_from_saved_results_keeps_the_current_tables_and_links_the_history(
+    tmp_path: Path,
+) -> None:
+    """`run.py --report-only`: docs/benchmarks.md holds the latest run of every saved section
+    and links the generated history, which holds one row per measured revision."""
+    (tmp_path / run.PLOT).write_bytes(b"png")  # the figure already there is linked, not drawn
+    written = run.write_report(tmp_path / "benchmarks.md", plot=False)
+    report = (tmp_path / "benchmarks.md").read_text()
+    history_doc = tmp_path / run.HISTORY_DOC
+    assert written == [tmp_path / "benchmarks.md", history_doc]
+    for heading in ("## Speed against the baselines", "## Hot swap", "## Local sources"):
+        assert heading in report
+    assert "What each optimisation gained" not in report
+    assert f"]({run.HISTORY_DOC})" in report and f"]({run.PLOT})" in report
+    history = json.loads((run.RESULTS / "history.json").read_text())
+    rows = [line for line in history_doc.read_text().splitlines() if line.startswith("| `")]
+    assert [row.split("`")[1] for row in rows] == [r["rev"] for r in history["rows"]]
+    assert "](benchmarks.md)" in history_doc.read_text()
+    for text in (report, history_doc.read_text()):
+        assert all(len(line) <= run.WIDTH for line in _prose(text))
