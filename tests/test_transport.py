@@ -1,8 +1,8 @@
 """The connection under pressure: a broker that stops reading, a disk that fails for a while.
 
 The agent reads and writes its socket in bulk and writes its spool from one thread (see
-agent/transport.py and agent/spool_writer.py); these tests stall both and check that nothing
-is lost, reordered or buffered without bound.
+agent/mqtt/connection.py, agent/mqtt/paho_fast.py and agent/delivery/spool_writer.py); these
+tests stall both and check that nothing is lost, reordered or buffered without bound.
 """
 
 from __future__ import annotations

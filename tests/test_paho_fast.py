@@ -1,13 +1,13 @@
-"""Unit tests of the pieces with no broker: scheduler, outbox, config, backoff, epoch, and
-the MQTT 5 PUBLISH reader."""
+"""The fast client of `agent.mqtt.paho_fast`, against paho's own: the same packets written,
+the same messages and errors read, on every paho version it was written for; the version
+check and the plain client it falls back to. The one test module that reaches into paho's
+private state (as the module under test does)."""
 
 from __future__ import annotations
 
-import random
+import logging
 import struct
-import threading
-import time
-from pathlib import Path
+from typing import Any
 
 import paho.mqtt.client as mqtt
 import pytest
@@ -15,155 +15,10 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode, MQTTProtocolVersi
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from agent.config import ConfigError, load_config, masked_dict, to_toml
-from agent.delivery.outbox import Outbox, OutboxClosed, OutMessage
-from agent.inference.scheduler import Scheduler
-from agent.mqtt.transport import (
-    EpochStore,
-    RequestProperties,
-    _Client,
-    backoff_delays,
-    parse_publish,
-)
-
-
-def test_scheduler_priority_then_fifo_and_deadlines():
-    gate = threading.Event()
-    order: list[str] = []
-    expired: list[str] = []
-    done = threading.Event()
-
-    def execute(job: str, queued: float) -> None:
-        if job == "block":
-            gate.wait(5)
-            return
-        order.append(job)
-        if len(order) == 5:
-            done.set()
-
-    scheduler: Scheduler[str] = Scheduler(
-        workers=1, queue_size=10, execute=execute, expire=expired.append, cancel=lambda j: None
-    )
-    scheduler.start()
-    assert scheduler.submit("block", 9)
-    time.sleep(0.05)
-    for job, priority in [("low-a", 1), ("high-a", 8), ("low-b", 1), ("high-b", 8), ("mid", 4)]:
-        assert scheduler.submit(job, priority)
-    assert scheduler.submit("late", 9, deadline_s=0.0)
-    gate.set()
-    assert done.wait(5)
-    assert order == ["high-a", "high-b", "mid", "low-a", "low-b"]
-    assert expired == ["late"]
-    scheduler.stop(1)
-
-
-def test_scheduler_refuses_when_full_and_cancels_on_stop():
-    gate = threading.Event()
-    cancelled: list[str] = []
-    scheduler: Scheduler[str] = Scheduler(
-        workers=1,
-        queue_size=2,
-        execute=lambda j, q: gate.wait(5),
-        expire=lambda j: None,
-        cancel=cancelled.append,
-    )
-    scheduler.start()
-    assert scheduler.submit("running", 4)
-    time.sleep(0.05)
-    assert scheduler.submit("a", 4) and scheduler.submit("b", 4)
-    assert not scheduler.submit("c", 4)  # full: the caller answers `overloaded`
-    gate.set()
-    scheduler.stop(2)
-    assert sorted(cancelled) in (["a", "b"], ["b"], [])
-    assert not scheduler.submit("after", 4)
-
-
-def test_outbox_blocks_when_full_and_keeps_order():
-    box = Outbox(max_messages=2, reserve=1)
-    box.put(OutMessage("t", b"1", 1))
-    box.put(OutMessage("t", b"2", 1))
-    with pytest.raises(TimeoutError):
-        box.put(OutMessage("t", b"3", 1), timeout=0.05)
-    assert box.put_nowait_reserved(OutMessage("t", b"err", 1))
-    assert not box.put_nowait_reserved(OutMessage("t", b"err2", 1))
-    assert box.rejected == 1
-    first = box.get(0.1)
-    assert first is not None and first.payload == b"1"
-    box.unget(first)
-    assert [box.get(0.1).payload for _ in range(3)] == [b"1", b"2", b"err"]  # type: ignore[union-attr]
-    box.close()
-    with pytest.raises(OutboxClosed):
-        box.put(OutMessage("t", b"x", 1))
-    assert box.get(0.1) is None
-
-
-def test_outbox_put_many_keeps_order_and_waits_for_room():
-    box = Outbox(max_messages=2)
-    kicked: list[int] = []
-    box.set_on_queued(lambda: kicked.append(1))
-    messages = [OutMessage("t", str(n).encode(), 1) for n in range(5)]
-    putter = threading.Thread(target=box.put_many, args=(messages,))
-    putter.start()
-    got = [box.get(2.0) for _ in range(5)]  # room for two at a time: it waits, in order
-    putter.join(2.0)
-    assert not putter.is_alive()
-    assert [m.payload for m in got if m is not None] == [b"0", b"1", b"2", b"3", b"4"]
-    assert not kicked  # the caller kicks once, after its last message
-    box.close()
-    with pytest.raises(OutboxClosed):
-        box.put_many([OutMessage("t", b"x", 1)])
-
-
-def test_backoff_is_capped_and_jittered():
-    delay = backoff_delays(0.5, 30.0, random.Random(1))
-    samples = [delay(n) for n in range(12)]
-    assert all(0.5 <= s <= 30.0 for s in samples)
-    assert len({round(s, 3) for s in samples}) == len(samples)
-    assert max(delay(40) for _ in range(200)) <= 30.0
-
-
-def test_epoch_grows_and_survives_restart(tmp_path: Path):
-    store = EpochStore(tmp_path / "epoch")
-    assert store.next() == 1
-    store.commit(store.next())
-    store.commit(store.next())
-    assert EpochStore(tmp_path / "epoch").value == 2
-
-
-def test_config_errors_name_key_and_file(tmp_path: Path):
-    path = tmp_path / "agent.toml"
-    path.write_text('[mqtt]\nport = "x"\nhostt = "a"\n[models]\nrepository = "m"\n')
-    with pytest.raises(ConfigError) as info:
-        load_config(path, {})
-    problems = info.value.problems
-    assert f"{path}: unknown key 'mqtt.hostt'" in problems
-    assert any(p.startswith(f"{path}: mqtt.port:") for p in problems)
-
-
-def test_config_environment_overrides_and_masking(tmp_path: Path):
-    path = tmp_path / "agent.toml"
-    path.write_text(
-        'device_id = "box"\n[mqtt]\nport = 1883\nusername = "u"\npassword_file = "pw"\n'
-    )
-    config = load_config(
-        path, {"EDGE_AGENT__MQTT__PORT": "1884", "EDGE_AGENT__MQTT__PROTOCOL": "3.1.1"}
-    )
-    assert config.mqtt.port == 1884 and config.mqtt.protocol == "3.1.1"
-    assert config.mqtt.password_file == tmp_path / "pw"
-    text = to_toml(masked_dict(config))
-    assert 'password_file = "***"' in text and "pw" not in text.replace("password_file", "")
-    with pytest.raises(ConfigError) as info:
-        load_config(path, {"EDGE_AGENT__MQTT__NOPE": "1"})
-    assert info.value.problems == ["environment EDGE_AGENT__MQTT__NOPE: unknown key 'mqtt.nope'"]
-
-
-def test_config_rejects_bad_toml_and_missing_file(tmp_path: Path):
-    path = tmp_path / "bad.toml"
-    path.write_text("device_id = \n")
-    with pytest.raises(ConfigError, match="invalid TOML"):
-        load_config(path, {})
-    with pytest.raises(ConfigError, match="file not found"):
-        load_config(tmp_path / "missing.toml", {})
+from agent.mqtt import paho_fast
+from agent.mqtt.messages import RequestProperties, parse_publish
+from agent.mqtt.paho_fast import FastClient, fast_path_problem, new_client
+from agent.mqtt.paho_plain import Client
 
 
 def _publish_body(
@@ -207,7 +62,7 @@ def _received(
          getattr(getattr(m, "properties", None), "ResponseTopic", None),
          getattr(getattr(m, "properties", None), "CorrelationData", None))
     )  # fmt: skip
-    if isinstance(client, _Client):
+    if isinstance(client, FastClient):
         client.deliver = lambda topic, payload, qos, mid, dup, props: seen.append(
             (topic, payload, qos, dup, mid,
              getattr(props, "ResponseTopic", None), getattr(props, "CorrelationData", None))
@@ -231,15 +86,15 @@ class _Unsent:
         pass
 
 
-def _queued_client(protocol: MQTTProtocolVersion) -> _Client:
+def _queued_client(protocol: MQTTProtocolVersion, kind: type[mqtt.Client] = FastClient) -> Any:
     """A client that believes it is connected: packets stay in paho's write queue."""
-    client = _Client(CallbackAPIVersion.VERSION2, client_id="t", protocol=protocol)
+    client = kind(CallbackAPIVersion.VERSION2, client_id="t", protocol=protocol)
     client._sock = _Unsent()  # type: ignore[assignment]
     client.on_socket_register_write = lambda c, u, s: None
     return client
 
 
-def _last_written(client: _Client) -> bytes:
+def _last_written(client: FastClient) -> bytes:
     """The last packet queued or buffered for the socket."""
     if client._out_packet:
         return bytes(client._out_packet[-1]["packet"])
@@ -422,7 +277,7 @@ def test_a_packet_larger_than_a_read_arrives_whole():
     small = _packet(0x30, _publish_body(b"a", 0, b"s", None))
     big_payload = bytes(range(256)) * (3 * 4096)
     stream = small + _packet(0x30, _publish_body(b"a", 0, big_payload, None)) + small
-    step = _Client.READ_SIZE
+    step = FastClient.READ_SIZE
     client._sock = _Trickle([stream[i : i + step] for i in range(0, len(stream), step)])  # type: ignore[assignment]
     while client._sock.pieces:  # type: ignore[union-attr]
         assert client.loop_read() == MQTTErrorCode.MQTT_ERR_SUCCESS
@@ -479,10 +334,11 @@ def test_publish_fast_path_reads_what_paho_reads():
         (0x32, _publish_body(b"t", 1, b"", None, raw_props=b"\x06\x09\x00\x01a\x09\x00")),
         (0x32, b"\x00\x09short"),  # the topic runs past the packet
         (0x32, b"\x00\x01t"),  # no packet id
+        (0x30, _publish_body(b"", 0, b"no topic", None)),  # a topic alias would name it
     ]
     for header, body in cases:
         for manual_ack in (False, True):  # the agent acknowledges a request once it is stored
-            ours = _received(_Client, header, body, manual_ack)
+            ours = _received(FastClient, header, body, manual_ack)
             theirs = _received(mqtt.Client, header, body, manual_ack)
             assert ours == theirs, (header, body, manual_ack)
     mqtt3 = [
@@ -492,12 +348,135 @@ def test_publish_fast_path_reads_what_paho_reads():
         (0x32, struct.pack("!H", 2) + b"\xff\xfe" + struct.pack("!H", 1) + b"p"),  # not UTF-8
         (0x32, b"\x00\x01t\x00"),  # half a packet id
         (0x34, struct.pack("!H", 1) + b"t" + struct.pack("!H", 4) + b"qos 2"),
+        (0x32, struct.pack("!H", 0) + struct.pack("!H", 5) + b"p"),  # no topic: an error
     ]
     for header, body in mqtt3:
         for manual_ack in (False, True):
             v311 = MQTTProtocolVersion.MQTTv311
-            ours = _received(_Client, header, body, manual_ack, v311)
+            ours = _received(FastClient, header, body, manual_ack, v311)
             theirs = _received(mqtt.Client, header, body, manual_ack, v311)
             assert ours == theirs, (header, body, manual_ack)
     fast = parse_publish(_publish_body(b"t", 1, b"p", both)[:], 1)
     assert fast is not None and fast[2] == RequestProperties("edge/reply/é", b"\x00\x01corr")
+
+
+def test_inbound_traffic_counts_for_keepalive(monkeypatch: pytest.MonkeyPatch):
+    """paho pings when nothing came in for a keepalive period; what the fast reader reads
+    counts as coming in. paho 2.1 keeps that time as `_last_msg_in`, 2.2 as
+    `_last_bytes_received`: a reader that writes the other name leaves keepalive blind to
+    inbound traffic (paho's `loop_misc` is what decides here, on a clock of the test's)."""
+    now = [1000.0]
+    monkeypatch.setattr(mqtt, "time_func", lambda: now[0])
+    publish = _packet(0x30, _publish_body(b"a/b", 0, b"x", None))
+    for traffic in (True, False):
+        now[0] = 1000.0
+        client = _queued_client(MQTTProtocolVersion.MQTTv5)
+        assert client.keepalive == 60
+        client._sock = _Feed(_packet(0x20, b"\x00\x00\x00"))  # type: ignore[assignment]
+        assert client.loop_read() == MQTTErrorCode.MQTT_ERR_SUCCESS  # CONNACK: connected
+        now[0] = 1030.0
+        if traffic:
+            client._sock = _Feed(publish)  # type: ignore[assignment]
+            assert client.loop_read() == MQTTErrorCode.MQTT_ERR_SUCCESS
+        now[0] = 1070.0
+        client._last_msg_out = now[0]  # something went out just now: only inbound decides
+        assert client.loop_misc() == MQTTErrorCode.MQTT_ERR_SUCCESS
+        pinged = client.want_write() and _last_written(client) == b"\xc0\x00"
+        assert pinged is not traffic, f"traffic={traffic}, paho {mqtt_version()}"
+
+
+def mqtt_version() -> str:
+    return paho_fast.PAHO_VERSION
+
+
+def test_the_fast_client_is_used_only_on_the_paho_versions_it_was_written_for():
+    """On this paho (one of those `.ci/run` tests) it is; on any other minor version, or
+    on one that lacks a private name it uses, paho's own client is, and the reason says why."""
+    assert paho_fast.FAST_PATH_PROBLEM is None, paho_fast.FAST_PATH_PROBLEM
+    assert mqtt_version()[:3] in paho_fast.TESTED_VERSIONS
+    this = mqtt_version()[:3]
+    for version in (f"{this}.0", f"{this}.9"):
+        assert fast_path_problem(version, mqtt.Client) is None, version
+    for other, stamp in paho_fast.TESTED_VERSIONS.items():  # a version its client belies
+        if other != this:
+            assert stamp in (fast_path_problem(f"{other}.0", mqtt.Client) or "")
+    for version in ("2.3.0", "3.0.0", "2.0.0", "1.6.1", "unknown"):
+        problem = fast_path_problem(version, mqtt.Client)
+        assert problem is not None and version in problem and "2.1.x, 2.2.x" in problem
+
+    class Renamed(mqtt.Client):  # a paho that renamed a method the fast client overrides
+        _sock_recv = None  # type: ignore[assignment]
+
+    class Restamped(mqtt.Client):  # one whose keepalive reads neither name
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            for name in ("_last_msg_in", "_last_bytes_received", "_out_packet"):
+                self.__dict__.pop(name, None)
+
+    assert "_sock_recv" in (fast_path_problem(mqtt_version(), Renamed) or "")
+    problem = fast_path_problem(mqtt_version(), Restamped) or ""
+    assert "_out_packet" in problem and paho_fast.TESTED_VERSIONS[mqtt_version()[:3]] in problem
+
+
+def test_an_unknown_paho_gets_the_plain_client_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
+    monkeypatch.delenv(paho_fast.PLAIN_ENV, raising=False)
+    monkeypatch.setattr(paho_fast, "_announced", set())
+    v5 = MQTTProtocolVersion.MQTTv5
+    assert type(new_client("t", v5)) is FastClient
+    monkeypatch.setattr(paho_fast, "FAST_PATH_PROBLEM", "paho-mqtt 2.3.0 is not one ...")
+    with caplog.at_level(logging.INFO, logger=paho_fast.__name__):
+        clients = [new_client("t", v5, manual_ack=True) for _ in range(3)]
+    assert all(type(c) is Client for c in clients)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "2.3.0" in warnings[0].getMessage()
+    assert type(new_client("t", v5, fast=True)) is FastClient  # asked for: a test's choice
+    monkeypatch.setattr(paho_fast, "FAST_PATH_PROBLEM", None)
+    monkeypatch.setenv(paho_fast.PLAIN_ENV, "plain")
+    assert type(new_client("t", v5)) is Client
+
+
+def test_the_plain_client_writes_what_paho_writes_and_passes_on_only_acknowledgements():
+    """paho's own publish and ack behind the fast client's interface. paho calls on_publish
+    for a written QoS 0 message too, with an id that may repeat one still awaiting its PUBACK
+    (the ids wrap at 65535): that call must not settle the other message."""
+    for protocol in (MQTTProtocolVersion.MQTTv5, MQTTProtocolVersion.MQTTv311):
+        ours = _queued_client(protocol, Client)
+        theirs = _queued_client(protocol, mqtt.Client)
+        ours._manual_ack = theirs._manual_ack = True
+        for qos in (0, 1, 2):
+            rc, mid = ours.publish_fast("edge/é/r", b"p", qos, False, None)
+            info = theirs.publish("edge/é/r", b"p", qos, False, None)
+            assert (rc, mid) == (info.rc, info.mid if qos else 0)
+            assert ours._out_packet[-1]["packet"] == theirs._out_packet[-1]["packet"]
+        ours.puback_fast(0x1234)
+        theirs.ack(0x1234, 1)
+        assert ours._out_packet[-1]["packet"] == theirs._out_packet[-1]["packet"]
+        assert ours.unsent() == 0
+    client = _queued_client(MQTTProtocolVersion.MQTTv5, Client)
+    acked: list[tuple[int, int]] = []
+    client.acknowledged = lambda mid, reason: acked.append((mid, reason.value))
+    first = client.publish_fast("t", b"1", 1, False, None)[1]
+    client._last_mid = first - 1  # the ids came round: the next QoS 0 message reuses it
+    assert client.publish_fast("t", b"0", 0, False, None) == (MQTTErrorCode.MQTT_ERR_SUCCESS, 0)
+    client._last_mid = first - 1
+    again = client.publish_fast("t", b"2", 1, False, None)[1]  # paho refuses the id in use
+    assert again == first + 1
+    assert client.loop_write() == MQTTErrorCode.MQTT_ERR_SUCCESS and not client.want_write()
+    assert acked == []  # the QoS 0 write is not the PUBACK of `first`
+    pubacks = _packet(0x40, struct.pack("!H", first)) + _packet(0x40, struct.pack("!H", again))
+    client._sock = _Feed(pubacks)  # type: ignore[assignment]
+    assert client.loop_read(2) == MQTTErrorCode.MQTT_ERR_SUCCESS
+    assert acked == [(first, 0), (again, 0)]
+    client._sock = None
+    assert client.publish_fast("t", b"", 0, False, None)[0] == MQTTErrorCode.MQTT_ERR_NO_CONN
+
+
+def test_parse_publish_reads_a_request_with_its_properties():
+    both = Properties(PacketTypes.PUBLISH)
+    both.ResponseTopic = "edge/reply/é"
+    both.CorrelationData = b"\x00\x01corr"
+    fast = parse_publish(_publish_body(b"t", 1, b"p", both), 1)
+    assert fast == (b"t", 7, RequestProperties("edge/reply/é", b"\x00\x01corr"), b"p")
+    assert parse_publish(_publish_body(b"", 1, b"p", both), 1) is None  # paho's to read

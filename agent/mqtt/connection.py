@@ -1,0 +1,452 @@
+"""The one owner of the MQTT connection: connect, will and birth, reconnect, publish, acks.
+
+paho is driven through its external-loop API (`loop_read`, `loop_write`, `loop_misc` around a
+selector), never `loop_start`, and only by the holder of one lock, the io lock:
+
+* the `mqtt-io` thread holds it except while it waits in `select`. It connects, and
+  reconnects with capped exponential backoff and full jitter (`agent.mqtt.reconnect`);
+  before every attempt it sets the will with the next `epoch`, so a late will of an older
+  connection can be told apart from the current state. It reads the socket and runs paho's
+  callbacks (incoming requests, `agent.mqtt.inbound`; acknowledgements,
+  `agent.mqtt.window`), and publishes what the outbox holds.
+* a thread that queued a message (a worker with a chunk, the spool writer with a request's
+  acknowledgement) takes the lock when it is free and publishes from there: the chunk reaches
+  the socket with no hand-off. Whoever holds the lock takes the outbox in order, a batch at a
+  time, keeps at most `max_inflight` QoS 1/2 messages unacknowledged and writes the batch with
+  one `loop_write`; every holder looks at the outbox again after releasing the lock, so
+  nothing queued meanwhile is left behind.
+
+Why not paho's own thread: with `loop_start`, every publish from another thread is a hand-off
+(a wake-up byte, a `select`, a thread switch, a GIL hand-over) per message. One lock also
+keeps per-stream order (the outbox is FIFO) and frees the in-flight window from locks.
+
+The client (`agent.mqtt.paho_fast.new_client`: fast, or paho's own) is used by its interface.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import selectors
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import MQTTErrorCode, MQTTProtocolVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from paho.mqtt.reasoncodes import ReasonCode
+
+from agent.config import MqttConfig
+from agent.delivery.outbox import Outbox, OutMessage
+from agent.mqtt.epoch import EpochStore
+from agent.mqtt.inbound import Inbound
+from agent.mqtt.messages import Incoming
+from agent.mqtt.paho_fast import FastClient, new_client
+from agent.mqtt.paho_plain import Client
+from agent.mqtt.reconnect import CONNECT_TIMEOUT_S, backoff_delays, prepare
+from agent.mqtt.window import Window
+
+log = logging.getLogger(__name__)
+
+MISC_S = 0.5  # keepalive, acknowledgement timeout and CONNACK deadline checks
+
+
+class Transport:
+    """MQTT connection for the agent. `start()`, then `close()`; thread-safe otherwise."""
+
+    def __init__(
+        self,
+        config: MqttConfig,
+        *,
+        client_id: str,
+        outbox: Outbox,
+        on_message: Callable[[Incoming], None],
+        subscriptions: Sequence[tuple[str, int]],
+        will: Callable[[int], OutMessage],
+        on_connected: Callable[[int], None],
+        epoch: EpochStore,
+        on_new_session: Callable[[float | None], None] = lambda lost_at: None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._config = config
+        self._outbox = outbox
+        self._subscriptions = list(subscriptions)
+        self._will = will
+        self._on_connected_hook = on_connected
+        self._on_new_session = on_new_session
+        self._client_id = client_id
+        self._used = False  # the current client object has tried to connect
+        self._epoch = epoch
+        self._delay = backoff_delays(
+            config.reconnect_min_s, config.reconnect_max_s, rng or random.Random()
+        )
+        self.mqtt5 = config.protocol == "5"
+        self.connected = threading.Event()
+        self._disconnected = threading.Event()
+        self._stop = threading.Event()
+        # Everything below is touched only under the io lock (other threads read counts).
+        self._window = Window(config.max_inflight, outbox)
+        self._pending = self._window.pending  # the same dict: read on every queued message
+        self._inbound = Inbound(on_message, self.mqtt5)
+        self.reconnects = 0
+        self.lost_at: float | None = None  # wall time the last connection was lost
+        self.last_error: str | None = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        # Held by whoever drives paho: the io thread except while it waits in select, or a
+        # thread that just queued a message and publishes it itself (`_on_queued`).
+        self._io_lock = threading.Lock()
+        outbox.set_on_queued(self._on_queued)
+        self._client = self._inbound.client = self._make_client(client_id)
+        self._thread = threading.Thread(target=self._run, name="mqtt-io", daemon=True)
+
+    # -- setup ---------------------------------------------------------------------------
+
+    def _make_client(self, client_id: str) -> Client:
+        client = new_client(
+            client_id,
+            MQTTProtocolVersion.MQTTv5 if self.mqtt5 else MQTTProtocolVersion.MQTTv311,
+            clean_session=None if self.mqtt5 else False,
+            manual_ack=True,  # a request is acknowledged only after it is stored (`defer`)
+        )
+        prepare(client, self._config)
+        client.on_connect = self._handle_connect
+        client.on_disconnect = self._handle_disconnect
+        client.on_message = self._inbound.handle_message
+        client.deliver = self._inbound.deliver
+        client.acknowledged = self._window.acknowledged
+        client.on_pre_connect = self._handle_pre_connect
+        return client
+
+    def add_ack_listener(self, listener: Callable[[float], None]) -> None:
+        """Called with the acknowledgement latency (seconds) of every QoS 1/2 publish."""
+        self._window.add_ack_listener(listener)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        """Interrupt the io thread's wait (any thread; cheap, never blocks)."""
+        with contextlib.suppress(OSError):  # full: a wake-up is already pending
+            self._wake_w.send(b"\0")
+
+    def defer(self, incoming: Incoming) -> Callable[[], None]:
+        """Take over the acknowledgement of `incoming` (QoS 1/2): see `Inbound.defer`."""
+        return self._inbound.defer(incoming)
+
+    def _on_queued(self) -> None:
+        """A message (or an acknowledgement) was queued on this thread: publish it from here
+        when nobody drives the connection (the io thread waits in select), so a chunk goes to
+        the socket without a hand-off. When the lock is taken, its holder publishes it: every
+        holder looks at the outbox again after releasing the lock."""
+        while self._io_lock.acquire(blocking=False):
+            try:
+                client = self._client
+                if self._stop.is_set() or client.socket() is None:
+                    return
+                self._pump(client)
+                blocked = client.want_write()
+            finally:
+                self._io_lock.release()
+            if blocked:
+                self.wake()  # the socket is full: the io thread waits until it drains
+                return
+            if not self._work_waiting():
+                return
+
+    def _work_waiting(self) -> bool:
+        """Something this connection could send now."""
+        if self._inbound.deferred:
+            return True
+        if not self.connected.is_set() or len(self._pending) >= self._window.limit:
+            return False
+        return not self._client.want_write() and self._outbox.has_work()
+
+    # -- the io thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        attempt = 0
+        while not self._stop.is_set():
+            started = time.monotonic()
+            with self._io_lock:  # nobody publishes on a client being replaced or connected
+                connected = self._connect_once()
+            if connected:
+                try:
+                    self._serve()
+                except Exception:  # a bug must cost the connection, never the thread
+                    log.exception("mqtt: the connection loop failed; reconnecting")
+            with self._io_lock:
+                self._drop_connection()
+            if self._stop.is_set():
+                break
+            attempt = 0 if time.monotonic() - started > 60 else attempt + 1
+            delay = self._delay(attempt)
+            log.info("mqtt: reconnecting in %.1f s (attempt %d)", delay, attempt)
+            self._stop.wait(delay)
+
+    def _connect_once(self) -> bool:
+        config = self._config
+        self._disconnected.clear()
+        if self._used and not self._fresh_client():
+            return False
+        self._used = True
+        self._inbound.connection += 1
+        properties = None
+        if self.mqtt5:
+            properties = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+            properties.SessionExpiryInterval = config.session_expiry_s
+        try:
+            self._client.connect(
+                config.host,
+                config.port,
+                keepalive=config.keepalive_s,
+                clean_start=False if self.mqtt5 else mqtt.MQTT_CLEAN_START_FIRST_ONLY,
+                properties=properties,
+            )
+        except (OSError, ssl.SSLError, ValueError) as e:
+            self._note_error(f"cannot connect to {config.host}:{config.port}: {e}")
+            return False
+        return True
+
+    def _fresh_client(self) -> bool:
+        """A new paho client for every connection: the spool, not paho's memory, is the
+        session. Whatever was in flight on the old connection is read back from the spool
+        and published again in order (paho's own resend after a reconnect is bypassed)."""
+        try:
+            client = self._make_client(self._client_id)
+        except ConnectionError as e:
+            self._note_error(str(e))
+            return False
+        self._pending.clear()
+        self._client = self._inbound.client = client
+        try:
+            self._on_new_session(self.lost_at)
+        except Exception:
+            log.exception("mqtt: on_new_session hook failed")
+        return True
+
+    def _serve(self) -> None:
+        """One connection: publish, read, write, keep alive, until it ends or we stop. The io
+        lock is held throughout, except while waiting in select."""
+        client = self._client
+        sock = client.socket()
+        if sock is None:
+            return
+        selector = selectors.DefaultSelector()
+        selector.register(self._wake_r, selectors.EVENT_READ)
+        selector.register(sock, selectors.EVENT_READ)
+        watching_write = False
+        connect_deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        next_misc = time.monotonic() + MISC_S
+        pending_tls = getattr(sock, "pending", None)
+        self._io_lock.acquire()
+        try:
+            while not self._stop.is_set() and not self._disconnected.is_set():
+                busy = self._pump(client)
+                if client.socket() is None:
+                    break  # lost while writing: paho called on_disconnect
+                wants_write = client.want_write()  # the socket took only part of it
+                if wants_write != watching_write:
+                    events = selectors.EVENT_READ | (selectors.EVENT_WRITE if wants_write else 0)
+                    selector.modify(sock, events)
+                    watching_write = wants_write
+                now = time.monotonic()
+                if now >= next_misc:
+                    next_misc = now + MISC_S
+                    if not self._misc(client, now, connect_deadline):
+                        break
+                tls_buffered = pending_tls is not None and pending_tls() > 0
+                self._io_lock.release()
+                try:
+                    # Looked at after the release: a message queued before it is seen here,
+                    # one queued after it is published by the thread that queued it.
+                    idle = not (busy or tls_buffered or self._work_waiting())
+                    ready = selector.select(max(0.0, next_misc - now) if idle else 0.0)
+                finally:
+                    self._io_lock.acquire()
+                readable = tls_buffered
+                for key, mask in ready:
+                    if key.fileobj is self._wake_r:
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(4096)
+                        continue
+                    readable = readable or bool(mask & selectors.EVENT_READ)
+                    if mask & selectors.EVENT_WRITE and client.loop_write():
+                        return  # connection lost: paho called on_disconnect
+                if readable and client.loop_read():
+                    return
+        finally:
+            self._io_lock.release()
+            selector.close()
+
+    def _pump(self, client: Client) -> bool:
+        """Under the io lock: deferred acknowledgements, then the outbox up to the window,
+        written with one loop_write. True when more messages may be waiting."""
+        self._inbound.send_deferred(client)
+        busy = self.connected.is_set() and self._window.publish_batch(client)
+        if client.want_write():
+            client.loop_write()  # a lost connection shows as on_disconnect
+        return busy
+
+    def _misc(self, client: mqtt.Client, now: float, connect_deadline: float) -> bool:
+        """Keepalive (paho's loop_misc), the CONNACK deadline, acknowledgement timeouts."""
+        if not self.connected.is_set() and now > connect_deadline:
+            self._note_error(f"no CONNACK within {CONNECT_TIMEOUT_S:.0f} s")
+            return False
+        if client.loop_misc() != MQTTErrorCode.MQTT_ERR_SUCCESS:
+            return False
+        timeout = self._config.ack_timeout_s
+        oldest = self._window.oldest_sent() if timeout > 0 and self.connected.is_set() else None
+        if oldest is not None and now - oldest > timeout:
+            self._note_error(f"no acknowledgement for {timeout:.0f} s: reconnecting")
+            return False
+        return True
+
+    def _drop_connection(self) -> None:
+        """End the current connection, cleanly if it is still up (DISCONNECT, then close)."""
+        client = self._client
+        if client.socket() is None:
+            self.connected.clear()
+            return
+        with contextlib.suppress(Exception):
+            client.disconnect()
+            client.loop_write()
+        with contextlib.suppress(Exception):
+            sock = client.socket()
+            if sock is not None:
+                sock.close()
+        self.connected.clear()
+
+    def _note_error(self, message: str) -> None:  # logged once while it stays the same
+        if message != self.last_error:
+            log.warning("mqtt: %s", message)
+        self.last_error = message
+
+    # -- paho callbacks (under the io lock) ------------------------------------------------
+
+    def _handle_pre_connect(self, client: mqtt.Client, userdata: Any) -> None:
+        message = self._will(self._epoch.next())
+        client.will_set(message.topic, message.payload, message.qos, message.retain)
+
+    def _handle_connect(
+        self,
+        client: mqtt.Client,
+        userdata: Any,
+        flags: mqtt.ConnectFlags,
+        reason: ReasonCode,
+        properties: Properties | None,
+    ) -> None:
+        if reason.is_failure:
+            # Never mark a refused connection as connected: a wrong password is a retry.
+            self._note_error(f"broker refused the connection: {reason}")
+            self._disconnected.set()
+            return
+        epoch = self._epoch.next()
+        self._epoch.commit(epoch)
+        self._window.apply_broker_limits(properties)
+        if self.reconnects or self.connected.is_set():
+            log.info("mqtt: reconnected (epoch %d)", epoch)
+        else:
+            log.info(
+                "mqtt: connected to %s:%d (epoch %d)", self._config.host, self._config.port, epoch
+            )
+        self.last_error = None
+        if self._subscriptions:
+            client.subscribe(self._subscriptions)
+        try:
+            self._on_connected_hook(epoch)
+        except Exception:
+            log.exception("mqtt: on_connected hook failed")
+        self.connected.set()
+
+    def _handle_disconnect(
+        self,
+        client: mqtt.Client,
+        userdata: Any,
+        flags: mqtt.DisconnectFlags,
+        reason: ReasonCode,
+        properties: Properties | None,
+    ) -> None:
+        was_connected = self.connected.is_set()
+        self.connected.clear()
+        if was_connected:
+            self.reconnects += 1
+            self.lost_at = time.time()
+            if not self._stop.is_set():
+                self._note_error(f"connection lost: {reason}")
+        elif not self._stop.is_set() and self.last_error is None:
+            # Closed before CONNACK: a refused TLS client certificate looks like this.
+            self._note_error(f"the broker closed the connection before accepting it: {reason}")
+        self._disconnected.set()
+        self.wake()  # noticed on another thread: the io thread may be waiting in select
+
+    # -- health and stop -------------------------------------------------------------------
+
+    def thread_problem(self) -> str | None:
+        """Whether the connection's thread died (for the systemd watchdog). A broker outage
+        is not a problem (the thread reconnects and the outbox spools); a dead thread is."""
+        if self._thread.ident is not None and not self._thread.is_alive():
+            return f"the {self._thread.name} thread died"
+        return None
+
+    @property
+    def window_limit(self) -> int:
+        """QoS 1/2 publishes allowed unacknowledged now (after the broker's Receive Maximum)."""
+        return self._window.limit
+
+    @property
+    def acked(self) -> int:
+        """QoS 1/2 publishes the broker acknowledged."""
+        return self._window.acked
+
+    @property
+    def publish_failures(self) -> int:
+        """Publishes refused by paho (a bad topic) or by the broker (a failure reason code)."""
+        return self._window.publish_failures
+
+    @property
+    def fast_path(self) -> bool:
+        """Whether the client is the fast one (else paho's own: see `agent.mqtt.paho_fast`)."""
+        return isinstance(self._client, FastClient)
+
+    @property
+    def inflight(self) -> int:
+        return len(self._pending)
+
+    @property
+    def unsent_bytes(self) -> int:
+        """Published bytes the socket has not taken yet (a slow or stalled broker)."""
+        return self._client.unsent()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until the outbox is empty and every QoS 1/2 publish is acknowledged."""
+        deadline = time.monotonic() + timeout
+        if not self._outbox.wait_empty(timeout):
+            return False
+        while self.inflight and time.monotonic() < deadline:
+            if not self.connected.is_set():
+                return False
+            time.sleep(0.01)
+        return self.inflight == 0
+
+    def close(self, final: OutMessage | None = None, timeout: float = 5.0) -> None:
+        """Publish `final` (the offline status), flush, disconnect cleanly, join the thread,
+        then close the outbox (the spool writer writes what it holds)."""
+        if final is not None and self.connected.is_set():
+            with contextlib.suppress(Exception):
+                self._outbox.put(final, timeout=timeout)
+            self.flush(timeout)
+        self._stop.set()
+        self.wake()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._outbox.close()
+        self._wake_r.close()
+        self._wake_w.close()

@@ -1,0 +1,83 @@
+"""What every connection attempt needs afresh: the delay before it (capped exponential
+backoff with full jitter) and a client set up from `[mqtt]` (`prepare`: the password read
+from its file each time, so a rotated secret is picked up by the next attempt, TLS,
+TCP_NODELAY).
+
+paho's built-in reconnect has no jitter: a fleet of boxes would reconnect in lock step after
+a broker restart. `Transport` owns reconnects, with a new client for every attempt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import socket
+import ssl
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import paho.mqtt.client as mqtt
+
+from agent.config import MqttConfig
+
+CONNECT_TIMEOUT_S = 10.0  # TCP connect, TLS handshake and CONNACK
+
+
+def backoff_delays(min_s: float, max_s: float, rng: random.Random) -> Callable[[int], float]:
+    """Full jitter: attempt n waits uniformly in [min_s, min(max_s, min_s * 2**n)]."""
+
+    def delay(attempt: int) -> float:
+        ceiling = min(max_s, min_s * (2 ** min(attempt, 30)))
+        return rng.uniform(min_s, max(min_s, ceiling))
+
+    return delay
+
+
+def read_secret(path: Path) -> str:
+    """A password from a file (or systemd's credentials folder); the value is never logged."""
+    try:
+        return path.read_text().rstrip("\r\n")
+    except OSError as e:
+        raise ConnectionError(f"cannot read password file {path}: {e.strerror}") from None
+
+
+def tls_context(config: MqttConfig) -> ssl.SSLContext | None:
+    """The TLS context of `[mqtt.tls]`; None when TLS is off."""
+    tls = config.tls
+    if not tls.enabled:
+        return None
+    context = ssl.create_default_context(cafile=str(tls.ca_file) if tls.ca_file else None)
+    if tls.cert_file:
+        context.load_cert_chain(str(tls.cert_file), str(tls.key_file) if tls.key_file else None)
+    context.check_hostname = tls.check_hostname
+    return context
+
+
+def prepare(client: mqtt.Client, config: MqttConfig) -> None:
+    """A new client set up from `config` before it connects: the in-flight cap, the connect
+    timeout, the credentials, TLS, TCP_NODELAY on its socket, and publishes left queued for
+    the transport's io loop to write. ConnectionError when the password cannot be read."""
+    client.max_inflight_messages_set(config.max_inflight)
+    client.connect_timeout = CONNECT_TIMEOUT_S
+    if config.tcp_nodelay:
+        client.on_socket_open = _no_delay
+    # Publishes are only queued; the io lock's holder writes a batch with one loop_write.
+    client.on_socket_register_write = _ignore_socket
+    if config.username is not None:
+        password = read_secret(config.password_file) if config.password_file else None
+        client.username_pw_set(config.username, password)
+    context = tls_context(config)
+    if context is not None:
+        client.tls_set_context(context)
+
+
+def _no_delay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
+    """paho's on_socket_open: small packets leave at once (Nagle would hold them for the
+    peer's delayed ACK: 40 ms a chunk)."""
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _ignore_socket(client: mqtt.Client, userdata: Any, sock: Any) -> None:
+    """paho's on_socket_register_write: publishes stay queued until the io loop writes them."""

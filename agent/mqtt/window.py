@@ -1,0 +1,126 @@
+"""The in-flight window: what the outbox holds, published within the broker's limits, and
+what the broker acknowledges, settled in the outbox.
+
+At most min(`max_inflight`, the broker's Receive Maximum) QoS 1/2 publishes are
+unacknowledged at a time (the broker would otherwise disconnect us, MQTT 5), and nothing is
+published above the broker's Maximum QoS. Used by the holder of the transport's io lock only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from paho.mqtt.enums import MQTTErrorCode
+from paho.mqtt.properties import Properties
+from paho.mqtt.reasoncodes import ReasonCode
+
+from agent.delivery.outbox import Outbox, OutMessage
+from agent.mqtt.paho_plain import Client
+
+log = logging.getLogger(__name__)
+
+PUBLISH_BATCH = 256  # messages taken from the outbox and written with one loop_write
+
+
+class Window:
+    """QoS 1/2 publishes awaiting their acknowledgement, and the publishing into the window."""
+
+    def __init__(self, max_inflight: int, outbox: Outbox) -> None:
+        self._max_inflight = max_inflight
+        self._outbox = outbox
+        self.limit = max_inflight  # after the broker's Receive Maximum
+        self.max_qos = 2
+        # mid -> (publish time, spool id): QoS 1/2 awaiting the broker's acknowledgement.
+        # Cleared in place (never replaced): the transport holds it too.
+        self.pending: dict[int, tuple[float, int | None]] = {}
+        self.acked = 0
+        self.publish_failures = 0
+        self._qos_warned = False
+        self._ack_listeners: list[Callable[[float], None]] = []
+
+    def add_ack_listener(self, listener: Callable[[float], None]) -> None:
+        """Called with the acknowledgement latency (seconds) of every QoS 1/2 publish."""
+        self._ack_listeners.append(listener)
+
+    def apply_broker_limits(self, properties: Properties | None) -> None:
+        """Receive Maximum bounds the window; Maximum QoS caps what we publish (CONNACK)."""
+        receive_max = getattr(properties, "ReceiveMaximum", None) if properties else None
+        max_qos = getattr(properties, "MaximumQoS", None) if properties else None
+        self.limit = min(self._max_inflight, receive_max or 65535)
+        self.max_qos = 2 if max_qos is None else int(max_qos)
+        if self.max_qos < 2:
+            log.info("mqtt: the broker accepts QoS <= %d", self.max_qos)
+
+    def oldest_sent(self) -> float | None:
+        """The publish time of the oldest message awaiting its acknowledgement."""
+        return min((sent for sent, _ in self.pending.values()), default=None)
+
+    def publish_batch(self, client: Client) -> bool:
+        """Publish what the outbox holds, up to the window; True when more may be waiting."""
+        room = self.limit - len(self.pending)
+        if room <= 0 or client.want_write():
+            # The window is full, or the socket has not taken the last write yet: messages
+            # stay in the outbox, whose bound pushes back on the producers (QoS 0 has no
+            # window, so a stalled broker would otherwise grow paho's buffer without end).
+            return False
+        messages = self._outbox.take(min(PUBLISH_BATCH, room))
+        if not messages:
+            return False
+        for n, message in enumerate(messages):
+            if not self._publish(client, message):
+                for back in reversed(messages[n:]):
+                    self._outbox.unget(back)
+                return False
+        return True
+
+    def _publish(self, client: Client, message: OutMessage) -> bool:
+        """False when the connection is gone (the message goes back to the outbox)."""
+        qos = message.qos
+        if qos > self.max_qos:
+            if not self._qos_warned:
+                log.warning(
+                    "mqtt: the broker refuses QoS %d; publishing at QoS %d", qos, self.max_qos
+                )
+                self._qos_warned = True
+            qos = self.max_qos
+        sent = time.monotonic()
+        try:
+            rc, mid = client.publish_fast(
+                message.topic, message.payload, qos, message.retain, message.properties
+            )
+        except (ValueError, TypeError) as e:
+            log.error("mqtt: cannot publish to %s: %s", message.topic[:200], e)
+            self.publish_failures += 1
+            if message.spool_id is not None:
+                self._outbox.acknowledged(message.spool_id)  # forgotten: it can never go out
+            return True
+        if rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
+            return False  # no connection (or no free message id): published again later
+        if qos == 0:
+            if message.spool_id is not None:
+                self._outbox.acknowledged(message.spool_id)  # downgraded to QoS 0: sent is all
+        else:
+            # Acknowledgements are read by this thread only after this returns: no race.
+            self.pending[mid] = (sent, message.spool_id)
+        return True
+
+    def acknowledged(self, mid: int, reason: ReasonCode) -> None:
+        """The broker's PUBACK or PUBCOMP of a QoS 1/2 publish (the client's `acknowledged`)."""
+        pending = self.pending.pop(mid, None)
+        if pending is None:
+            return  # not ours, or not on this connection: nothing to settle
+        sent, spool_id = pending
+        if spool_id is not None:
+            # Refused publishes are forgotten too: resending what the broker refuses (not
+            # authorized, quota) would only loop; they are counted and logged.
+            self._outbox.acknowledged(spool_id)
+        if reason.is_failure:
+            self.publish_failures += 1
+            log.warning("mqtt: broker refused a publish: %s", reason)
+            return
+        self.acked += 1
+        latency = time.monotonic() - sent
+        for listener in self._ack_listeners:
+            listener(latency)
