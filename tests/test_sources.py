@@ -25,15 +25,17 @@ from onnx import TensorProto, helper, numpy_helper
 from agent.config import ConfigError, load_config, masked_dict, to_toml
 from agent.demo import models as demo_models
 from agent.demo.broker import EmbeddedBroker
-from agent.inference.preprocess import PreprocessConfig, PreprocessError, preprocess
-from agent.models.repository import ModelConfigError, parse_model_config
-from agent.protocol import wire
+from agent.models.model_config import ModelConfigError, parse_model_config
+from agent.models.preprocess import PreprocessConfig, PreprocessError, preprocess
+from agent.protocol.errors import Limits
+from agent.protocol.payload import decode_payload
+from agent.protocol.tensors import decode_tensor, encode_tensor
 from agent.service.agent import Agent
 from agent.sources import FramingError, SeqStore, SourceError, cbor_item_end
 from tests.conftest import agent_config, unique_device
 
 REPO = Path(__file__).resolve().parent.parent
-LIMITS = wire.Limits()
+LIMITS = Limits()
 
 try:
     import cv2
@@ -148,7 +150,7 @@ class Subscriber:
 
     def _on_message(self, client: mqtt.Client, userdata: object, message: Any) -> None:
         received = time.time_ns()
-        decoded = wire.decode_payload(message.payload, LIMITS)
+        decoded = decode_payload(message.payload, LIMITS)
         with self._cond:
             self.messages.append((received, message.topic, decoded))
             self._cond.notify_all()
@@ -187,7 +189,7 @@ def subscribe() -> Iterator[Callable[..., Subscriber]]:
 
 
 def outputs(message: dict[str, Any]) -> dict[str, np.ndarray]:
-    return {k: wire.decode_tensor(v, LIMITS, name=k) for k, v in message["outputs"].items()}
+    return {k: decode_tensor(v, LIMITS, name=k) for k, v in message["outputs"].items()}
 
 
 def unique_seqs(messages: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
@@ -368,7 +370,7 @@ def test_seq_store_reserves_ahead_and_saves_the_exact_next_on_close(tmp_path: Pa
 
 def test_cbor_item_end_finds_records_in_a_sequence() -> None:
     records = [
-        cbor2.dumps({"x": wire.encode_tensor(np.arange(6, dtype=np.float32).reshape(2, 3))}),
+        cbor2.dumps({"x": encode_tensor(np.arange(6, dtype=np.float32).reshape(2, 3))}),
         cbor2.dumps({"a": [1, 2, {"b": b"\x00" * 300}], "c": "text"}),
         b"\xbf\x61k\x9f\x01\x02\xff\xff",  # indefinite map holding an indefinite array
     ]
@@ -848,7 +850,7 @@ def test_pipe_source_reads_a_cbor_sequence_from_a_fifo(
             for i, x in enumerate(items):
                 if i == bad_at:
                     f.write(cbor2.dumps({"x": "not a tensor"}))
-                record = cbor2.dumps({"x": wire.encode_tensor(x)})
+                record = cbor2.dumps({"x": encode_tensor(x)})
                 f.write(record[:5])  # records cut across writes are put back together
                 f.flush()
                 f.write(record[5:])

@@ -1,8 +1,12 @@
 """Local sources: the box's own cameras, files and sensors, run through a model continuously.
 
-Modules: `base` (the record a reader makes, the reader protocol, errors), `readers` (the
-kinds: synthetic, video, folder, pipe), `seq` (the persisted `seq`), `runner` (a source's
-thread, frame slot, ticket and stream; the manager; the Prometheus collector).
+Modules: `base` (the record a reader makes, the reader protocol, errors), `readers` (a
+package, one module a kind: `synthetic`, `video`, `folder`, `pipe`, and `open_reader`),
+`frames` (a frame; its fields as the model's inputs, the outputs it streams), `stream` (the
+source's chunk messages), `seq` (the persisted `seq`), `counters` (a source's counters and
+how it bears failing frames and records), `runner` (a source's thread, frame slot, ticket
+and the worker's side of a frame), `manager` (every source of an agent; the Prometheus
+collector).
 
 Each `[[sources]]` entry of the configuration becomes a :class:`SourceRunner` with one named
 thread (`source-NAME`) that reads frames or records and hands them to the same scheduler as
@@ -31,8 +35,9 @@ Why it is built this way:
 """
 
 from agent.sources.base import FIELD, FramingError, Record, SourceError
+from agent.sources.manager import SourceCollector, SourceManager
 from agent.sources.readers import cbor_item_end, load_array_file
-from agent.sources.runner import SourceCollector, SourceJob, SourceManager, SourceRunner
+from agent.sources.runner import SourceJob, SourceRunner
 from agent.sources.seq import SeqStore
 
 __all__ = [

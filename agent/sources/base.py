@@ -1,5 +1,5 @@
 """What every part of agent.sources shares: the record a reader makes, the reader protocol,
-the errors."""
+the errors, how a source's place is named."""
 
 from __future__ import annotations
 
@@ -10,11 +10,18 @@ from typing import Literal, Protocol
 
 from agent.config import SourceConfig
 from agent.models.backends.base import Array
-from agent.protocol import wire
+from agent.protocol.errors import Limits
 
 FIELD = "frame"  # the field a video frame, an image or a .npy file arrives as
 
 Outcome = Literal["done", "failed", "retry", "dropped"]
+
+
+def describe_where(config: SourceConfig) -> str:
+    """Where a source reads, for its logs and errors: the camera, the path or the URL."""
+    if config.device is not None:
+        return f"camera {config.device}"
+    return str(config.path if config.path is not None else config.url)
 
 
 class SourceError(Exception):
@@ -41,7 +48,7 @@ class ReaderContext(Protocol):
     """What a reader needs from its runner."""
 
     config: SourceConfig
-    limits: wire.Limits
+    limits: Limits
     stop_event: threading.Event
 
     def idle(self) -> None:

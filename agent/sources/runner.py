@@ -1,4 +1,5 @@
-"""One source's thread, frame slot, scheduler ticket and stream; the manager of all of them."""
+"""One source (`SourceRunner`): its thread, its waiting frames, its ticket in the scheduler
+(`SourceJob`) and the worker's side of a frame, from the model to the stream."""
 
 from __future__ import annotations
 
@@ -7,99 +8,30 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client import Histogram
 
 from agent.config import AgentConfig, SourceConfig
 from agent.delivery.outbox import OutboxClosed, OutMessage
-from agent.inference.preprocess import PreprocessError, preprocess
-from agent.inference.streaming import PART_OVERHEAD, ReplyStream, encode_with_outputs
 from agent.models.backends.base import Array, InferenceError, TensorSpec
-from agent.models.manager import LoadedVersion, ModelManager
-from agent.ops.metrics import LATENCY_BUCKETS, PREFIX
-from agent.protocol import wire
-from agent.sources.base import FIELD, Outcome, Reader, Record, SourceError
-from agent.sources.readers import (
-    FolderReader,
-    PipeReader,
-    SyntheticReader,
-    VideoReader,
-    describe_where,
-)
+from agent.models.manager import ModelManager
+from agent.models.preprocess import PreprocessError
+from agent.protocol.errors import Limits, WireError
+from agent.protocol.requests import validate_inputs
+from agent.sources.base import Reader, Record, SourceError, describe_where
+from agent.sources.counters import FrameErrors, Stats
+from agent.sources.frames import Frame, model_inputs, select_outputs
+from agent.sources.readers import open_reader
 from agent.sources.seq import SeqStore
+from agent.sources.stream import SourceStream
 
 log = logging.getLogger(__name__)
 
-CONSECUTIVE_ERRORS_TO_FAIL = 20  # frames in a row that fail: the source is reopened
-CONSECUTIVE_BAD_RECORDS_TO_FAIL = 100
-ERROR_LOG_INTERVAL_S = 10.0
-JOIN_TIMEOUT_S = 5.0
 CONTINUE_S = 0.5  # a worker goes on with a source's frames this long while nothing waits
 
 State = Literal["starting", "running", "failed", "finished", "stopped"]
-
-
-@dataclass
-class Frame:
-    index: int
-    record: Record
-    captured_ns: int  # wall clock, sent as `frame_ts`
-    captured: float  # monotonic, for the latency
-
-    def finish(self, outcome: Outcome) -> None:
-        if self.record.on_done is not None:
-            try:
-                self.record.on_done(outcome)
-            except Exception:
-                log.exception("source: finishing frame %d failed", self.index)
-
-
-@dataclass
-class Stats:
-    frames: int = 0  # read from the source
-    published: int = 0  # results handed to the outbox
-    messages: int = 0  # stream messages (parts count one each)
-    dropped: int = 0  # replaced by a newer frame (latest)
-    errors: int = 0  # frames that failed (bad input, model error, no model)
-    bad_inputs: int = 0  # of which: the input was unusable
-    failures: int = 0  # times the source itself failed and was retried
-    queue_full: int = 0  # the scheduler queue had no room for the source's ticket
-    latency_s: float = 0.0  # last frame: capture to outbox
-    infer_s: float = 0.0  # last frame: in the model
-    max_pending: int = 0
-
-
-class SourceStream(ReplyStream):
-    """The endless stream of one source: chunk messages only, seq kept by a SeqStore."""
-
-    seqs: SeqStore | None = None
-
-    def frame(self, outputs: Mapping[str, Array], index: int, extra: dict[str, Any]) -> int:
-        """Queue the result of one frame; the number of messages it took (parts)."""
-        outputs_cbor = wire.encode_outputs(outputs)
-        if len(outputs_cbor) + PART_OVERHEAD <= self.max_chunk_bytes:
-            self._reserve(1)
-            self._emit(
-                encode_with_outputs(self._fields("chunk", index=index, **extra), outputs_cbor)
-            )
-            self.chunks += 1
-            return 1
-        pieces = wire.split_parts(outputs_cbor, self.max_chunk_bytes - PART_OVERHEAD)
-        self._reserve(len(pieces))
-        for k, data in enumerate(pieces):
-            fields = self._fields("chunk", index=index, part=[k, len(pieces)], data=data, **extra)
-            self._emit(wire.encode_payload(fields))
-            self.chunks += 1
-        return len(pieces)
-
-    def _reserve(self, count: int) -> None:
-        if self.seqs is not None:
-            self.seqs.ensure(self.seq + count)
 
 
 class SourceJob:
@@ -119,7 +51,7 @@ class SourceJob:
 
 
 Submit = Callable[[SourceJob, int], bool]
-Send = Callable[[OutMessage], None]
+Send = Callable[[Sequence[OutMessage]], None]  # a stream's messages, waiting for room
 
 
 class SourceRunner:
@@ -134,7 +66,7 @@ class SourceRunner:
         submit: Submit,
         send: Send,
         on_event: Callable[[dict[str, Any]], None],
-        limits: wire.Limits,
+        limits: Limits,
         waiting: Callable[[], int] = lambda: 0,
         latency: Histogram | None = None,
         after_written: Callable[[Callable[[], None]], None] = lambda callback: callback(),
@@ -156,14 +88,9 @@ class SourceRunner:
         self._scheduled = False  # a ticket is queued, or a worker runs the source's frames
         self._closed = False
         self._index = 0
-        self._consecutive_errors = 0
-        self._trouble: str | None = None  # set by workers: too many failing frames
-        self._last_error_log = 0.0
-        self._unlogged_errors = 0
-        self._bad_records_in_row = 0
         self.state: State = "starting"
-        self.last_error: str | None = None
         self.stats = Stats()
+        self._errors = FrameErrors(config.name, self.stats)
         self.seq_path = agent_config.state_dir / "sources" / f"{config.name}.seq"
         self._seqs: SeqStore | None = None
         root = agent_config.root_topic
@@ -174,9 +101,9 @@ class SourceRunner:
             topic=f"{root}/stream/{config.name}",
             qos=agent_config.mqtt.qos.reply if config.qos is None else config.qos,
             max_chunk_bytes=agent_config.limits.max_chunk_bytes,
-            send=send,
             stream_key=f"source/{config.name}",
         )
+        self._send = send
         self.thread = threading.Thread(target=self._main, name=f"source-{config.name}", daemon=True)
 
     # -- the source thread -----------------------------------------------------------------
@@ -192,16 +119,16 @@ class SourceRunner:
             try:
                 self._open_seqs()
                 specs = self._serving_inputs()
-                reader = self._open_reader(specs)
-                self._trouble = None
-                self._consecutive_errors = 0
+                reader = open_reader(self, specs, self._errors.bad_record)
+                self._errors.trouble = None
+                self._errors.consecutive = 0
                 self.state = "running"
                 log.info("source %s: %s running (%s)", self.name, self.config.kind, self._where())
                 self._on_event({"type": "source_started", "source": self.name, **self._about()})
                 limit = self.config.max_frames
                 for record in reader.records():
-                    if self._trouble is not None:
-                        raise SourceError(self._trouble)
+                    if self._errors.trouble is not None:
+                        raise SourceError(self._errors.trouble)
                     self._take(record)
                     attempt = 0
                     if limit is not None and self._index >= limit:
@@ -249,7 +176,7 @@ class SourceRunner:
 
     def _failed(self, problem: str, delay: float) -> None:
         self.state = "failed"
-        self.last_error = problem
+        self._errors.last_error = problem
         self.stats.failures += 1
         log.error("source %s failed: %s (retrying in %.1f s)", self.name, problem, delay)
         self._on_event(
@@ -275,32 +202,16 @@ class SourceRunner:
             raise SourceError(f"model '{self.config.model}' has no ready version")
         return specs
 
-    def _open_reader(self, specs: Sequence[TensorSpec]) -> Reader:
-        kind = self.config.kind
-        if kind == "synthetic":
-            return SyntheticReader(self, specs)
-        if kind == "video":
-            return VideoReader(self)
-        if kind == "folder":
-            return FolderReader(self, self._bad_record)
-        return PipeReader(self, self._bad_record)
-
-    def _bad_record(self, message: str) -> None:
-        """A file or record that could not be read: one error, never the source."""
-        self.stats.errors += 1
-        self.stats.bad_inputs += 1
-        self._log_error(message)
-
     def _take(self, record: Record) -> None:
         """Number, stamp and queue one record (on the source thread)."""
         index = self._index
         self._index += 1
         self.stats.frames += 1
         if record.error is not None:
-            self._bad_record(f"record {index}: {record.error}")
-            self._bad_streak(record.error)
+            self._errors.bad_record(f"record {index}: {record.error}")
+            self._errors.bad_streak(record.error)
             return
-        self._good_streak()
+        self._errors.good_streak()
         frame = Frame(index, record, time.time_ns(), time.monotonic())
         # Under `all` every frame runs anyway: prepare it here, beside the busy worker, and
         # queue the (usually smaller) model input instead of the raw frame.
@@ -308,25 +219,16 @@ class SourceRunner:
             return
         self._offer(frame)
 
-    def _bad_streak(self, error: str) -> None:
-        self._bad_records_in_row += 1
-        if self._bad_records_in_row >= CONSECUTIVE_BAD_RECORDS_TO_FAIL:
-            self._bad_records_in_row = 0
-            raise SourceError(f"{CONSECUTIVE_BAD_RECORDS_TO_FAIL} bad records in a row: {error}")
-
-    def _good_streak(self) -> None:
-        self._bad_records_in_row = 0
-
     def _prepare_early(self, frame: Frame) -> bool:
         try:
             with self._models.lease(self.config.model) as lease:
-                frame.record.fields = self._prepare(frame.record, lease.loaded)
+                frame.record.fields = model_inputs(self.config, frame.record, lease.loaded)
                 frame.record.prepared = True
             return True
-        except wire.WireError as e:  # no model now: the frame waits for the worker's try
-            self._frame_failed(frame, e.message, retry=True)
+        except WireError as e:  # no model now: the frame waits for the worker's try
+            self._errors.frame_failed(frame, e.message, retry=True)
         except PreprocessError as e:
-            self._frame_failed(frame, str(e), bad_input=True)
+            self._errors.frame_failed(frame, str(e), bad_input=True)
         return False
 
     def _offer(self, frame: Frame) -> None:
@@ -415,27 +317,29 @@ class SourceRunner:
         the frame failed (counted, logged, finished)."""
         try:
             lease = self._models.lease(self.config.model)
-        except wire.WireError as e:
-            self._frame_failed(frame, e.message, retry=True)
+        except WireError as e:
+            self._errors.frame_failed(frame, e.message, retry=True)
             return None
         with lease:
             loaded = lease.loaded
             try:
                 record = frame.record
-                inputs = record.fields if record.prepared else self._prepare(record, loaded)
-                inputs = wire.validate_inputs(self.name, inputs, loaded.session.inputs)
-            except (wire.WireError, PreprocessError) as e:
-                self._frame_failed(frame, getattr(e, "message", str(e)), bad_input=True)
+                inputs = (
+                    record.fields if record.prepared else model_inputs(self.config, record, loaded)
+                )
+                inputs = validate_inputs(self.name, inputs, loaded.session.inputs)
+            except (WireError, PreprocessError) as e:
+                self._errors.frame_failed(frame, getattr(e, "message", str(e)), bad_input=True)
                 return None
             started = time.perf_counter()
             try:
-                outputs = self._select(loaded.session.run(inputs), loaded)
+                outputs = select_outputs(self.config, loaded.session.run(inputs), loaded)
             except InferenceError as e:
-                self._frame_failed(frame, f"model_error: {e}", bad_input=True)
+                self._errors.frame_failed(frame, f"model_error: {e}", bad_input=True)
                 return None
             except Exception as e:
                 log.exception("source %s: the model failed on frame %d", self.name, frame.index)
-                self._frame_failed(frame, f"model_error: {type(e).__name__}: {e}")
+                self._errors.frame_failed(frame, f"model_error: {type(e).__name__}: {e}")
                 return None
             return outputs, loaded.version, time.perf_counter() - started
 
@@ -449,11 +353,13 @@ class SourceRunner:
         self.stream.version = version
         try:
             messages = self.stream.frame(outputs, frame.index, extra)
+            self._send(self.stream.drain())
         except OutboxClosed:
             frame.finish("retry")  # stopping: a folder's file stays for the next run
             return
         except (TypeError, ValueError, OSError) as e:
-            self._frame_failed(frame, f"cannot publish the result: {e}")
+            self.stream.drain()  # a frame's messages go out whole or not at all
+            self._errors.frame_failed(frame, f"cannot publish the result: {e}")
             return
         latency = time.monotonic() - frame.captured
         stats = self.stats
@@ -461,76 +367,11 @@ class SourceRunner:
         stats.messages += messages
         stats.latency_s = latency
         stats.infer_s = infer_s
-        self._consecutive_errors = 0
+        self._errors.consecutive = 0
         if self._latency is not None:
             self._latency.observe(latency)
         if frame.record.on_done is not None:  # a folder's file moves once its result is stored
             self._after_written(lambda: frame.finish("done"))
-
-    def _select(self, outputs: dict[str, Array], loaded: LoadedVersion) -> dict[str, Array]:
-        """`outputs` of the source, else the model's `[stream] emit`, else every output."""
-        names = self.config.outputs or loaded.config.stream.emit
-        if not names:
-            return outputs
-        missing = [n for n in names if n not in outputs]
-        if missing:
-            raise InferenceError(f"the model has no output(s) {', '.join(missing)}")
-        return {n: outputs[n] for n in names}
-
-    def _prepare(self, record: Record, loaded: LoadedVersion) -> dict[str, Array]:
-        """The record's fields as the model's inputs: mapped by name, then preprocessed."""
-        pre = loaded.config.preprocess if self.config.preprocess else None
-        names = [spec.name for spec in loaded.session.inputs]
-        only = names[0] if len(names) == 1 else None
-        fields = record.fields
-        if self.config.inputs:
-            missing = sorted(f for f in self.config.inputs.values() if f not in fields)
-            if missing:
-                raise PreprocessError(
-                    f"no field(s) {', '.join(missing)} in the record (it has {', '.join(fields)})"
-                )
-            mapped = {name: fields[f] for name, f in self.config.inputs.items()}
-        elif set(fields) == {FIELD}:
-            target = pre.input if pre is not None and pre.input else only
-            if target is None:
-                raise PreprocessError(
-                    f"the model has inputs {', '.join(names)}: map the frame to one with "
-                    'inputs = { NAME = "frame" }'
-                )
-            mapped = {target: fields[FIELD]}
-        else:
-            mapped = dict(fields)
-        if pre is not None:
-            target = pre.input or only
-            if target is not None and target in mapped:
-                mapped[target] = preprocess(mapped[target], pre, bgr=record.bgr)
-        return mapped
-
-    def _frame_failed(
-        self, frame: Frame, message: str, *, bad_input: bool = False, retry: bool = False
-    ) -> None:
-        self.stats.errors += 1
-        if bad_input:
-            self.stats.bad_inputs += 1
-        self.last_error = message
-        where = f"file {frame.record.file}" if frame.record.file else f"frame {frame.index}"
-        self._log_error(f"{where}: {message}")
-        frame.finish("retry" if retry else "failed")
-        self._consecutive_errors += 1
-        if self._consecutive_errors >= CONSECUTIVE_ERRORS_TO_FAIL:
-            self._consecutive_errors = 0
-            self._trouble = f"{CONSECUTIVE_ERRORS_TO_FAIL} frames in a row failed: {message}"
-
-    def _log_error(self, message: str) -> None:
-        """The first error at once, then at most one line every ERROR_LOG_INTERVAL_S."""
-        now = time.monotonic()
-        self._unlogged_errors += 1
-        if now - self._last_error_log >= ERROR_LOG_INTERVAL_S:
-            more = self._unlogged_errors - 1
-            suffix = f" ({more} more since the last report)" if more else ""
-            log.warning("source %s: %s%s", self.name, message[:300], suffix)
-            self._last_error_log = now
-            self._unlogged_errors = 0
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -558,6 +399,11 @@ class SourceRunner:
         if self._seqs is not None:
             self._seqs.close(self.stream.seq)
 
+    @property
+    def last_error(self) -> str | None:
+        """The last failure of the source or of one of its frames."""
+        return self._errors.last_error
+
     def snapshot(self) -> dict[str, Any]:
         s = self.stats
         return {
@@ -578,114 +424,3 @@ class SourceRunner:
             "infer_ms": round(s.infer_s * 1000, 3),
             "last_error": self.last_error,
         }
-
-
-# --------------------------------------------------------------------------- the manager
-
-
-class SourceManager:
-    """Every configured source of one agent: started last, stopped first."""
-
-    def __init__(
-        self,
-        config: AgentConfig,
-        *,
-        models: ModelManager,
-        submit: Submit,
-        send: Send,
-        on_event: Callable[[dict[str, Any]], None],
-        limits: wire.Limits,
-        waiting: Callable[[], int] = lambda: 0,
-        registry: CollectorRegistry | None = None,
-        after_written: Callable[[Callable[[], None]], None] = lambda callback: callback(),
-    ) -> None:
-        latency = None
-        if registry is not None and any(s.enabled for s in config.sources):
-            latency = Histogram(
-                f"{PREFIX}_source_latency_seconds",
-                "From a frame's capture to its result handed to the outbox",
-                ["source"],
-                buckets=LATENCY_BUCKETS,
-                registry=registry,
-            )
-        self.runners = [
-            SourceRunner(
-                source,
-                agent_config=config,
-                models=models,
-                submit=submit,
-                send=send,
-                on_event=on_event,
-                limits=limits,
-                waiting=waiting,
-                latency=latency,
-                after_written=after_written,
-            )
-            for source in config.sources
-            if source.enabled
-        ]
-        if registry is not None and self.runners:
-            registry.register(SourceCollector(self))
-
-    def __len__(self) -> int:
-        return len(self.runners)
-
-    def start(self) -> None:
-        for runner in self.runners:
-            runner.start()
-
-    def stop(self, timeout: float = JOIN_TIMEOUT_S) -> None:
-        """Stop reading: every source thread is told at once, then each is joined."""
-        for runner in self.runners:
-            runner.signal_stop()
-        deadline = time.monotonic() + timeout
-        for runner in self.runners:
-            if not runner.join(max(0.1, deadline - time.monotonic())):
-                log.warning("source %s: its thread did not stop in time", runner.name)
-
-    def close(self) -> None:
-        for runner in self.runners:
-            runner.close()
-
-    def snapshot(self) -> dict[str, dict[str, Any]]:
-        return {runner.name: runner.snapshot() for runner in self.runners}
-
-    def runner(self, name: str) -> SourceRunner:
-        for runner in self.runners:
-            if runner.name == name:
-                return runner
-        raise KeyError(name)
-
-
-class SourceCollector(Collector):
-    """Per-source counters and gauges, read from the runners at scrape time."""
-
-    COUNTERS = (
-        ("frames", "Frames or records read by each local source"),
-        ("published", "Results of each local source handed to the outbox"),
-        ("dropped", "Frames replaced by a newer one before a worker took them (latest)"),
-        ("errors", "Frames of each local source that failed"),
-        ("failures", "Times a local source failed and was reopened"),
-    )
-
-    def __init__(self, manager: SourceManager) -> None:
-        self._manager = manager
-
-    def collect(self) -> Iterable[Metric]:
-        runners = self._manager.runners
-        for key, help_text in self.COUNTERS:
-            family = CounterMetricFamily(f"{PREFIX}_source_{key}", help_text, labels=["source"])
-            for runner in runners:
-                family.add_metric([runner.name], getattr(runner.stats, key))
-            yield family
-        pending = GaugeMetricFamily(
-            f"{PREFIX}_source_pending_frames", "Frames waiting for a worker", labels=["source"]
-        )
-        up = GaugeMetricFamily(
-            f"{PREFIX}_source_running", "1 while a local source is running", labels=["source"]
-        )
-        for runner in runners:
-            pending.add_metric([runner.name], runner.pending)
-            up.add_metric([runner.name], int(runner.state == "running"))
-        yield pending
-        yield up
