@@ -777,7 +777,8 @@ def section(result: SpeedResult, plot_name: str | None) -> list[str]:
         "ratio is of the totals, and each round's ratio is shown beside it. Batched, the "
         "agent's one interpreter is the bound (its network thread reads, checks and answers "
         "every request); batching saves the runs' share and the per-run work, not the "
-        "per-request work (docs/decisions/0013 has the accounting)." + _cpu_sentence(result.batching),
+        "per-request work (docs/decisions/0013 has the accounting)."
+        + _cpu_sentence(result.batching),
     ]
     lines.append("")
     if plot_name:

@@ -2,16 +2,17 @@
 
 Handing a request to a worker thread costs a wake-up on the request's own path: on a 2-core
 box that is a sizeable share of a small request's round trip (see
-docs/decisions/0011-short-requests-on-the-network-thread.md). A request whose model answers in well under a
-millisecond is cheaper to run where it was decoded. Running it there holds up everything
-else that thread does (reading the next request, acknowledgements, keepalive, publishing the
-workers' chunks), so only requests known to be short qualify: this keeps, per model, the
-version that served it last and a decaying maximum of what one of its requests cost, in wall
-time and in messages sent, and of the size of its request payloads. A slow request raises the
-estimate at once; fast ones lower it slowly (by `DECAY` of the difference each), so one fast
-request after slow ones changes nothing. A payload larger than those seen scales the expected
-time with it (a model's run grows with its input). A version not seen yet (a new model, a hot
-swap) is never short: its first requests go to the workers and measure it there.
+docs/decisions/0011-short-requests-on-the-network-thread.md). A request whose model answers
+in well under a millisecond is cheaper to run where it was decoded. Running it there holds
+up everything else that thread does (reading the next request, acknowledgements, keepalive,
+publishing the workers' chunks), so only requests known to be short qualify: this keeps, per
+model, the version that served it last and a decaying maximum of what one of its requests
+cost, in wall time and in messages sent, and of the size of its request payloads. A slow
+request raises the estimate at once; fast ones lower it slowly (by `DECAY` of the difference
+each), so one fast request after slow ones changes nothing. A payload larger than those seen
+scales the expected time with it (a model's run grows with its input). A version not seen
+yet (a new model, a hot swap) is never short: its first requests go to the workers and
+measure it there.
 """
 
 from __future__ import annotations
