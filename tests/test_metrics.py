@@ -123,6 +123,19 @@ def test_healthz_and_the_server_thread(metered):
     assert not any(t.name == "metrics-http" and t.is_alive() for t in threading.enumerate())
 
 
+def test_making_an_agent_logs_no_error(tmp_path, broker, repository, caplog):
+    """The gauges are read at scrape time only: not while the agent's parts are being made."""
+    with caplog.at_level(logging.ERROR):
+        agent = Agent(agent_config(tmp_path, broker, repository, METRICS__PORT="0"))
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    agent.start()
+    try:
+        assert agent.wait_ready(10)
+        assert wait_until(lambda: sample(scrape(_url(agent)), "edge_agent_mqtt_connected") == 1, 5)
+    finally:
+        agent.stop()
+
+
 def test_a_port_in_use_costs_the_metrics_not_the_service(tmp_path, broker, repository, caplog):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

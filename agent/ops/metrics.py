@@ -196,6 +196,10 @@ class AgentCollector(Collector):
     def __init__(self, read: Callable[[], Gauges]) -> None:
         self._read = read
 
+    def describe(self) -> Iterable[Metric]:
+        """Nothing read at registration: the agent registers this before its parts exist."""
+        return []
+
     def collect(self) -> Iterable[Metric]:
         try:
             g = self._read()
