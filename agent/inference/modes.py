@@ -136,7 +136,7 @@ def steps(run: Run) -> Iterator[list[Piece]]:
         if not live:
             return
         if len(live) < len(active):
-            inputs, rows = _keep_rows(inputs, rows, [active.index(p) for p in live])
+            (inputs,), rows = _keep_rows(rows, [active.index(p) for p in live], inputs)
             active = live
         outputs = run.model(inputs)
         if emit is None:
@@ -149,8 +149,7 @@ def steps(run: Run) -> Iterator[list[Piece]]:
         if not going_on:
             return
         if len(going_on) < len(active):
-            inputs, _ = _keep_rows(inputs, rows, going_on)
-            outputs, rows = _keep_rows(outputs, rows, going_on)
+            (inputs, outputs), rows = _keep_rows(rows, going_on, inputs, outputs)
             active = [active[k] for k in going_on]
         inputs = _fed(inputs, outputs, links)
         step += 1
@@ -177,13 +176,17 @@ def _rows_of(arrays: Mapping[str, Array], start: int, end: int) -> Arrays:
     return {name: arr[start:end] for name, arr in arrays.items()}
 
 
-def _keep_rows(arrays: Arrays, rows: list[int], keep: list[int]) -> tuple[Arrays, list[int]]:
-    """The rows of the members at positions `keep` (of a joined run), and their counts."""
+def _keep_rows(
+    rows: list[int], keep: list[int], *arrays: Arrays
+) -> tuple[tuple[Arrays, ...], list[int]]:
+    """Each of `arrays` (of a joined run) cut to the rows of the members at positions `keep`,
+    and those members' row counts."""
     if len(rows) == 1:  # one member: nothing to cut
         return arrays, rows
     starts = np.cumsum([0, *rows])
     take = np.concatenate([np.arange(starts[k], starts[k + 1]) for k in keep])
-    return {name: arr[take] for name, arr in arrays.items()}, [rows[k] for k in keep]
+    cut = tuple({name: arr[take] for name, arr in a.items()} for a in arrays)
+    return cut, [rows[k] for k in keep]
 
 
 def _fed(inputs: Arrays, outputs: Arrays, links: Sequence[tuple[str, str]]) -> Arrays:

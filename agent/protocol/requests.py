@@ -150,7 +150,7 @@ def parse_request(
         raise _bad(request_id, f"qos must be 0, 1 or 2, got {show_value(qos)}")
     reply_to = payload.get("reply_to")
     if reply_to is not None:
-        problem = _reply_to_problem(reply_to, allowed_reply_prefixes)
+        problem = reply_to_problem(reply_to, allowed_reply_prefixes)
         if problem:
             raise _bad(request_id, problem)
     params = payload.get("params")
@@ -178,7 +178,7 @@ def parse_request(
     )
 
 
-def _reply_to_problem(value: object, prefixes: Sequence[str]) -> str | None:
+def reply_to_problem(value: object, prefixes: Sequence[str]) -> str | None:
     """Why ``value`` may not be a reply topic: replies must land where the operator allows."""
     if not isinstance(value, str):
         return f"reply_to must be text, got {kind_of(value)}"

@@ -36,10 +36,16 @@ from agent.mqtt.connection import Transport
 from agent.mqtt.messages import Incoming, correlation_properties
 from agent.ops.counters import Counters
 from agent.ops.metrics import AgentMetrics
-from agent.protocol.errors import MAX_REPLY_TO_CHARS, Limits, WireError
+from agent.protocol.errors import Limits, WireError
 from agent.protocol.layouts import RequestLayouts
 from agent.protocol.payload import decode_payload
-from agent.protocol.requests import Request, parse_request, read_request_id, validate_inputs
+from agent.protocol.requests import (
+    Request,
+    parse_request,
+    read_request_id,
+    reply_to_problem,
+    validate_inputs,
+)
 from agent.service.announce import Announcer
 
 log = logging.getLogger(__name__)
@@ -143,19 +149,12 @@ class RequestReader:
         reply_to = qos = None
         if payload is not None:
             candidate = payload.get("reply_to", incoming.response_topic)
-            if isinstance(candidate, str) and self._reply_allowed(candidate):
+            if reply_to_problem(candidate, self.config.reply_prefixes) is None:
                 reply_to = candidate
             asked = payload.get("qos")
             qos = asked if asked in (0, 1, 2) and not isinstance(asked, bool) else None
         reply = self.reply_stream(request_id, model, None, reply_to, qos, incoming.correlation_data)
         return Rejection(model, error.code, error.message, reply)
-
-    def _reply_allowed(self, topic: str) -> bool:
-        return (
-            len(topic) <= MAX_REPLY_TO_CHARS
-            and not any(c in topic for c in "+#\0")
-            and any(topic.startswith(p) for p in self.config.reply_prefixes)
-        )
 
     def reply_stream(
         self,
