@@ -46,6 +46,7 @@ from agent.delivery.spool_items import (
     WriteItem,
     settlement,
 )
+from agent.delivery.spool_open import Quarantine, open_checked
 from agent.delivery.spool_sql import (
     DELETE_REQUESTS,
     DELETE_REQUESTS_SQL,
@@ -54,7 +55,6 @@ from agent.delivery.spool_sql import (
     INSERT_ROWS,
     INSERT_SQL,
     SUM_STORED,
-    open_database,
     pieces,
     stored_bytes,
 )
@@ -62,6 +62,7 @@ from agent.delivery.spool_sql import (
 log = logging.getLogger(__name__)
 
 Policy = Literal["reject_new", "drop_oldest"]
+PROBE_KEY = "\x00probe"  # no request key looks like it (model names and ids are checked)
 
 
 class SpoolFull(Exception):
@@ -100,24 +101,11 @@ class Spool(SpoolHistory):
         self.policy = policy
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
-        self._db = open_database(path)
-        row = self._db.execute(f"SELECT COUNT(*), {SUM_STORED} FROM messages WHERE acked IS NULL")
-        self.count, self.bytes = (int(v) for v in row.fetchone())  # pending messages only
-        (history,) = self._db.execute(
-            f"SELECT {SUM_STORED} FROM messages WHERE acked IS NOT NULL"
-        ).fetchone()
-        self.history_bytes = int(history)  # acknowledged, kept for resend
-        (last,) = self._db.execute(
-            "SELECT MAX(COALESCE((SELECT MAX(id) FROM messages), 0),"
-            " COALESCE((SELECT seq FROM sqlite_sequence WHERE name = 'messages'), 0))"
-        ).fetchone()
-        self._ids = itertools.count(int(last) + 1)
-        # Stored requests without their terminal message, and those being stored now: a
-        # redelivery of one of them is a duplicate. Only the ingress adds, only the writer
-        # (after the deletion is committed) removes.
-        self.request_keys: set[str] = {
-            key for (key,) in self._db.execute("SELECT key FROM requests")
-        }
+        # A corrupt file is moved aside and an empty spool opened (agent.delivery.spool_open).
+        self._db, state, quarantine = open_checked(path, _read_state)
+        self.quarantine: Quarantine | None = quarantine  # what was moved aside, and why
+        self.count, self.bytes, self.history_bytes, last, self.request_keys = state
+        self._ids = itertools.count(last + 1)
         self.evicted_messages = 0
         self.expired_messages = 0
 
@@ -402,6 +390,25 @@ class Spool(SpoolHistory):
     def finish_request(self, key: str) -> None:
         self.write([FinishRequest(key)], (), 0)
 
+    def probe(self) -> None:
+        """A small committed write that leaves nothing behind (a page's worth of request row,
+        inserted and deleted): raises what the last failed write raised while the disk is
+        still full (the spool writer tries it while nothing else is queued)."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute(
+                    "INSERT OR REPLACE INTO requests VALUES"
+                    " (?, '', zeroblob(4096), 0, NULL, NULL, 0)",
+                    (PROBE_KEY,),
+                )
+                self._db.execute("DELETE FROM requests WHERE key = ?", (PROBE_KEY,))
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+
     def unfinished_requests(self) -> list[StoredRequest]:
         with self._lock:
             rows = self._db.execute(
@@ -416,6 +423,25 @@ class Spool(SpoolHistory):
                 self._db.close()
             except sqlite3.Error:
                 log.exception("spool: close failed")
+
+
+_State = tuple[int, int, int, int, set[str]]
+
+
+def _read_state(db: sqlite3.Connection) -> _State:
+    """What the spool keeps in memory, read from the file: the pending messages' count and
+    bytes, the acknowledged history's bytes, the last id ever used, the stored requests'
+    keys (a redelivery of one of them is a duplicate; only the ingress adds, only the writer
+    removes, after the deletion is committed)."""
+    row = db.execute(f"SELECT COUNT(*), {SUM_STORED} FROM messages WHERE acked IS NULL")
+    count, size = (int(v) for v in row.fetchone())
+    (history,) = db.execute(f"SELECT {SUM_STORED} FROM messages WHERE acked IS NOT NULL").fetchone()
+    (last,) = db.execute(
+        "SELECT MAX(COALESCE((SELECT MAX(id) FROM messages), 0),"
+        " COALESCE((SELECT seq FROM sqlite_sequence WHERE name = 'messages'), 0))"
+    ).fetchone()
+    keys = {str(key) for (key,) in db.execute("SELECT key FROM requests")}
+    return count, size, int(history), int(last), keys
 
 
 @dataclass(frozen=True)

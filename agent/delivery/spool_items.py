@@ -73,9 +73,12 @@ class MessageRow(Protocol):
 
 @dataclass(frozen=True)
 class StoreRequest(StoredRequest):
-    """Store a received request; `on_stored` runs once it is on disk (fsynced)."""
+    """Store a received request; `on_stored` runs once it is on disk (fsynced), `on_failed`
+    (with a reason: the disk is full, the spool cannot be written) when its batch could not
+    be written: the request is then not stored and never retried."""
 
     on_stored: Callable[[], None] | None = None
+    on_failed: Callable[[str], None] | None = None
     queued_at: float = field(default_factory=time.monotonic, compare=False)
 
 

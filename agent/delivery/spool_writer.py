@@ -15,17 +15,33 @@ published and lost before its row is committed is one the agent crashed with: a 
 stream is then regenerated from the stored request (it is deleted only by the transaction
 that writes its terminal message, after every earlier message of the stream); the rest
 (events, live source frames) was in flight anyway.
+
+A batch that cannot be written (the disk is full, an I/O error) is not dropped: its request
+stores fail at once (`StoreRequest.on_failed`: the ingress answers `overloaded`), everything
+else (messages, acknowledgements, callbacks) goes back to the front of the queue and is
+written again every RETRY_S, together with what arrived meanwhile, until a write succeeds.
+Meanwhile `problem` says why (for `/healthz`); the messages stay in memory and are published
+from there, bounded by the outbox, whose producers wait once the writer is that far behind.
 """
 
 from __future__ import annotations
 
+import errno
+import functools
 import logging
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
 
 from agent.delivery.spool import Spool
-from agent.delivery.spool_items import AfterWrite, Eviction, WriteItem, settled_prefix
+from agent.delivery.spool_items import (
+    AfterWrite,
+    Eviction,
+    StoreRequest,
+    WriteItem,
+    settled_prefix,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +56,9 @@ ACK_FLUSH_S = 0.02  # acknowledgements alone wake the writer at most this late
 SETTLE_GRACE_S = GROUP_COMMIT_S
 RETRY_S = 0.5  # after a failed write (disk full, I/O error)
 FAILURE_LOG_S = 30.0  # a failing disk is logged again at most this often
+FLUSH_FAILING_S = 5 * RETRY_S  # how long `flush` waits for a disk that fails
+SQLITE_FULL = 13
+DISK_FULL = "the agent's disk is full"
 
 
 class SpoolWriter:
@@ -74,7 +93,11 @@ class SpoolWriter:
         self._submitted = 0
         self._written = 0  # items written so far (submission count reached)
         self._closing = False
-        self.failures = 0
+        self.failures = 0  # batches that could not be written
+        self.failed_stores = 0  # requests not stored because their batch failed
+        # Why the last write failed (`disk_problem`), None once a write succeeds again.
+        self.problem: str | None = None
+        self._retry_at = 0.0
         self._failure_logged = -FAILURE_LOG_S
         self._thread = threading.Thread(target=self._run, name="spool-writer", daemon=True)
 
@@ -128,8 +151,15 @@ class SpoolWriter:
             target = self._submitted
             self._urgent = True
             self._cond.notify_all()
+            failing_since: float | None = None
             while self._written < target:
-                remaining = deadline - time.monotonic()
+                now = time.monotonic()
+                if self.problem is not None and failing_since is None:
+                    # A failing disk: wait a few retries (an I/O error may pass), not the
+                    # whole timeout (a full disk does not; a reconnect or stop must go on).
+                    failing_since = now
+                    deadline = min(deadline, now + FLUSH_FAILING_S)
+                remaining = deadline - now
                 if remaining <= 0 or not self._thread.is_alive():
                     return False
                 self._cond.wait(min(remaining, 0.1))
@@ -154,6 +184,9 @@ class SpoolWriter:
             with self._cond:
                 while True:
                     now = time.monotonic()
+                    if now < self._retry_at and not self._closing:
+                        self._cond.wait(self._retry_at - now)  # the last write failed
+                        continue
                     if self._items:
                         due = self._first_item_at + GROUP_COMMIT_S
                         if self._urgent or self._closing or len(self._items) >= URGENT_ITEMS:
@@ -162,6 +195,8 @@ class SpoolWriter:
                         due = self._first_ack_at + ACK_FLUSH_S
                     elif self._closing:
                         return
+                    elif self.problem is not None:
+                        break  # writes fail and nothing is queued: probe the disk
                     else:
                         # Rows waiting for their acknowledgement: look again in a while.
                         self._cond.wait(ACK_FLUSH_S if self.spool.count else None)
@@ -180,8 +215,13 @@ class SpoolWriter:
                     if cut < len(items):
                         items, acks = self._hold_back(items, acks, cut)
                         reached -= len(self._items)
-            if items or acks:
-                self._write(items, acks)
+            if (items or acks) and not self._write(items, acks):
+                if self._put_back(items, acks):
+                    return  # closing, and the disk still fails
+                continue
+            if not (items or acks) and self.problem is not None:
+                self._probe()
+                continue
             with self._cond:
                 self._written = reached
                 self._cond.notify_all()
@@ -198,25 +238,20 @@ class SpoolWriter:
         self._first_item_at = time.monotonic()
         return items[:cut], [spool_id for spool_id in acks if spool_id not in ids]
 
-    def _write(self, items: list[WriteItem], acks: list[int]) -> None:
-        while True:
-            try:
-                result = self.spool.write(items, acks, self._protected_after())
-                break
-            except Exception:  # sqlite3.Error, OSError: the disk is full or failing
-                self.failures += 1
-                now = time.monotonic()
-                if now - self._failure_logged >= FAILURE_LOG_S:
-                    self._failure_logged = now
-                    log.exception(
-                        "spool: writing %d item(s) failed (%d time(s) so far); retrying",
-                        len(items),
-                        self.failures,
-                    )
-                time.sleep(RETRY_S)
-                with self._cond:
-                    if self._closing:
-                        return
+    def _write(self, items: list[WriteItem], acks: list[int]) -> bool:
+        """Write a batch and run its callbacks; False when it failed (`_put_back` then)."""
+        try:
+            result = self.spool.write(items, acks, self._protected_after())
+        except (sqlite3.Error, OSError) as e:
+            self._failed(e, len(items))
+            return False
+        if self.problem is not None:
+            log.warning(
+                "spool: writes succeed again (after %d failed batch(es)): %s",
+                self.failures,
+                self.problem,
+            )
+            self.problem = None
         self._on_written(result.written, result.written_bytes)
         if result.eviction is not None and self._on_eviction is not None:
             self._on_eviction(result.eviction)
@@ -226,6 +261,74 @@ class SpoolWriter:
             _safely(lambda after=after: after(self.spool))  # type: ignore[misc]
         if result.stored or result.after:
             _safely(self._after_callbacks)
+        return True
+
+    def _probe(self) -> None:
+        """While writes fail and nothing is queued: a small write tells when the disk has room
+        again (so `/healthz` and the ingress do not wait for the next request to find out)."""
+        try:
+            self.spool.probe()
+        except (sqlite3.Error, OSError) as e:
+            self._failed(e, 0)
+            with self._cond:
+                self._retry_at = time.monotonic() + RETRY_S
+            return
+        log.warning("spool: writes succeed again (after %d failure(s))", self.failures)
+        self.problem = None
+
+    def _failed(self, error: BaseException, items: int) -> None:
+        self.failures += 1
+        self.problem = failure_reason(error)
+        now = time.monotonic()
+        if now - self._failure_logged >= FAILURE_LOG_S:
+            self._failure_logged = now
+            log.error(
+                "spool: writing %d item(s) failed (%d time(s) so far; retrying every %g s;"
+                " requests get `overloaded` meanwhile): %s",
+                items,
+                self.failures,
+                RETRY_S,
+                error,
+            )
+
+    def _put_back(self, items: list[WriteItem], acks: list[int]) -> bool:
+        """After a failed write: the batch's request stores fail (`on_failed`), the rest goes
+        back to the front of the queue, tried again after RETRY_S. True when closing: then
+        nothing more is tried, and what was not written is dropped."""
+        stores = [item for item in items if isinstance(item, StoreRequest)]
+        kept: list[WriteItem] = [item for item in items if not isinstance(item, StoreRequest)]
+        self.spool.request_keys.difference_update(item.key for item in stores)
+        self.failed_stores += len(stores)
+        with self._cond:
+            closing = self._closing
+            if closing:
+                log.error("spool: stopping with %d item(s) not written", len(kept) + len(acks))
+                self._items, self._acks = [], []
+            else:
+                self._items = kept + self._items
+                self._acks = acks + self._acks
+                self._first_item_at = self._first_ack_at = time.monotonic()
+                self._retry_at = time.monotonic() + RETRY_S
+            self._written = self._submitted - len(self._items)
+            self._cond.notify_all()
+        reason = self.problem or DISK_FULL
+        for store in stores:
+            if store.on_failed is not None:
+                _safely(functools.partial(store.on_failed, reason))
+        if stores:
+            _safely(self._after_callbacks)
+        return closing
+
+
+def failure_reason(error: BaseException) -> str:
+    """What a failed write tells an operator (and a requester, in `overloaded`)."""
+    full = isinstance(error, OSError) and error.errno == errno.ENOSPC
+    if isinstance(error, sqlite3.Error):
+        code = getattr(error, "sqlite_errorcode", None)  # Python 3.11+
+        full = code == SQLITE_FULL or "full" in str(error).lower()
+    if full:
+        return DISK_FULL
+    return f"the agent cannot write its spool: {str(error)[:200]}"
 
 
 def _nothing(spool: Spool) -> None:

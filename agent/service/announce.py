@@ -20,6 +20,8 @@ from agent import __version__
 from agent.config import AgentConfig
 from agent.delivery.outbox import Outbox, OutMessage
 from agent.delivery.spool_items import Eviction
+from agent.delivery.spool_open import Quarantine
+from agent.mqtt.epoch import EpochRecovery
 from agent.ops.counters import Counters
 from agent.ops.metrics import AgentMetrics
 from agent.protocol.payload import encode_payload
@@ -117,6 +119,32 @@ class Announcer:
                 self.config.mqtt.qos.event,
             )
         )
+
+    def state_recovered(
+        self, quarantine: Quarantine | None, recovery: EpochRecovery | None
+    ) -> None:
+        """At start: a corrupt spool moved aside (`spool_quarantined`), an epoch file that
+        could not be read (`epoch_recovered`); each counted, logged where it was found."""
+        if quarantine is not None:
+            self._counters.add("spool_quarantined")
+            self.event(
+                {
+                    "type": "spool_quarantined",
+                    "path": str(quarantine.path),
+                    "reason": quarantine.reason,
+                }
+            )
+        if recovery is not None:
+            self._counters.add("epoch_recovered")
+            self.event(
+                {
+                    "type": "epoch_recovered",
+                    "path": str(recovery.path),
+                    "reason": recovery.reason,
+                    "source": recovery.source,
+                    "epoch": recovery.epoch,
+                }
+            )
 
     def telemetry(self, snapshot: dict[str, Any]) -> None:
         self._outbox.put_nowait_reserved(

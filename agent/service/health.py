@@ -62,9 +62,17 @@ class Health:
                 return f"an inference worker has run one job for {age:.0f} s (limit {limit:g} s)"
         return None if stopping else self.transport.thread_problem()
 
+    def storage_problem(self) -> str | None:
+        """Why the spool cannot be written (a full disk), None while writes succeed. Not a
+        `problem()`: a restart would not free the disk, so the watchdog keeps being fed."""
+        writer = self.outbox.writer
+        return writer.problem if writer is not None else None
+
     def report(self) -> tuple[bool, dict[str, Any]]:
-        """For `/healthz` (and so `edge-agent health`, the container's HEALTHCHECK)."""
-        problem = self.problem()
+        """For `/healthz` (and so `edge-agent health`, the container's HEALTHCHECK): not ok
+        on a `problem()` and while the spool cannot be written (QoS 1/2 requests then get
+        `overloaded`)."""
+        problem = self.problem() or self.storage_problem()
         return problem is None, {
             "problem": problem,
             "connected": self.transport.connected.is_set(),
@@ -90,6 +98,9 @@ class Health:
             text += f"; waiting for broker {mqtt.host}:{mqtt.port}"
         if self.restart_pending:
             text += f"; restart needed for {len(self.restart_pending)} changed key(s)"
+        storage = self.storage_problem()
+        if storage is not None:
+            text += f"; spool not writable: {storage}"
         return text
 
     def gauges(self) -> Gauges:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
 
+from agent.config.state_files import write_atomic
 from agent.delivery.outbox import OutboxClosed
 from agent.sources.base import SourceError
 
@@ -67,15 +67,5 @@ class SeqStore:
                 log.error("source: cannot save %s: %s", self.path, e)
 
     def _write(self, value: int) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        with open(tmp, "w", encoding="ascii") as f:
-            f.write(f"{value}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        """Temp file, fsync, rename, folder fsync; folder 0700, file 0600 whatever the umask."""
+        write_atomic(self.path, f"{value}\n".encode("ascii"))

@@ -1,0 +1,128 @@
+"""Opening the spool file so that a corrupt one never stops the agent from starting.
+
+A flash that lost a page, a file truncated by a full disk on another system, or anything
+else that is not a SQLite database would otherwise make every start raise
+`sqlite3.DatabaseError` and put the service into a restart loop. Here the file is checked
+when it is opened (the open itself, then `PRAGMA quick_check`, which reads every page: about
+65 ms for a 100 MB spool with a warm page cache, 1.5 s cold on the development VM, see
+docs/decisions/0020-state-files-never-stop-startup.md). A corrupt file is moved aside with its
+`-wal` and `-shm` as `NAME.corrupt-<UTC time>` (kept for the operator, never deleted) and the
+agent starts with an empty spool; the `Quarantine` says what happened, for the WARNING, the
+counter and the `spool_quarantined` event.
+
+Errors that are not corruption (a locked file, no permission, a full disk) are raised as
+before: moving a healthy spool aside would lose what it holds.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import sqlite3
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from agent.config.state_files import FILE_MODE, fsync_dir, private_dir, private_file, tighten
+from agent.delivery.spool_sql import open_database
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+SQLITE_CORRUPT = 11
+SQLITE_NOTADB = 26
+CORRUPTION_WORDS = ("malformed", "not a database", "corrupt")
+COMPANIONS = ("-wal", "-shm")  # SQLite's own files next to the database
+
+
+@dataclass(frozen=True)
+class Quarantine:
+    """A corrupt spool moved aside: where it is now and why."""
+
+    path: Path  # the database file as moved
+    reason: str
+
+
+class SpoolCorrupt(Exception):
+    """The spool file is not a sound SQLite database."""
+
+
+def is_corruption(error: BaseException) -> bool:
+    """Whether a SQLite error says the file is damaged (not locked, not full, not denied)."""
+    if isinstance(error, SpoolCorrupt):
+        return True
+    if not isinstance(error, sqlite3.DatabaseError):
+        return False
+    code = getattr(error, "sqlite_errorcode", None)  # Python 3.11+
+    if code is not None:
+        return (code & 0xFF) in (SQLITE_CORRUPT, SQLITE_NOTADB)
+    text = str(error).lower()
+    return any(word in text for word in CORRUPTION_WORDS)
+
+
+def open_checked(
+    path: Path, load: Callable[[sqlite3.Connection], T]
+) -> tuple[sqlite3.Connection, T, Quarantine | None]:
+    """The spool at `path`, checked, and what `load(db)` read from it. A corrupt file (found by
+    the open, `quick_check` or `load`) is quarantined and an empty spool opened instead."""
+    private_dir(path.parent)
+    try:
+        db = _open_private(path)
+        try:
+            quick_check(db)
+            return db, load(db), None
+        except BaseException:
+            db.close()
+            raise
+    except (sqlite3.DatabaseError, SpoolCorrupt) as e:
+        if not is_corruption(e):
+            raise
+        reason = str(e)[:300] or type(e).__name__
+    quarantine = quarantine_files(path, reason)
+    db = _open_private(path)
+    return db, load(db), quarantine
+
+
+def quick_check(db: sqlite3.Connection) -> None:
+    """Raise SpoolCorrupt unless `PRAGMA quick_check` finds the file sound."""
+    rows = db.execute("PRAGMA quick_check(5)").fetchall()
+    found = [str(row[0]) for row in rows]
+    if found != ["ok"]:
+        raise SpoolCorrupt("quick_check: " + "; ".join(found)[:280])
+
+
+def quarantine_files(path: Path, reason: str) -> Quarantine:
+    """Move the database and its `-wal`/`-shm` aside as `NAME.corrupt-<UTC time>[-wal|-shm]`
+    (SQLite's naming: `sqlite3 NAME.corrupt-...` opens the copy with its WAL)."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    target = path.with_name(f"{path.name}.corrupt-{stamp}")
+    n = 1
+    while any(target.with_name(target.name + s).exists() for s in ("", *COMPANIONS)):
+        target = path.with_name(f"{path.name}.corrupt-{stamp}.{n}")
+        n += 1
+    for suffix in ("", *COMPANIONS):
+        source = path.with_name(path.name + suffix)
+        if source.exists():
+            moved = target.with_name(target.name + suffix)
+            source.replace(moved)
+            tighten(moved, FILE_MODE)
+    fsync_dir(path.parent)
+    log.warning(
+        "spool: %s is corrupt (%s); moved aside as %s, starting with an empty spool",
+        path,
+        reason,
+        target,
+    )
+    return Quarantine(target, reason)
+
+
+def _open_private(path: Path) -> sqlite3.Connection:
+    """`open_database` on a file created 0600 first: SQLite gives its `-wal` and `-shm` the
+    database file's mode, so all three stay private whatever the umask."""
+    private_file(path)
+    db = open_database(path)
+    for suffix in COMPANIONS:
+        tighten(path.with_name(path.name + suffix), FILE_MODE)
+    return db
