@@ -16,6 +16,11 @@ see `agent.delivery.spool_writer`).
   queue answers `overloaded`. Nothing is dropped silently.
 * Error replies produced on the network thread must never block it, so they may use a
   reserved headroom above the normal bound.
+* Memory is bounded in payload bytes as well as in messages (`max_bytes`): one integer added
+  and subtracted per message. Durable messages past it go to disk only; QoS 0 producers wait.
+  Resends (the background lane) have their own byte cap, `background_bytes`: a resend that
+  does not fit is not queued (the subscriber asks again), so a flood of asks for large
+  messages cannot grow the process.
 """
 
 from __future__ import annotations
@@ -26,67 +31,17 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from agent.delivery.out_message import OutMessage
 from agent.delivery.spool import Spool
 from agent.delivery.spool_items import AfterWrite, Eviction, FinishRequest, SpooledMessage
 from agent.delivery.spool_sql import stored_bytes
 from agent.delivery.spool_writer import SpoolWriter
 
+__all__ = ["OutMessage", "Outbox", "OutboxClosed"]
+
 REFILL_BATCH = 256
-
-
-class OutMessage:
-    """One MQTT publish, fully encoded; `properties` is a paho `Properties` (MQTT 5) or None.
-
-    `stream` names the stream a QoS 1/2 message belongs to (spooled when set); `finishes` is
-    the key of the stored request this message answers for the last time; `spool_id` is set
-    when the message is queued for the spool. A plain class with slots: one is made per chunk.
-    """
-
-    __slots__ = (
-        "correlation",
-        "finishes",
-        "payload",
-        "properties",
-        "qos",
-        "retain",
-        "rid",
-        "seq",
-        "spool_id",
-        "stream",
-        "topic",
-    )
-
-    def __init__(
-        self,
-        topic: str,
-        payload: bytes,
-        qos: int,
-        retain: bool = False,
-        properties: Any = None,
-        stream: str | None = None,
-        finishes: str | None = None,
-        spool_id: int | None = None,
-        correlation: bytes | None = None,
-        rid: str | None = None,  # the reply stream's id and seq, for application-level resend
-        seq: int | None = None,
-    ) -> None:
-        self.topic = topic
-        self.payload = payload
-        self.qos = qos
-        self.retain = retain
-        self.properties = properties
-        self.stream = stream
-        self.finishes = finishes
-        self.spool_id = spool_id
-        self.correlation = correlation
-        self.rid = rid
-        self.seq = seq
-
-    def __repr__(self) -> str:
-        return (
-            f"OutMessage({self.topic!r}, {len(self.payload)} bytes, qos={self.qos}, "
-            f"spool_id={self.spool_id})"
-        )
+MAX_BYTES = 64 * 1024 * 1024  # payload bytes queued in memory (live), by default
+BACKGROUND_BYTES = 8 * 1024 * 1024  # payload bytes of resends queued, by default
 
 
 class OutboxClosed(Exception):
@@ -105,8 +60,14 @@ class Outbox:
         spool: Spool | None = None,
         on_eviction: Callable[[Eviction], None] | None = None,
         make_properties: Callable[[bytes], Any] | None = None,
+        max_bytes: int = MAX_BYTES,
+        background_bytes: int = BACKGROUND_BYTES,
     ) -> None:
         self._max = max_messages
+        self._max_bytes = max_bytes
+        self._background_max_bytes = background_bytes
+        self._queued_bytes = 0  # payload bytes in `_queue`
+        self._background_bytes = 0  # payload bytes in `_background`
         self._hard_max = max_messages + reserve
         self._queue: deque[OutMessage] = deque()
         self._background: deque[OutMessage] = deque()  # resends: after everything live
@@ -185,10 +146,16 @@ class Outbox:
             if durable:
                 # The writer is not too far behind (else the disk is slower than the
                 # producers: they wait for it), and the caps hold.
-                if self._unwritten < self._max and not self._caps_passed(size):
+                if (
+                    self._unwritten < self._max
+                    and (self._unwritten_bytes < self._max_bytes or not self._unwritten)
+                    and not self._caps_passed(size)
+                ):
                     self._put_durable(message, size)
                     return
-            elif len(self._queue) < self._max:
+            elif len(self._queue) < self._max and (
+                self._queued_bytes < self._max_bytes or not self._queue
+            ):
                 self._append_volatile(message)
                 return
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -222,8 +189,13 @@ class Outbox:
         self.writer.submit(message)
         if self._unwritten >= self._max // 2:
             self.writer.nudge()  # well before producers would have to wait for it
-        if not self._spilling and len(self._queue) < self._max:
+        if (
+            not self._spilling
+            and len(self._queue) < self._max
+            and self._queued_bytes < self._max_bytes
+        ):
             self._queue.append(message)
+            self._queued_bytes += len(message.payload)
             self._loaded_up_to = spool_id
             self._notify()
         else:
@@ -235,6 +207,7 @@ class Outbox:
         if message.finishes is not None and self.writer is not None:
             self.writer.submit(FinishRequest(message.finishes))
         self._queue.append(message)
+        self._queued_bytes += len(message.payload)
         self._notify()
 
     def _notify(self) -> None:
@@ -248,7 +221,11 @@ class Outbox:
         waiting. The network thread runs a short request only then: it cannot wait for room
         that only it could make (by publishing, or by reading acknowledgements)."""
         with self._lock:
-            if self._closed or len(self._queue) + messages > self._max:
+            if (
+                self._closed
+                or len(self._queue) + messages > self._max
+                or self._queued_bytes + messages * size > self._max_bytes
+            ):
                 return False
             if self._spool is None:
                 return True
@@ -269,7 +246,7 @@ class Outbox:
                     self.rejected += 1
                     return False
                 self._put_durable(message, size)
-            elif len(self._queue) >= self._hard_max:
+            elif len(self._queue) >= self._hard_max or self._queued_bytes > 2 * self._max_bytes:
                 self.rejected += 1
                 return False
             else:
@@ -279,11 +256,19 @@ class Outbox:
 
     def put_background(self, message: OutMessage) -> bool:
         """A lane for resends: published only when nothing live waits, so a flood of resend
-        requests cannot delay live streams; bounded, never blocks, False when full."""
+        requests cannot delay live streams; bounded in messages and in payload bytes (one
+        message larger than the byte cap still goes when the lane is empty), never blocks,
+        False when full."""
+        size = len(message.payload)
         with self._cond:
-            if self._closed or len(self._background) >= self._max:
+            if (
+                self._closed
+                or len(self._background) >= self._max
+                or (self._background and self._background_bytes + size > self._background_max_bytes)
+            ):
                 return False
             self._background.append(message)
+            self._background_bytes += size
             self._notify()
         self._on_queued()
         return True
@@ -292,6 +277,7 @@ class Outbox:
         """Put back at the front a message that could not be published (order is kept)."""
         with self._cond:
             self._queue.appendleft(message)
+            self._queued_bytes += len(message.payload)
             self._notify()
         self._on_queued()
 
@@ -307,9 +293,11 @@ class Outbox:
                 if not self._background:
                     return []
                 taken = [self._background.popleft()]
+                self._background_bytes -= len(taken[0].payload)
             else:
                 n = min(limit, len(queue))
                 taken = [queue.popleft() for _ in range(n)]
+                self._queued_bytes -= sum([len(m.payload) for m in taken])
                 if self._spilling and len(queue) < self._max // 2:
                     self._ask_refill()
             self._cond.notify_all()  # room for blocked putters
@@ -326,7 +314,7 @@ class Outbox:
         with self._cond:
             while True:
                 if self._queue or self._background:
-                    message = self._queue.popleft() if self._queue else self._background.popleft()
+                    message = self._pop_locked()
                     if self._spilling and len(self._queue) < self._max // 2:
                         self._ask_refill()
                     self._cond.notify_all()
@@ -344,13 +332,23 @@ class Outbox:
                 finally:
                     self._getting -= 1
 
+    def _pop_locked(self) -> OutMessage:
+        """Under the lock, with a message waiting: the oldest live one, else a resend."""
+        if self._queue:
+            message = self._queue.popleft()
+            self._queued_bytes -= len(message.payload)
+        else:
+            message = self._background.popleft()
+            self._background_bytes -= len(message.payload)
+        return message
+
     def _ask_refill(self) -> None:
         """Under the lock: have the writer read the next spooled messages back into memory,
         in order, once everything queued before is on disk."""
         if self._refill_asked or self.writer is None:
             return
         room = max(0, min(REFILL_BATCH, self._max - len(self._queue)))
-        if room == 0:
+        if room == 0 or self._queued_bytes >= self._max_bytes:
             return
         self._refill_asked = True
         after, generation, last_id = self._loaded_up_to, self._generation, self._last_id
@@ -392,6 +390,7 @@ class Outbox:
                     correlation=row.correlation,
                 )
                 self._queue.append(message)
+                self._queued_bytes += len(row.payload)
                 self._loaded_up_to = row.id
             # Read to the end, and nothing was spooled since the refill was asked: caught up.
             if complete and self._last_id == last_id:
@@ -416,6 +415,23 @@ class Outbox:
         if self.writer is not None:
             self.writer.ack(spool_id)
 
+    def forget(self, spool_id: int) -> None:
+        """Drop a spooled message for good (quarantined: the broker refuses it, or it kills
+        the connection): deleted by the writer after its own row is written, never marked
+        acknowledged, so neither a reconnect nor a resend publishes it again."""
+        if self.writer is not None:
+
+            def forget(spool: Spool) -> None:
+                spool.forget((spool_id,))
+
+            self.writer.submit(AfterWrite(forget))
+            self.writer.nudge()
+
+    @property
+    def queued_bytes(self) -> int:
+        """Payload bytes queued in memory: live messages and resends."""
+        return self._queued_bytes + self._background_bytes
+
     def flush_acks(self, timeout: float = 30.0) -> bool:
         """Wait until every queued message and acknowledgement is written."""
         return self.writer.flush(timeout) if self.writer is not None else True
@@ -436,6 +452,7 @@ class Outbox:
             if unack_since is not None:
                 self._spool.unack_since(unack_since)
             self._queue = deque(m for m in self._queue if m.spool_id is None)
+            self._queued_bytes = sum(len(m.payload) for m in self._queue)
             self._loaded_up_to = 0
             self._generation += 1
             self._refill_asked = False

@@ -6,16 +6,23 @@ spool keeps every QoS 1/2 message for the resend window (bounded by age and byte
 broker acknowledged it; this module answers resend requests from it, byte for byte, on the
 stream's reply topic, or with one `gone` message when the stream is no longer held.
 
-Resend requests are outside input: size-limited, validated, and rate-limited by a token
-bucket so that a flood of them cannot starve live streams (excess requests are counted and
-dropped; the SDK asks again with backoff).
+Resend requests are outside input: size-limited, validated (integers within SQLite's 64
+bits), and rate-limited by token buckets so that a flood of them cannot starve live streams
+nor grow the process: asks a second, messages a second, and payload bytes a second; only the
+payloads the buckets allow are read from the spool, and the outbox's resend lane is capped in
+bytes (excess is counted and dropped; the SDK asks again with backoff).
+
+Who asks cannot be known: an MQTT 3.1.1/5 subscriber does not learn who published what it
+reads, so the broker's ACL on `ROOT/resend` is the control. What an ask can do is bounded
+instead: it repeats a held stream on that stream's own reply topic, never where the asker
+says, except one `gone` on `model`'s or `reply_to`'s topic for a stream no longer held.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,9 +32,11 @@ from agent.delivery.spool_items import SpooledMessage
 from agent.protocol.errors import ID_PATTERN, WireError
 from agent.protocol.payload import encode_payload
 from agent.protocol.replies import gone_message
+from agent.protocol.topics import ReplyTopics
 
 MAX_SEQS = 1000  # seqs one resend request may list
 REPEAT_S = 1.0  # the same resend request again within this time is ignored
+MAX_SEQ = 2**63 - 1  # SQLite's INTEGER: a larger seq would raise OverflowError in a query
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,21 @@ class TokenBucket:
             self._tokens -= n
             return True
 
+    def take_or_owe(self, n: float) -> bool:
+        """Take `n` tokens when there are as many (or the bucket is full: a message larger
+        than the burst goes then, and the debt keeps the average rate)."""
+        with self._lock:
+            self._refill()
+            if self._tokens < min(n, self.burst):
+                return False
+            self._tokens -= n
+            return True
+
+    def give(self, n: float) -> None:
+        """Return tokens taken and not used."""
+        with self._lock:
+            self._tokens = min(self.burst, self._tokens + n)
+
     def take_up_to(self, n: int) -> int:
         """As many whole tokens as there are, at most `n` (0: none)."""
         with self._lock:
@@ -72,11 +96,12 @@ class TokenBucket:
 
 
 def _uint(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    """An unsigned integer SQLite can hold (larger ones raise OverflowError in a query)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SEQ
 
 
 def parse_resend(
-    payload: Mapping[str, Any], *, root: str, allowed_prefixes: Sequence[str]
+    payload: Mapping[str, Any], *, root: str, reply_topics: ReplyTopics
 ) -> ResendRequest:
     """Validate `{id, from_seq}` or `{id, seqs: [..]}` (plus optional `model`/`reply_to`,
     which say where `gone` goes for a stream the agent no longer holds)."""
@@ -90,20 +115,21 @@ def parse_resend(
     if (from_seq is None) == (seqs is None):
         raise WireError("bad_request", "resend needs exactly one of from_seq and seqs")
     if from_seq is not None and not _uint(from_seq):
-        raise WireError("bad_request", "from_seq must be an unsigned integer")
+        raise WireError("bad_request", "from_seq must be an unsigned integer below 2**63")
     if seqs is not None and (
         not isinstance(seqs, list | tuple)
         or not 1 <= len(seqs) <= MAX_SEQS
         or not all(_uint(s) for s in seqs)
     ):
-        raise WireError("bad_request", f"seqs must be 1 to {MAX_SEQS} unsigned integers")
+        raise WireError(
+            "bad_request", f"seqs must be 1 to {MAX_SEQS} unsigned integers below 2**63"
+        )
     topic = None
     reply_to, model = payload.get("reply_to"), payload.get("model")
-    if isinstance(reply_to, str):
-        if not any(reply_to.startswith(p) for p in allowed_prefixes) or any(
-            c in reply_to for c in "+#\0"
-        ):
-            raise WireError("bad_request", "reply_to is not an allowed topic")
+    if reply_to is not None:
+        problem = reply_topics.problem(reply_to)
+        if problem is not None:
+            raise WireError("bad_request", problem)
         topic = reply_to
     elif isinstance(model, str) and ID_PATTERN.fullmatch(model):
         topic = f"{root}/result/{model}/{request_id}"
@@ -127,6 +153,7 @@ class Resender:
         requests_per_s: float,
         messages_per_s: float,
         gone_qos: int,
+        bytes_per_s: float = 4 * 1024 * 1024,
         defer: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
         """`defer(answer)`: where the spool is read (the spool writer's thread, after
@@ -137,9 +164,11 @@ class Resender:
         self._make_properties = make_properties
         self._requests = TokenBucket(requests_per_s, max(1.0, requests_per_s))
         self._messages = TokenBucket(messages_per_s, max(1.0, messages_per_s))
+        self._bytes = TokenBucket(bytes_per_s, max(1.0, bytes_per_s))
         self._gone_qos = gone_qos
         self.answered = 0
         self.resent_messages = 0
+        self.resent_bytes = 0  # payload bytes queued for resending
         self.gone = 0
         self.limited = 0
         self.unanswerable = 0
@@ -161,22 +190,38 @@ class Resender:
         self._defer(lambda: self._answer(request))
 
     def _answer(self, request: ResendRequest) -> None:
-        held = self._spool.held(request.id, request.seqs, request.from_seq)
-        if not held:
+        index = self._spool.held_index(request.id, request.seqs, request.from_seq)
+        if not index:
             if self._spool.holds(request.id):
                 return  # held, but not those seqs (not sent yet): nothing to resend
             self._say_gone(request)
             return
-        # What the message bucket allows now, in order: the subscriber asks again for the rest.
-        # All or nothing would never answer a stream longer than the bucket's burst.
-        allowed = self._messages.take_up_to(len(held))
-        if not allowed:
+        # What the buckets allow now, in order: the subscriber asks again for the rest. All or
+        # nothing would never answer a stream longer than a bucket's burst.
+        allowed = self._messages.take_up_to(len(index))
+        chosen = self._within_bytes(index[:allowed])
+        self._messages.give(allowed - len(chosen))
+        if not chosen:
             self.limited += 1
             return
         self.answered += 1
-        for message in held[:allowed]:
-            if self._send(self._to_out(message)):
-                self.resent_messages += 1
+        loaded = self._spool.load(chosen)
+        for n, message in enumerate(loaded):
+            if not self._send(self._to_out(message)):
+                # The outbox's resend lane is full: the rest is not queued.
+                self._bytes.give(sum(len(m.payload) for m in loaded[n:]))
+                return
+            self.resent_messages += 1
+            self.resent_bytes += len(message.payload)
+
+    def _within_bytes(self, index: list[tuple[int, int]]) -> list[int]:
+        """The ids of the first messages of `index` the byte bucket allows."""
+        chosen = []
+        for row_id, size in index:
+            if not self._bytes.take_or_owe(size):
+                break
+            chosen.append(row_id)
+        return chosen
 
     def _to_out(self, message: SpooledMessage) -> OutMessage:
         properties = (

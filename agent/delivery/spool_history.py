@@ -1,8 +1,8 @@
 """The spool's history: messages the broker acknowledged, kept for a while so they can be
 published again. Two readers need them: a reconnect (a broker acknowledges before it saves,
 so after a broker crash the most recent ones are made pending again, `unack_since`), and
-application-level resend (`held`, `holds`: agent.delivery.resend). The window is bounded by
-age and bytes (`purge_acked`).
+application-level resend (`held_index`, `load`, `holds`: agent.delivery.resend). The window
+is bounded by age and bytes (`purge_acked`). `forget` deletes quarantined messages.
 
 `SpoolHistory` is a part of `Spool` (agent.delivery.spool), which owns the connection, the
 lock and the counters these methods keep up to date.
@@ -115,28 +115,74 @@ class SpoolHistory:
         """The stored messages of stream `rid` (acknowledged or not) to publish again, one per
         seq: a request that ran twice (a redelivery after it finished) holds each seq twice,
         and its subscriber needs it once."""
-        query = (
-            "SELECT id, stream, topic, payload, qos, retain, correlation, seq FROM messages "
-            "WHERE rid = ?"
-        )
-        args: list[object] = [rid]
+        return self.load([row_id for row_id, _ in self.held_index(rid, seqs, from_seq)])
+
+    def held_index(
+        self, rid: str, seqs: Sequence[int] | None, from_seq: int | None
+    ) -> list[tuple[int, int]]:
+        """`held` without the payloads: `(id, payload bytes)` of each message, in seq order,
+        so a resend loads only what its rate limits let it publish (`load`)."""
+        query = "SELECT id, seq, LENGTH(payload) FROM messages WHERE rid = ?"
         if seqs is not None:
-            query += f" AND seq IN ({','.join('?' * len(seqs))})"
-            args += list(seqs)
-        elif from_seq is not None:
-            query += " AND seq >= ?"
-            args.append(from_seq)
-        with self._lock:
-            rows = self._db.execute(query + " ORDER BY seq, id", args).fetchall()
+            rows = []
+            for start in range(0, len(seqs), 990):  # within 999 host parameters a statement
+                chunk = list(seqs[start : start + 990])
+                with self._lock:
+                    rows += self._db.execute(
+                        query + f" AND seq IN ({','.join('?' * len(chunk))})", [rid, *chunk]
+                    ).fetchall()
+            rows.sort(key=lambda r: (r[1], r[0]))
+        else:
+            args: list[object] = [rid]
+            if from_seq is not None:
+                query += " AND seq >= ?"
+                args.append(from_seq)
+            with self._lock:
+                rows = self._db.execute(query + " ORDER BY seq, id", args).fetchall()
         seen: set[int] = set()
         out = []
-        for r in rows:
-            if r[7] is not None:
-                if r[7] in seen:
+        for row_id, seq, size in rows:
+            if seq is not None:
+                if seq in seen:
                     continue  # the first run's copy of this seq was taken (ordered by seq, id)
-                seen.add(r[7])
-            out.append(SpooledMessage(r[0], r[1], r[2], bytes(r[3]), r[4], bool(r[5]), r[6]))
+                seen.add(seq)
+            out.append((row_id, size))
         return out
+
+    def load(self, ids: Sequence[int]) -> list[SpooledMessage]:
+        """The messages with these ids, in the order given (those still stored)."""
+        found: dict[int, SpooledMessage] = {}
+        for start in range(0, len(ids), 990):
+            chunk = list(ids[start : start + 990])
+            with self._lock:
+                rows = self._db.execute(
+                    "SELECT id, stream, topic, payload, qos, retain, correlation FROM messages "
+                    f"WHERE id IN ({','.join('?' * len(chunk))})",
+                    chunk,
+                ).fetchall()
+            for r in rows:
+                found[r[0]] = SpooledMessage(r[0], r[1], r[2], bytes(r[3]), r[4], bool(r[5]), r[6])
+        return [found[i] for i in ids if i in found]
+
+    def forget(self, ids: Sequence[int]) -> int:
+        """Delete these messages, pending or acknowledged (quarantined: never published
+        again, nor resent); returns how many were stored."""
+        forgotten = 0
+        with self._lock:
+            for start in range(0, len(ids), 990):
+                chunk = list(ids[start : start + 990])
+                where = f"id IN ({','.join('?' * len(chunk))})"
+                for pending, size in self._db.execute(
+                    f"SELECT acked IS NULL, {STORED_BYTES_SQL} FROM messages WHERE {where}", chunk
+                ).fetchall():
+                    if pending:
+                        self.count -= 1
+                        self.bytes -= size
+                    else:
+                        self.history_bytes -= size
+                    forgotten += 1
+                self._db.execute(f"DELETE FROM messages WHERE {where}", chunk)
+        return forgotten
 
     def holds(self, rid: str) -> bool:
         """A stream with messages held, or a stored request that has not finished yet."""

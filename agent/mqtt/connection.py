@@ -41,6 +41,7 @@ from paho.mqtt.enums import MQTTErrorCode, MQTTProtocolVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
+from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from agent.config import MqttConfig
 from agent.delivery.outbox import Outbox, OutMessage
@@ -73,7 +74,11 @@ class Transport:
         epoch: EpochStore,
         on_new_session: Callable[[float | None], None] = lambda lost_at: None,
         rng: random.Random | None = None,
+        on_publish_refused: Callable[[str, str, bool], None] | None = None,
     ) -> None:
+        """`on_publish_refused(topic, reason, first)`: a message was quarantined, never to be
+        published again (`agent.mqtt.poison`); `first`: the first on its topic for a while.
+        Called under the io lock: it may queue (never wait for) a message."""
         self._config = config
         self._outbox = outbox
         self._subscriptions = list(subscriptions)
@@ -93,6 +98,9 @@ class Transport:
         # Everything below is touched only under the io lock (other threads read counts).
         self._window = Window(config.max_inflight, outbox)
         self._pending = self._window.pending  # the same dict: read on every queued message
+        if on_publish_refused is not None:
+            self._window.quarantine.on_refused = on_publish_refused
+        self._leaving = False  # the agent itself ends the connection (not a loss to judge)
         self._inbound = Inbound(on_message, self.mqtt5)
         self.reconnects = 0
         self.lost_at: float | None = None  # wall time the last connection was lost
@@ -194,6 +202,7 @@ class Transport:
     def _connect_once(self) -> bool:
         config = self._config
         self._disconnected.clear()
+        self._leaving = False
         if self._used and not self._fresh_client():
             return False
         self._used = True
@@ -315,6 +324,7 @@ class Transport:
         if client.socket() is None:
             self.connected.clear()
             return
+        self._leaving = True  # a timeout or a stop: not the broker's doing
         with contextlib.suppress(Exception):
             client.disconnect()
             client.loop_write()
@@ -359,12 +369,24 @@ class Transport:
             )
         self.last_error = None
         if self._subscriptions:
-            client.subscribe(self._subscriptions)
+            client.subscribe(self._subscribe_options())
         try:
             self._on_connected_hook(epoch)
         except Exception:
             log.exception("mqtt: on_connected hook failed")
         self.connected.set()
+
+    def _subscribe_options(self) -> list[tuple[str, Any]]:
+        """The subscriptions, all of them requests to the agent: on MQTT 5 the broker is asked
+        never to send their retained messages (Retain Handling 2); on 3.1.1 it sends them, with
+        the retain flag set, and the ingress ignores them."""
+        if not self.mqtt5:
+            return list(self._subscriptions)
+        never = SubscribeOptions.RETAIN_DO_NOT_SEND
+        return [
+            (topic, SubscribeOptions(qos=qos, retainHandling=never))
+            for topic, qos in self._subscriptions
+        ]
 
     def _handle_disconnect(
         self,
@@ -381,6 +403,8 @@ class Transport:
             self.lost_at = time.time()
             if not self._stop.is_set():
                 self._note_error(f"connection lost: {reason}")
+                if not self._leaving:
+                    self._window.connection_lost()  # the oldest in flight may be a poison
         elif not self._stop.is_set() and self.last_error is None:
             # Closed before CONNACK: a refused TLS client certificate looks like this.
             self._note_error(f"the broker closed the connection before accepting it: {reason}")
@@ -408,8 +432,13 @@ class Transport:
 
     @property
     def publish_failures(self) -> int:
-        """Publishes refused by paho (a bad topic) or by the broker (a failure reason code)."""
+        """Publishes refused by paho or by the broker (a failure reason code)."""
         return self._window.publish_failures
+
+    @property
+    def quarantined(self) -> int:
+        """Messages never published again (`agent.mqtt.poison`)."""
+        return self._window.quarantine.count
 
     @property
     def fast_path(self) -> bool:

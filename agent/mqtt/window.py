@@ -3,7 +3,9 @@ what the broker acknowledges, settled in the outbox.
 
 At most min(`max_inflight`, the broker's Receive Maximum) QoS 1/2 publishes are
 unacknowledged at a time (the broker would otherwise disconnect us, MQTT 5), and nothing is
-published above the broker's Maximum QoS. Used by the holder of the transport's io lock only.
+published above the broker's Maximum QoS. A message the broker would refuse, or has refused
+for good, or that was in flight at three lost connections in a row, is quarantined
+(`agent.mqtt.poison`). Used by the holder of the transport's io lock only.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 
 from agent.delivery.outbox import Outbox, OutMessage
 from agent.mqtt.paho_plain import Client
+from agent.mqtt.poison import Quarantine
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +35,15 @@ class Window:
         self._outbox = outbox
         self.limit = max_inflight  # after the broker's Receive Maximum
         self.max_qos = 2
-        # mid -> (publish time, spool id): QoS 1/2 awaiting the broker's acknowledgement.
+        # mid -> (publish time, message): QoS 1/2 awaiting the broker's acknowledgement.
         # Cleared in place (never replaced): the transport holds it too.
-        self.pending: dict[int, tuple[float, int | None]] = {}
+        self.pending: dict[int, tuple[float, OutMessage]] = {}
         self.acked = 0
         self.publish_failures = 0
         self._qos_warned = False
         self._ack_listeners: list[Callable[[float], None]] = []
+        self.quarantine = Quarantine(outbox.forget)
+        self._good_topics = self.quarantine.good  # the same set: one lookup per message
 
     def add_ack_listener(self, listener: Callable[[float], None]) -> None:
         """Called with the acknowledgement latency (seconds) of every QoS 1/2 publish."""
@@ -77,6 +82,8 @@ class Window:
 
     def _publish(self, client: Client, message: OutMessage) -> bool:
         """False when the connection is gone (the message goes back to the outbox)."""
+        if message.topic not in self._good_topics and self.quarantine.refuses(message):
+            return True  # never published: a topic the broker would refuse
         qos = message.qos
         if qos > self.max_qos:
             if not self._qos_warned:
@@ -91,10 +98,8 @@ class Window:
                 message.topic, message.payload, qos, message.retain, message.properties
             )
         except (ValueError, TypeError) as e:
-            log.error("mqtt: cannot publish to %s: %s", message.topic[:200], e)
             self.publish_failures += 1
-            if message.spool_id is not None:
-                self._outbox.acknowledged(message.spool_id)  # forgotten: it can never go out
+            self.quarantine.quarantine(message, f"paho refuses it: {e}")  # it can never go out
             return True
         if rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
             return False  # no connection (or no free message id): published again later
@@ -103,7 +108,7 @@ class Window:
                 self._outbox.acknowledged(message.spool_id)  # downgraded to QoS 0: sent is all
         else:
             # Acknowledgements are read by this thread only after this returns: no race.
-            self.pending[mid] = (sent, message.spool_id)
+            self.pending[mid] = (sent, message)
         return True
 
     def acknowledged(self, mid: int, reason: ReasonCode) -> None:
@@ -111,16 +116,24 @@ class Window:
         pending = self.pending.pop(mid, None)
         if pending is None:
             return  # not ours, or not on this connection: nothing to settle
-        sent, spool_id = pending
-        if spool_id is not None:
-            # Refused publishes are forgotten too: resending what the broker refuses (not
-            # authorized, quota) would only loop; they are counted and logged.
-            self._outbox.acknowledged(spool_id)
+        sent, message = pending
         if reason.is_failure:
+            # A permanent refusal is quarantined (resending it would only loop); a transient
+            # one (quota) stays pending in the spool, published again after a reconnect.
             self.publish_failures += 1
-            log.warning("mqtt: broker refused a publish: %s", reason)
+            self.quarantine.refused(message, int(reason.value), str(reason))
             return
+        spool_id = message.spool_id
+        if spool_id is not None:
+            self._outbox.acknowledged(spool_id)
+            if spool_id == self.quarantine.suspect:
+                self.quarantine.cleared()
         self.acked += 1
         latency = time.monotonic() - sent
         for listener in self._ack_listeners:
             listener(latency)
+
+    def connection_lost(self) -> None:
+        """The broker or the network ended the connection: what was in flight tells the
+        quarantine its suspect (`Quarantine.connection_lost`)."""
+        self.quarantine.connection_lost(message for _, message in self.pending.values())

@@ -1,0 +1,198 @@
+"""A message the broker refuses, or that kills the connection, is quarantined, never retried
+forever: one poison in the spool must not keep a box offline."""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.reasoncodes import ReasonCode
+
+from agent.client import AgentClient
+from agent.delivery.outbox import Outbox, OutMessage
+from agent.delivery.spool import Spool
+from agent.demo.broker import EmbeddedBroker
+from agent.mqtt import poison
+from agent.mqtt.window import Window
+from agent.service.agent import Agent
+from tests.conftest import agent_config
+
+POISON = "edge/x\x01y"  # Mosquitto drops the connection: a malformed packet
+
+
+@pytest.fixture
+def agents() -> Iterator[list[Agent]]:
+    made: list[Agent] = []
+    yield made
+    for agent in made:
+        agent.stop()
+
+
+def _spool_with(path: Path, messages: list[tuple[str, bytes]]) -> list[int]:
+    """QoS 1 messages written straight into the spool an agent will open (as an old agent,
+    or an older version without topic checks, would have left them)."""
+    spool = Spool(path, max_bytes=1 << 26, max_messages=100_000)
+    try:
+        return [
+            spool.add(f"old/{n}", topic, payload, 1, False, None)[0]
+            for n, (topic, payload) in enumerate(messages)
+        ]
+    finally:
+        spool.close()
+
+
+def _events(broker: EmbeddedBroker, device: str) -> tuple[AgentClient, queue.Queue[dict[str, Any]]]:
+    """A client listening on the device's events before the agent starts."""
+    client = AgentClient(broker.host, broker.port, device_id=device).connect()
+    got: queue.Queue[dict[str, Any]] = queue.Queue()
+    client.listen(f"edge/{device}/events", lambda t, m, raw: got.put(m or {}))
+    return client, got
+
+
+def _wait_event(events: queue.Queue[dict[str, Any]], kind: str, timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            event = events.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        if event.get("type") == kind:
+            return event
+    raise AssertionError(f"no {kind} event within {timeout} s")
+
+
+def _answered(client: AgentClient) -> int:
+    reply = client.request(
+        "decoder", {"token": np.array([[1]], dtype=np.int64)}, params={"max_steps": 3}, timeout=10
+    )
+    return len(list(reply))
+
+
+def test_a_poison_topic_in_the_spool_is_quarantined_and_the_box_stays_online(
+    broker, repository, tmp_path, paho_kind, agents
+):
+    config = agent_config(tmp_path, broker, repository)
+    assert config.spool.path is not None
+    good_topic = f"{config.root_topic}/result/decoder/old-good"
+    poison_id, good_id = _spool_with(config.spool.path, [(POISON, b"poison"), (good_topic, b"ok")])
+    client, events = _events(broker, config.device_id)
+    good: queue.Queue[bytes] = queue.Queue()
+    client.listen(good_topic, lambda t, m, raw: good.put(raw))
+    try:
+        agent = Agent(config)
+        agents.append(agent)
+        agent.start()
+        assert agent.wait_ready(10)
+        assert agent.transport.fast_path is (paho_kind == "fast")
+        event = _wait_event(events, "publish_refused", 10)
+        assert event["topic"] == POISON and "control character" in event["reason"]
+        assert good.get(timeout=10) == b"ok"  # what comes after the poison still goes out
+        deadline = time.monotonic() + 3  # a few seconds of serving: never a reconnect
+        while time.monotonic() < deadline:
+            assert _answered(client) == 3
+            time.sleep(0.2)
+        assert agent.transport.reconnects == 0
+        assert agent.counters["messages_quarantined"] == 1
+        assert agent.transport.quarantined == 1
+        assert agent.outbox.flush_acks()
+        assert agent.spool is not None
+        assert agent.spool.load([poison_id, good_id]) == agent.spool.load([good_id])
+        assert not agent.spool.load([poison_id])  # gone: not after a restart, nor as a resend
+    finally:
+        client.close()
+
+
+def test_an_unknown_poison_is_quarantined_after_three_lost_connections(
+    broker, repository, tmp_path, paho_kind, agents, monkeypatch
+):
+    """A message that drops the connection though no check knows it (here: the topic check
+    switched off) is the suspect once it was in flight at three losses in a row."""
+    monkeypatch.setattr(poison, "topic_problem", lambda topic: None)
+    config = agent_config(
+        tmp_path, broker, repository, MQTT__RECONNECT_MIN_S="0.05", MQTT__RECONNECT_MAX_S="0.2"
+    )
+    assert config.spool.path is not None
+    (poison_id,) = _spool_with(config.spool.path, [(POISON, b"poison")])
+    client, events = _events(broker, config.device_id)
+    try:
+        agent = Agent(config)
+        agents.append(agent)
+        agent.start()
+        event = _wait_event(events, "publish_refused", 20)
+        assert event["topic"] == POISON and "lost connections" in event["reason"]
+        assert agent.wait_ready(10)
+        reconnects = agent.transport.reconnects
+        assert reconnects == poison.SUSPECT_DROPS
+        assert _answered(client) == 3
+        time.sleep(1.0)
+        assert agent.transport.reconnects == reconnects  # the loop is over
+        assert agent.counters["messages_quarantined"] == 1
+        assert agent.outbox.flush_acks()
+        assert agent.spool is not None and not agent.spool.load([poison_id])
+    finally:
+        client.close()
+
+
+def _window_with(message: OutMessage) -> tuple[Window, Outbox, list[tuple[str, str, bool]]]:
+    outbox = Outbox(100)
+    window = Window(10, outbox)
+    refused: list[tuple[str, str, bool]] = []
+    window.quarantine.on_refused = lambda topic, reason, first: refused.append(
+        (topic, reason, first)
+    )
+    window.pending[7] = (time.monotonic(), message)
+    return window, outbox, refused
+
+
+def test_a_permanent_refusal_is_quarantined_and_a_transient_one_is_kept(tmp_path):
+    message = OutMessage("edge/d/result/m/r", b"x", 1, stream="m/r")
+    window, _, refused = _window_with(message)
+    window.acknowledged(7, ReasonCode(PacketTypes.PUBACK, identifier=0x90))  # topic name invalid
+    assert window.quarantine.count == 1 and window.publish_failures == 1
+    assert refused and refused[0][0] == "edge/d/result/m/r" and "0x90" in refused[0][1]
+
+    window, _, refused = _window_with(message)
+    window.acknowledged(7, ReasonCode(PacketTypes.PUBACK, identifier=0x97))  # quota exceeded
+    assert window.quarantine.count == 0 and window.publish_failures == 1 and not refused
+    assert window.acked == 0  # not acknowledged: it stays pending, published after a reconnect
+
+
+def test_a_quarantined_spooled_message_leaves_the_spool(tmp_path):
+    spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 24, max_messages=1000)
+    outbox = Outbox(100, spool=spool)
+    outbox.start()
+    try:
+        window = Window(10, outbox)
+        bad = OutMessage(POISON, b"p", 1, stream="s/1")
+        outbox.put(bad)
+        outbox.put(OutMessage("edge/ok", b"g", 1, stream="s/2"))
+        taken = outbox.take(10)
+        assert window.quarantine.refuses(taken[0]) and not window.quarantine.refuses(taken[1])
+        assert outbox.flush_acks()
+        assert spool.count == 1 and not spool.load([bad.spool_id or 0])
+    finally:
+        outbox.close()
+        spool.close()
+
+
+def test_the_suspect_is_cleared_by_its_acknowledgement_or_by_a_loss_without_it():
+    quarantine = poison.Quarantine(lambda spool_id: None)
+    first = OutMessage("a/b", b"", 1, spool_id=5)
+    later = OutMessage("a/b", b"", 1, spool_id=6)
+    quarantine.connection_lost([later, first])
+    quarantine.connection_lost([first])
+    assert quarantine.suspect == 5
+    quarantine.cleared()  # acknowledged on the next connection
+    quarantine.connection_lost([first])
+    quarantine.connection_lost([])  # a loss with nothing in flight: not in a row
+    quarantine.connection_lost([first])
+    quarantine.connection_lost([first])
+    assert quarantine.count == 0
+    quarantine.connection_lost([first])
+    assert quarantine.count == 1 and quarantine.suspect is None
