@@ -415,3 +415,16 @@ def test_gpu_check_without_tensorrt_says_skipped_and_exits_0() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "tensorrt not importable: skipped" in done.stdout
+
+
+def test_external_data_outside_the_version_folder_is_not_built(
+    fake_gpu: FakeGPU, tmp_path: Path
+) -> None:
+    """The engine builder hands TensorRT's parser only files whose external data stays in
+    the model's folder (the parser would read whatever `location` names)."""
+    from tests.test_external_data import add_model, write_version
+
+    (tmp_path / "secret.bin").write_bytes(b"\0" * 16)
+    model = write_version(tmp_path / "in" / "add" / "1", add_model("../../../secret.bin"))
+    with pytest.raises(EngineBuildError, match="leaves the version folder"):
+        build_engine(model, tmp_path / "out", options(tmp_path))

@@ -16,7 +16,8 @@ member's `last`. The modes:
 A group of one request is run on its inputs as given (no join, no split: its model need not
 have a batch axis); a group of several is joined along the leading axis (`batching`) and
 every member gets its own rows of every output. Cancellation is checked before every run:
-a cancelled member leaves the run and is noted in `failed`.
+a cancelled member leaves the run and is noted in `failed`; so does a member its driver put
+in `failed` itself (its reply passed its budget).
 
 A new mode is one more strategy function in `STRATEGIES`: it gets the run, calls
 `run.model(inputs)` and yields lists of pieces.
@@ -84,9 +85,13 @@ class Run:
         return outputs
 
     def live(self, positions: Sequence[int]) -> list[int]:
-        """`positions` less the members cancelled meanwhile (noted in `failed`)."""
+        """`positions` less the members that left: cancelled meanwhile (then noted in
+        `failed`), or put in `failed` by the driver."""
         kept = []
+        failed = self.failed
         for position in positions:
+            if position in failed:
+                continue
             if self.members[position].cancelled.is_set():
                 self.failed[position] = Cancelled()
             else:

@@ -13,7 +13,8 @@ of the model it hands out the run's pieces with one emit rule:
 The requests a run finished are counted before their replies can reach anyone, then the
 run's messages go to the outbox together (`ReplySender.send`). A model failure answers
 every unfinished member with `model_error`; a member cancelled at shutdown gets
-`shutting_down`.
+`shutting_down`; a member whose next chunk (or result) would pass its reply budget
+(`limits.max_reply_bytes`) gets `too_large` after what it was sent, and leaves the run alone.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from typing import Any
 
 from agent.delivery.outbox import OutboxClosed
 from agent.inference import batching, modes
-from agent.inference.job import Job
+from agent.inference.job import Cancelled, Job
 from agent.inference.modes import Arrays, Member, Piece, Run
-from agent.inference.reply_stream import ReplySender
+from agent.inference.reply_stream import ReplySender, ReplyTooLarge
 from agent.inference.short_runs import ShortRuns
 from agent.models.backends.base import InferenceError, TensorSpec
 from agent.models.manager import LoadedVersion, ModelManager
@@ -150,7 +151,7 @@ class Runner:
         failure: tuple[str, str] | None = None
         try:
             for pieces in run.pieces():
-                ended = [p.member for p in pieces if self._emit(p, jobs, run, collected)]
+                ended = self._emit_all(pieces, jobs, run, collected)
                 finished.update(ended)
                 self._publish(loaded, jobs, [jobs[i] for i in ended], run.infer_s)
             left = [i for i in range(len(jobs)) if i not in finished and i not in run.failed]
@@ -169,10 +170,31 @@ class Runner:
             failure = ("model_error", f"{type(e).__name__}: {e}")
         for index, (job, _) in enumerate(jobs):
             if index in run.failed:
-                self._fail(job, "shutting_down", STOPPED_MESSAGE)
+                if isinstance(run.failed[index], Cancelled):  # else answered when it left
+                    self._fail(job, "shutting_down", STOPPED_MESSAGE)
             elif index not in finished and failure is not None:
                 self._fail(job, *failure)
         self._send_quietly([job for job, _ in jobs])  # after what the run made before failing
+
+    def _emit_all(
+        self,
+        pieces: list[Piece],
+        jobs: list[tuple[Job, float]],
+        run: Run,
+        collected: dict[int, list[tuple[int, Arrays]]],
+    ) -> list[int]:
+        """The emit rule for one run's pieces; the members they finished. A member past its
+        reply budget is answered `too_large` and leaves the run (noted in `run.failed`)."""
+        ended = []
+        for piece in pieces:
+            try:
+                if self._emit(piece, jobs, run, collected):
+                    ended.append(piece.member)
+            except ReplyTooLarge as e:
+                self._fail(jobs[piece.member][0], e.code, e.message)
+                run.failed[piece.member] = e
+                collected.pop(piece.member, None)
+        return ended
 
     def _emit(
         self,
@@ -193,6 +215,7 @@ class Runner:
         elif run.config.mode == "whole":
             reply.result(piece.outputs, _timing(job, queued, run.infer_s))
         else:
+            reply.hold(piece.outputs)
             collected.setdefault(piece.member, []).append((piece.index, piece.outputs))
             if piece.last:
                 self._finish(jobs[piece.member], run, collected.pop(piece.member))

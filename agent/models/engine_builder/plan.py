@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.models.backends import cuda
+from agent.models.backends.onnxruntime import external_data_problem
 from agent.models.backends.tensorrt import process_logger, tensorrt_version
 from agent.models.engine_builder.options import BuildOptions, EngineBuildError, Shape, ShapeRange
 from agent.models.engine_builder.progress import Progress, progress_monitor
@@ -148,6 +149,9 @@ def _build_plan(
     network = builder.create_network(flags)
     parser = trt.OnnxParser(network, logger)
     progress.phase(f"parsing {onnx_path}")
+    outside = external_data_problem(onnx_path, refuse_unreadable=False)  # the parser reads it
+    if outside is not None:
+        raise EngineBuildError(f"{onnx_path.name}: {outside}")
     if not parser.parse_from_file(str(onnx_path)):
         problems = [str(parser.get_error(i)) for i in range(int(parser.num_errors))]
         raise EngineBuildError(
