@@ -16,6 +16,7 @@ from agent.client import AgentClient
 from agent.config import AgentConfig, load_config
 from agent.demo import models as demo_models
 from agent.demo.broker import EmbeddedBroker
+from agent.mqtt.paho_fast import PLAIN_ENV
 from agent.service.agent import Agent
 
 OUR_THREADS = (
@@ -118,20 +119,40 @@ def agent_config(
 
 
 @pytest.fixture
-def make_agent(tmp_path: Path) -> Iterator[Callable[..., Agent]]:
-    """Start agents with `make_agent(broker, repository, toml=..., **env)`; stopped after."""
+def start_agent() -> Iterator[Callable[[AgentConfig], Agent]]:
+    """Start agents on configs made beforehand (so state can be prepared); stopped after."""
     agents: list[Agent] = []
 
-    def make(broker: EmbeddedBroker, repository: Path, toml: str = "", **env: Any) -> Agent:
-        agent = Agent(agent_config(tmp_path, broker, repository, toml, **env))
+    def start(config: AgentConfig) -> Agent:
+        agent = Agent(config)
         agents.append(agent)
         agent.start()
         assert agent.wait_ready(10), "agent did not connect"
         return agent
 
-    yield make
+    yield start
     for agent in agents:
         agent.stop()
+
+
+@pytest.fixture
+def make_agent(tmp_path: Path, start_agent: Callable[[AgentConfig], Agent]) -> Callable[..., Agent]:
+    """Start agents with `make_agent(broker, repository, toml=..., **env)`; stopped after."""
+
+    def make(broker: EmbeddedBroker, repository: Path, toml: str = "", **env: Any) -> Agent:
+        return start_agent(agent_config(tmp_path, broker, repository, toml, **env))
+
+    return make
+
+
+@pytest.fixture(params=["fast", "plain"])
+def paho_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with the fast paho client and with paho's own (the fallback)."""
+    if request.param == "plain":
+        monkeypatch.setenv(PLAIN_ENV, "plain")
+    else:
+        monkeypatch.delenv(PLAIN_ENV, raising=False)
+    return str(request.param)
 
 
 @pytest.fixture

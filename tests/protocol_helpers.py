@@ -13,9 +13,10 @@ from cbor2 import CBORTag
 from agent.protocol.errors import Limits, WireError
 from agent.protocol.payload import decode_payload
 from agent.protocol.requests import Request, parse_request
+from agent.protocol.topics import ReplyTopics
 
 LIMITS = Limits()
-PREFIXES = ("edge/",)
+PREFIXES = ReplyTopics(("edge/",))
 
 
 def tensor(shape: list[int], tag: int, data: bytes) -> CBORTag:
@@ -33,7 +34,7 @@ def request(**fields: Any) -> dict[str, Any]:
 
 def parse(body: Any, limits: Limits = LIMITS) -> Request:
     payload = decode_payload(cbor2.dumps(body), limits)
-    return parse_request(payload, "decoder", limits, allowed_reply_prefixes=PREFIXES)
+    return parse_request(payload, "decoder", limits, reply_topics=PREFIXES)
 
 
 def refused(body: Any, code: str = "bad_request") -> WireError:

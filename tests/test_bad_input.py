@@ -59,8 +59,10 @@ def malformed_payloads(rng: random.Random) -> list[tuple[bytes, str | None]]:
     for _ in range(30):  # bad ids
         bad = rng.choice(["", "x" * 65, "has space", "new\nline", 17, None, "slash/id", "plus+"])
         add({"id": bad, "inputs": {"token": good_token}}, None)
-    for i in range(30):  # reply_to outside the allowed prefixes, or with wildcards
-        target = rng.choice(["other/topic", "edge/#", "edge/+/x", "/abs", ""])
+    for i in range(30):  # reply_to outside the allowed prefixes, with wildcards or controls
+        target = rng.choice(
+            ["other/topic", "edge/#", "edge/+/x", "/abs", "", "edge/x\x01y", "edge/../x"]
+        )
         add({"id": f"reply-{i}", "inputs": {"token": good_token}, "reply_to": target}, f"reply-{i}")
     for i in range(30):  # bad priority
         add(

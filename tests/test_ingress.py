@@ -38,7 +38,7 @@ def reader(tmp_path: Path, models: ModelManager) -> RequestReader:
         "EDGE_AGENT__DEVICE_ID": "box-1",
         "EDGE_AGENT__MQTT__TOPIC_PREFIX": "edge",
         "EDGE_AGENT__STATE_DIR": str(tmp_path / "state"),
-        "EDGE_AGENT__MQTT__PROTOCOL": "\"5\"",
+        "EDGE_AGENT__MQTT__PROTOCOL": '"5"',
     }
     return RequestReader(load_config(None, environ), models)
 

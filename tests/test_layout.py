@@ -14,10 +14,10 @@ MAX_LINES = 500
 # What each part of the agent may import of the agent (besides itself). `agent` alone is the
 # package's `__init__` (its version).
 MAY_IMPORT: dict[str, set[str]] = {
-    "agent.config": set(),
+    "agent.config": {"agent.protocol"},
     "agent.protocol": {"agent.models.backends.base"},
     "agent.delivery": {"agent.protocol", "agent.config"},
-    "agent.mqtt": {"agent.config", "agent.delivery"},
+    "agent.mqtt": {"agent.config", "agent.delivery", "agent.protocol"},
     "agent.models": {"agent.protocol", "agent.config"},
     "agent.ops": {"agent.config", "agent.protocol"},
     "agent.inference": {

@@ -23,7 +23,6 @@ from agent.mqtt.connection import Transport
 from agent.mqtt.epoch import EpochStore
 from agent.mqtt.inbound import Inbound
 from agent.mqtt.messages import Incoming
-from agent.mqtt.paho_fast import PLAIN_ENV
 from agent.mqtt.reconnect import backoff_delays
 
 BROKER_INFLIGHT = 10
@@ -81,15 +80,6 @@ def broker() -> Iterator[EmbeddedBroker]:
     """A Mosquitto that sends a client at most 10 QoS 1/2 messages it has not acknowledged."""
     with EmbeddedBroker(extra_config=[f"max_inflight_messages {BROKER_INFLIGHT}"]) as b:
         yield b
-
-
-@pytest.fixture(params=["fast", "plain"])
-def paho_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "plain":
-        monkeypatch.setenv(PLAIN_ENV, "plain")
-    else:
-        monkeypatch.delenv(PLAIN_ENV, raising=False)
-    return str(request.param)
 
 
 @pytest.fixture
@@ -233,7 +223,7 @@ def test_acknowledgements_go_at_once_or_when_deferred_on_their_connection_only()
     inbound.client = client  # type: ignore[assignment]
     inbound.connection = 1
     for mid, qos in ((1, 1), (2, 2), (3, 1), (4, 2), (5, 1), (6, 0)):
-        inbound.deliver("t", b"", qos, mid, False, None)
+        inbound.deliver("t", b"", qos, mid, False, None, False)
     assert client.sent == [("ack", 1, 1), ("ack", 2, 2)]
     acks[4]()
     acks[3]()

@@ -50,21 +50,21 @@ def _received(
     protocol: MQTTProtocolVersion = MQTTProtocolVersion.MQTTv5,
 ) -> object:
     """What a client of `kind` (paho's, or the agent's) hands on after reading the packet from
-    its socket (on_message, or the agent's `deliver`) and acknowledges. The retain flag is
-    not compared: requests ignore it."""
+    its socket (on_message, or the agent's `deliver`) and acknowledges, the retain flag
+    included (the agent ignores a retained request)."""
     client = kind(
         CallbackAPIVersion.VERSION2, client_id="t", protocol=protocol, manual_ack=manual_ack
     )
     seen: list[tuple[object, ...]] = []
     acks: list[int] = []
     client.on_message = lambda c, u, m: seen.append(
-        (m.topic, bytes(m.payload), m.qos, m.dup, m.mid,
+        (m.topic, bytes(m.payload), m.qos, m.dup, m.retain, m.mid,
          getattr(getattr(m, "properties", None), "ResponseTopic", None),
          getattr(getattr(m, "properties", None), "CorrelationData", None))
     )  # fmt: skip
     if isinstance(client, FastClient):
-        client.deliver = lambda topic, payload, qos, mid, dup, props: seen.append(
-            (topic, payload, qos, dup, mid,
+        client.deliver = lambda topic, payload, qos, mid, dup, props, retain: seen.append(
+            (topic, payload, qos, dup, retain, mid,
              getattr(props, "ResponseTopic", None), getattr(props, "CorrelationData", None))
         )  # fmt: skip
     client._send_puback = lambda mid: acks.append(mid) or MQTTErrorCode.MQTT_ERR_SUCCESS  # type: ignore[method-assign]
@@ -208,7 +208,7 @@ def test_one_loop_read_handles_every_packet_the_socket_held():
     acked: list[int] = []
     got: list[str] = []
     client.acknowledged = lambda mid, reason: acked.append(mid)
-    client.deliver = lambda topic, payload, qos, mid, dup, props: got.append(topic)
+    client.deliver = lambda topic, payload, qos, mid, dup, props, retain: got.append(topic)
     mids = [client.publish_fast("t", b"x", 1, False, None)[1] for _ in range(3)]
     body = _publish_body(b"a/b", 0, b"", None)
     publish = bytes([0x30, len(body)]) + body
@@ -245,7 +245,9 @@ def test_packets_are_framed_across_reads_split_anywhere():
     got: list[tuple[str, int]] = []
     acked: list[int] = []
     subacked: list[int] = []
-    client.deliver = lambda topic, payload, qos, mid, dup, props: got.append((topic, len(payload)))
+    client.deliver = lambda topic, payload, qos, mid, dup, props, retain: got.append(
+        (topic, len(payload))
+    )
     client.acknowledged = lambda mid, reason: acked.append(mid)
     client.on_subscribe = lambda c, u, mid, codes, props: subacked.append(mid)
     client._send_puback = lambda mid: MQTTErrorCode.MQTT_ERR_SUCCESS  # type: ignore[method-assign]
@@ -273,7 +275,7 @@ def test_a_packet_larger_than_a_read_arrives_whole():
     """A 3 MB request behind a small one, read 64 KiB at a time as the socket gives it."""
     client = _queued_client(MQTTProtocolVersion.MQTTv5)
     got: list[bytes] = []
-    client.deliver = lambda topic, payload, qos, mid, dup, props: got.append(payload)
+    client.deliver = lambda topic, payload, qos, mid, dup, props, retain: got.append(payload)
     small = _packet(0x30, _publish_body(b"a", 0, b"s", None))
     big_payload = bytes(range(256)) * (3 * 4096)
     stream = small + _packet(0x30, _publish_body(b"a", 0, big_payload, None)) + small

@@ -386,7 +386,7 @@ def test_fuzz_only_wire_errors() -> None:
             data = _mutate(rng, rng.choice(seeds))
         try:
             payload = decode_payload(data, LIMITS)
-            req = parse_request(payload, "m", LIMITS, allowed_reply_prefixes=PREFIXES)
+            req = parse_request(payload, "m", LIMITS, reply_topics=PREFIXES)
             for arr in req.inputs.values():
                 assert arr.nbytes <= LIMITS.max_tensor_bytes
             outcomes["ok"] += 1

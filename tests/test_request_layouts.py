@@ -17,9 +17,10 @@ from agent.protocol.layouts import BACKOFF_AFTER, BACKOFF_EVERY, MAX_LAYOUTS, Re
 from agent.protocol.payload import ZSTD_MAGIC, decode_payload
 from agent.protocol.requests import Request, parse_request
 from agent.protocol.tensors import encode_tensor
+from agent.protocol.topics import ReplyTopics
 
 LIMITS = Limits()
-PREFIXES = ["edge/"]
+PREFIXES = ReplyTopics(("edge/",))
 
 
 def _tensor(arr: np.ndarray, tag: int | None = None) -> cbor2.CBORTag:
@@ -29,15 +30,13 @@ def _tensor(arr: np.ndarray, tag: int | None = None) -> cbor2.CBORTag:
 
 
 def _full(payload: bytes, model: str = "m") -> Request:
-    return parse_request(
-        decode_payload(payload, LIMITS), model, LIMITS, allowed_reply_prefixes=PREFIXES
-    )
+    return parse_request(decode_payload(payload, LIMITS), model, LIMITS, reply_topics=PREFIXES)
 
 
 def _learned(payload: bytes, model: str = "m") -> RequestLayouts:
     layouts = RequestLayouts()
     decoded = decode_payload(payload, LIMITS)
-    request = parse_request(decoded, model, LIMITS, allowed_reply_prefixes=PREFIXES)
+    request = parse_request(decoded, model, LIMITS, reply_topics=PREFIXES)
     layouts.learn(payload, decoded, request, LIMITS, PREFIXES)
     return layouts
 
@@ -160,7 +159,7 @@ def test_another_size_model_limits_or_prefixes_go_the_full_way() -> None:
     assert layouts.parse(cbor2.dumps(body("req-02", g)), "m", LIMITS, PREFIXES) is None
     assert layouts.parse(repeat, "other-model", LIMITS, PREFIXES) is None
     assert layouts.parse(repeat, "m", Limits(), PREFIXES) is None  # reloaded limits
-    assert layouts.parse(repeat, "m", LIMITS, ["other/"]) is None
+    assert layouts.parse(repeat, "m", LIMITS, ReplyTopics(("other/",))) is None
     assert layouts.parse(bytearray(repeat), "m", LIMITS, PREFIXES) is None  # type: ignore[arg-type]
 
 
@@ -172,7 +171,7 @@ def test_each_size_of_a_model_has_its_own_layout() -> None:
         body = {"id": "req-000000001", "inputs": {"x": _tensor(g.random((rows, 8), np.float32))}}
         payload = cbor2.dumps(body)
         decoded = decode_payload(payload, LIMITS)
-        request = parse_request(decoded, "m", LIMITS, allowed_reply_prefixes=PREFIXES)
+        request = parse_request(decoded, "m", LIMITS, reply_topics=PREFIXES)
         layouts.learn(payload, decoded, request, LIMITS, PREFIXES)
     for rows in (1, 4):
         body = {"id": "req-000000002", "inputs": {"x": _tensor(g.random((rows, 8), np.float32))}}
@@ -203,7 +202,7 @@ def test_a_failed_learn_forgets_the_old_layout_of_that_size() -> None:
     body = {"id": "req-1", "inputs": {"a": _tensor(same)}, "params": {"e": "req-1"}}
     payload = cbor2.dumps({"id": "req-1", "inputs": {"a": _tensor(same)}})
     decoded = decode_payload(cbor2.dumps(body), LIMITS)
-    request = parse_request(decoded, "m", LIMITS, allowed_reply_prefixes=PREFIXES)
+    request = parse_request(decoded, "m", LIMITS, reply_topics=PREFIXES)
     layouts.learn(cbor2.dumps(body), decoded, request, LIMITS, PREFIXES)
     assert len(layouts) == 1  # another size: the first layout stays
     assert layouts.parse(payload, "m", LIMITS, PREFIXES) is not None
@@ -217,7 +216,7 @@ def test_compressed_and_large_payloads_are_not_learned() -> None:
     packed = ZSTD_MAGIC + b"\0" * 8
     layouts = RequestLayouts()
     decoded = decode_payload(small, LIMITS)
-    request = parse_request(decoded, "m", LIMITS, allowed_reply_prefixes=PREFIXES)
+    request = parse_request(decoded, "m", LIMITS, reply_topics=PREFIXES)
     layouts.learn(packed, decoded, request, LIMITS, PREFIXES)
     assert len(layouts) == 0
 
@@ -227,7 +226,7 @@ def test_layouts_are_bounded() -> None:
     for n in range(MAX_LAYOUTS + 20):
         payload = cbor2.dumps({"id": "req-1", "inputs": {"x": _tensor(np.full((1, 4), n, "<f4"))}})
         decoded = decode_payload(payload, LIMITS)
-        request = parse_request(decoded, f"m{n}", LIMITS, allowed_reply_prefixes=PREFIXES)
+        request = parse_request(decoded, f"m{n}", LIMITS, reply_topics=PREFIXES)
         layouts.learn(payload, decoded, request, LIMITS, PREFIXES)
     assert len(layouts) == MAX_LAYOUTS
 
@@ -245,7 +244,7 @@ def test_learning_backs_off_where_learned_layouts_never_match() -> None:
         assert layouts.parse(payload, "m", LIMITS, PREFIXES) is None
         before = layouts._layouts.get(("m", len(payload)))
         decoded = decode_payload(payload, LIMITS)
-        request = parse_request(decoded, "m", LIMITS, allowed_reply_prefixes=PREFIXES)
+        request = parse_request(decoded, "m", LIMITS, reply_topics=PREFIXES)
         layouts.learn(payload, decoded, request, LIMITS, PREFIXES)
         learned.append(layouts._layouts.get(("m", len(payload))) is not before)
     assert sum(learned) == BACKOFF_AFTER + 2
@@ -255,7 +254,7 @@ def test_learning_backs_off_where_learned_layouts_never_match() -> None:
     payload = cbor2.dumps(body)
     again = {**body, "id": "req-2", "inputs": {"x": _tensor(g.random((1, 4), np.float32))}}
     decoded = decode_payload(payload, LIMITS)
-    request = parse_request(decoded, "m", LIMITS, allowed_reply_prefixes=PREFIXES)
+    request = parse_request(decoded, "m", LIMITS, reply_topics=PREFIXES)
     for _ in range(BACKOFF_EVERY):  # until the back-off lets one through
         layouts.learn(payload, decoded, request, LIMITS, PREFIXES)
         if layouts.parse(cbor2.dumps(again), "m", LIMITS, PREFIXES) is not None:
@@ -274,7 +273,7 @@ def test_an_mqtt5_response_topic_must_be_the_learned_one() -> None:
 
     def full(payload: bytes, response_topic: str) -> tuple[dict[str, Any], Request]:
         decoded = {**decode_payload(payload, LIMITS), "reply_to": response_topic}
-        return decoded, parse_request(decoded, "m", LIMITS, allowed_reply_prefixes=PREFIXES)
+        return decoded, parse_request(decoded, "m", LIMITS, reply_topics=PREFIXES)
 
     layouts = RequestLayouts()
     first = cbor2.dumps(body("req-000000001", g))

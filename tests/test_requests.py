@@ -12,6 +12,7 @@ from agent.models.backends.base import TensorSpec
 from agent.protocol.errors import ID_PATTERN, WireError
 from agent.protocol.payload import decode_payload
 from agent.protocol.requests import parse_request, read_request_id, validate_inputs
+from agent.protocol.topics import ReplyTopics
 from tests.protocol_helpers import GOOD_TOKEN, LIMITS, parse, refused, request, tensor
 
 # ----------------------------------------------------------------------------- requests
@@ -89,10 +90,10 @@ def test_bad_reply_to(reply_to: Any) -> None:
 
 def test_reply_to_prefixes() -> None:
     payload = decode_payload(cbor2.dumps(request(reply_to="apps/x/replies")), LIMITS)
-    req = parse_request(payload, "m", LIMITS, allowed_reply_prefixes=["edge/", "apps/x/"])
+    req = parse_request(payload, "m", LIMITS, reply_topics=ReplyTopics(("edge/", "apps/x/")))
     assert req.reply_to == "apps/x/replies"
     with pytest.raises(WireError):
-        parse_request(payload, "m", LIMITS, allowed_reply_prefixes=[])
+        parse_request(payload, "m", LIMITS, reply_topics=ReplyTopics(()))
 
 
 def test_unknown_key_is_named() -> None:

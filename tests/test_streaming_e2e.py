@@ -211,7 +211,9 @@ def test_pinned_version_and_max_steps(broker, repository, make_agent, make_clien
 
 
 def test_reply_to_and_mqtt5_correlation(broker, repository, make_agent, make_client):
-    agent = make_agent(broker, repository)
+    # Reply topics outside the device's own result tree are an explicit choice.
+    toml = '[mqtt]\nallowed_reply_prefixes = ["edge/backend-7/", "edge/rt/"]'
+    agent = make_agent(broker, repository, toml=toml)
     client = make_client(broker, agent)
     reply_topic = f"{agent.config.mqtt.topic_prefix}/backend-7/replies"
     reply = client.request(

@@ -6,9 +6,11 @@ default is the worst kind of edge-box bug: it only shows up in the field.
 
 Import from here (`from agent.config import AgentConfig, load_config`); the modules are:
 `schema` (the sections and their checks), `loading` (file, environment, errors, paths),
-`printing` (masked data, TOML).
+`printing` (masked data, TOML), `state_files` (files under `state_dir`: private modes, atomic
+replacement).
 
-May import: pydantic, `agent.ops.systemd` (systemd credentials). Nothing of the request path.
+May import: pydantic, `agent.ops.systemd` (systemd credentials), `agent.protocol.topics` (the
+one topic check, for prefixes). Nothing else of the request path.
 """
 
 from agent.config.loading import ENV_PREFIX, ConfigError, load_config

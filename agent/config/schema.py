@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from agent.protocol.topics import ReplyTopics, topic_prefix_problem, topic_problem
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -55,7 +57,9 @@ class MqttConfig(_Section):
     # what it acknowledged in this many seconds before is published again (duplicates are
     # dropped by (id, seq)). Cover the broker's save interval (Mosquitto: autosave_interval).
     replay_after_reconnect_s: float = Field(default=5.0, ge=0)
-    allowed_reply_prefixes: list[str] = Field(default_factory=list)  # default: ["{prefix}/"]
+    # Where a request's reply_to may point. Empty: the device's own result tree only
+    # ("{topic_prefix}/{device_id}/result/"); anything wider is the operator's explicit choice.
+    allowed_reply_prefixes: list[str] = Field(default_factory=list)
     tcp_nodelay: bool = True
     qos: QosConfig = QosConfig()
     tls: TlsConfig = TlsConfig()
@@ -63,9 +67,21 @@ class MqttConfig(_Section):
     @field_validator("topic_prefix")
     @classmethod
     def _topic_prefix_is_plain(cls, value: str) -> str:
-        if not value or any(c in value for c in "+#\0") or value.startswith("/"):
-            raise ValueError("must be a non-empty topic level without wildcards or a leading '/'")
+        if not value or value.startswith("/"):
+            raise ValueError("must be a non-empty topic level without a leading '/'")
+        problem = topic_prefix_problem(value, "topic_prefix")
+        if problem is not None:
+            raise ValueError(problem)
         return value.rstrip("/")
+
+    @field_validator("allowed_reply_prefixes")
+    @classmethod
+    def _reply_prefixes_are_topics(cls, value: list[str]) -> list[str]:
+        for prefix in value:
+            problem = topic_prefix_problem(prefix, "allowed reply prefix")
+            if problem is not None:
+                raise ValueError(problem)
+        return value
 
 
 class ModelsConfig(_Section):
@@ -113,11 +129,16 @@ class LimitsConfig(_Section):
     max_items: int = Field(default=65536, ge=16)  # CBOR items in one payload (arrays, maps, ...)
     # Every reply message stays under 128 KB, the AWS IoT Core limit, with room for headers.
     max_chunk_bytes: int = Field(default=120 * 1024, ge=1024, le=256 * 1024 * 1024)
+    # Payload bytes of one request's chunk/result messages; past it the stream ends with
+    # `too_large`. 64 MiB: 16 times the largest request, the size of the outbox's memory
+    # (outbox.max_bytes) and a quarter of the spool, so one request cannot fill either.
+    max_reply_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
 
 
 class OutboxConfig(_Section):
     max_messages: int = Field(default=4096, ge=16)
     error_reserve: int = Field(default=1024, ge=0)  # room kept for error replies from ingress
+    max_bytes: int = Field(default=64 * 1024 * 1024, ge=0)  # payload bytes queued in memory
 
 
 class SpoolConfig(_Section):
@@ -141,6 +162,8 @@ class ResendConfig(_Section):
     max_bytes: int = Field(default=64 * 1024 * 1024, ge=0)  # history on disk, oldest dropped
     requests_per_s: float = Field(default=100.0, gt=0)  # token bucket; excess is dropped
     messages_per_s: float = Field(default=2000.0, gt=0)
+    bytes_per_s: float = Field(default=4 * 1024 * 1024, gt=0)  # resent payload bytes a second
+    max_queued_bytes: int = Field(default=8 * 1024 * 1024, ge=0)  # resends queued, not yet sent
 
 
 class TelemetryConfig(_Section):
@@ -305,8 +328,11 @@ class AgentConfig(_Section):
     @field_validator("device_id")
     @classmethod
     def _device_id_is_a_topic_level(cls, value: str) -> str:
-        if not value or len(value) > 64 or any(c in value for c in "/+#\0 "):
-            raise ValueError("must be 1-64 characters without '/', '+', '#', spaces")
+        problem = topic_problem(value, "device_id")
+        if len(value) > 64 or any(c in value for c in "/ ") or problem is not None:
+            raise ValueError(
+                "must be 1-64 characters without '/', '+', '#', spaces or control characters"
+            )
         return value
 
     @property
@@ -314,8 +340,12 @@ class AgentConfig(_Section):
         return f"{self.mqtt.topic_prefix}/{self.device_id}"
 
     @property
-    def reply_prefixes(self) -> list[str]:
-        return self.mqtt.allowed_reply_prefixes or [f"{self.mqtt.topic_prefix}/"]
+    def reply_topics(self) -> ReplyTopics:
+        """Where replies may go: the allowed prefixes (default: this device's result tree),
+        never the agent's own other topics."""
+        root = self.root_topic
+        prefixes = self.mqtt.allowed_reply_prefixes or ReplyTopics.default_prefixes(root)
+        return ReplyTopics.of(prefixes, root)
 
     @property
     def client_id(self) -> str:

@@ -6,6 +6,11 @@ outbox itself, so every message leaves through one door, a :class:`ReplySender` 
 messages after each run of the model, waiting for room; an error at ingress at once, from
 the outbox's reserve). A chunk larger than `max_chunk_bytes` becomes `part` messages.
 
+One request's replies are bounded too (`max_reply_bytes`, the `[limits]` key): the payload
+bytes of its `chunk` and `result` messages are counted as they are made (one add a message),
+and a chunk or result that would pass the bound is not made: :class:`ReplyTooLarge` is raised
+instead, and the driver ends the stream with an `error` (`too_large`) after what was made.
+
 Chunk and result payloads are assembled around the outputs' encoded bytes (the tensor data
 is copied once, into the payload); the bytes are those `encode_with_outputs` would make.
 """
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -26,7 +32,7 @@ from agent.delivery.outbox import Outbox, OutMessage
 from agent.models.backends.base import Array
 from agent.ops.counters import Counters
 from agent.ops.metrics import AgentMetrics
-from agent.protocol.errors import PROTOCOL_VERSION
+from agent.protocol.errors import PROTOCOL_VERSION, WireError
 from agent.protocol.payload import encode_payload
 from agent.protocol.replies import reply_envelope, split_parts
 from agent.protocol.tensors import cbor_text, cbor_uint, outputs_pieces
@@ -44,6 +50,17 @@ _RESULT_KEYS = 9  # v, id, seq, type, model, version, ts, timing, outputs
 # A reply envelope's bytes after its map head, up to the id's value.
 _V_AND_ID_KEY = b"".join(cbor2.dumps(x) for x in ("v", PROTOCOL_VERSION, "id"))
 _RESULT_HEAD = bytes((0xA0 + _RESULT_KEYS,)) + _V_AND_ID_KEY
+
+
+class ReplyTooLarge(WireError):
+    """The next chunk or result would pass the request's reply budget (nothing was made)."""
+
+    def __init__(self, budget: int, made: int) -> None:
+        super().__init__(
+            "too_large",
+            f"reply budget exceeded: the outputs would pass limits.max_reply_bytes "
+            f"({budget} bytes) after {made} bytes of replies",
+        )
 
 
 @functools.lru_cache(maxsize=256)
@@ -85,6 +102,11 @@ class ReplyStream:
     correlation: bytes | None = None  # the raw correlation data, kept with spooled messages
     stream_key: str | None = None  # spool stream of QoS 1/2 messages ("model/id")
     request_key: str | None = None  # the stored request the terminal message finishes
+    # Payload bytes this request's chunk and result messages may take (requests: the
+    # `[limits]` key; the default, no bound, is for the endless streams of local sources).
+    max_reply_bytes: int = sys.maxsize
+    reply_bytes: int = 0  # payload bytes of the chunk and result messages made so far
+    held_bytes: int = 0  # output bytes held for a `stream: false` result (see `hold`)
     seq: int = 0
     chunks: int = 0
     finished: bool = False
@@ -130,12 +152,26 @@ class ReplyStream:
         )
 
     def chunk(self, outputs: Mapping[str, Array], index: int) -> None:
+        """One `chunk` (or its parts); ReplyTooLarge, with nothing made, past the budget."""
         pieces, size = outputs_pieces(outputs)
         if size + PART_OVERHEAD <= self.max_chunk_bytes:
-            self._emit(self._chunk_payload(pieces, index))
+            payload = self._chunk_payload(pieces, index)
+            total = self.reply_bytes + len(payload)
+            if total > self.max_reply_bytes:
+                self.seq -= 1  # never sent: its number goes to the error
+                raise ReplyTooLarge(self.max_reply_bytes, self.reply_bytes)
+            self.reply_bytes = total
+            self._emit(payload)
             self.chunks += 1
             return
         self._parts(b"".join(pieces), index)
+
+    def hold(self, outputs: Mapping[str, Array]) -> None:
+        """Count outputs kept for a `stream: false` result against the budget, so a result
+        that cannot be sent is refused before all of it was computed (ReplyTooLarge)."""
+        self.held_bytes += sum(a.nbytes for a in outputs.values())
+        if self.reply_bytes + self.held_bytes > self.max_reply_bytes:
+            raise ReplyTooLarge(self.max_reply_bytes, self.reply_bytes)
 
     def _chunk_payload(self, outputs: list[Any], index: int) -> bytes:
         """`{v, id, seq, type: "chunk", model, version, ts, index, outputs}`, the same bytes
@@ -169,11 +205,18 @@ class ReplyStream:
         )
 
     def _parts(self, outputs_cbor: bytes, index: int) -> None:
-        """A chunk too large for one message: `part: [k, n]` messages carrying its bytes."""
-        pieces = split_parts(outputs_cbor, self.max_chunk_bytes - PART_OVERHEAD)
+        """A chunk too large for one message: `part: [k, n]` messages carrying its bytes,
+        all of them or (past the budget: ReplyTooLarge) none."""
+        room = self.max_chunk_bytes - PART_OVERHEAD
+        count = -(-len(outputs_cbor) // room)
+        if self.reply_bytes + len(outputs_cbor) + count * PART_OVERHEAD > self.max_reply_bytes:
+            raise ReplyTooLarge(self.max_reply_bytes, self.reply_bytes)
+        pieces = split_parts(outputs_cbor, room)
         for k, data in enumerate(pieces):
             fields = self._fields("chunk", index=index, part=[k, len(pieces)], data=data)
-            self._emit(encode_payload(fields))
+            payload = encode_payload(fields)
+            self.reply_bytes += len(payload)
+            self._emit(payload)
             self.chunks += 1
 
     def _terminal(self, payload_fields: dict[str, Any]) -> bool:
@@ -188,6 +231,8 @@ class ReplyStream:
         return self._terminal(self._fields("end", chunks=self.chunks, timing=dict(timing)))
 
     def result(self, outputs: Mapping[str, Array], timing: Mapping[str, float]) -> bool:
+        """The `result` (or parts and `end`); ReplyTooLarge, with nothing made, past the
+        budget."""
         pieces, size = outputs_pieces(outputs)
         if size + PART_OVERHEAD > self.max_chunk_bytes:
             # One message cannot hold it: stream the parts, then close with `end`.
@@ -196,6 +241,8 @@ class ReplyStream:
         with self._lock:
             if self.finished:
                 return False
+            if self.reply_bytes + size + PART_OVERHEAD > self.max_reply_bytes:
+                raise ReplyTooLarge(self.max_reply_bytes, self.reply_bytes)
             self.finished = True
         self._emit(self._result_payload(pieces, timing), terminal=True)
         return True
@@ -206,7 +253,7 @@ class ReplyStream:
         part after the id is kept per model version, shared by every request's result."""
         seq = self.seq
         self.seq = seq + 1
-        return b"".join(
+        payload = b"".join(
             (
                 _RESULT_HEAD,
                 cbor2.dumps(self.request_id),
@@ -220,9 +267,26 @@ class ReplyStream:
                 *outputs,
             )
         )
+        self.reply_bytes += len(payload)
+        return payload
 
     def error(self, code: str, message: str) -> bool:
         return self._terminal(self._fields("error", code=code, message=message[:500]))
+
+    def unsequenced_error(self, code: str, message: str) -> OutMessage:
+        """An `error` with `seq` null, outside this stream's numbering (and its spool stream):
+        the answer to a request refused because its id names another, running stream, whose
+        messages it must not be mistaken for."""
+        fields = reply_envelope(
+            request_id=self.request_id,
+            seq=None,
+            type="error",
+            model=self.model,
+            version=self.version,
+            code=code,
+            message=message[:500],
+        )
+        return OutMessage(self.topic, encode_payload(fields), self.qos, False, self.properties)
 
 
 class ReplySender:

@@ -72,6 +72,7 @@ class Inbound:
             message.mid,
             bool(message.dup),
             getattr(message, "properties", None) if self._mqtt5 else None,
+            bool(message.retain),
         )
 
     def deliver(
@@ -82,6 +83,7 @@ class Inbound:
         mid: int,
         dup: bool,
         props: RequestProperties | Properties | None,
+        retain: bool = False,
     ) -> None:
         """A received message, from the fast client's reader or from paho (io lock held)."""
         incoming = Incoming(
@@ -92,6 +94,7 @@ class Inbound:
             correlation_data=getattr(props, "CorrelationData", None),
             dup=dup,
             mid=mid,
+            retain=retain,
         )
         try:
             self._on_message(incoming)

@@ -35,6 +35,7 @@ class Incoming:
     dup: bool = False
     mid: int = 0
     deferred: bool = False
+    retain: bool = False  # a retained message the broker held (not a live one)
 
 
 @dataclass(frozen=True)

@@ -405,7 +405,9 @@ class FastClient(Client):
             topic = topic_bytes.decode("utf-8")
         except UnicodeDecodeError:
             return None  # paho's way with a topic it cannot decode
-        self.deliver(topic, bytes(payload), qos, mid, bool(command & 0x08), properties)
+        self.deliver(
+            topic, bytes(payload), qos, mid, bool(command & 0x08), properties, bool(command & 0x01)
+        )
         if qos == 0 or self._manual_ack:
             return MQTTErrorCode.MQTT_ERR_SUCCESS
         return self._send_puback(mid)

@@ -20,7 +20,13 @@ from agent.mqtt.messages import RequestProperties
 
 
 def _no_delivery(
-    topic: str, payload: bytes, qos: int, mid: int, dup: bool, props: RequestProperties | None
+    topic: str,
+    payload: bytes,
+    qos: int,
+    mid: int,
+    dup: bool,
+    props: RequestProperties | None,
+    retain: bool,
 ) -> None:
     """`Client.deliver` until a transport sets its own."""
 
@@ -39,7 +45,7 @@ class Client(mqtt.Client):
       message `publish_fast` published (here from paho's `on_publish`, which is this
       class's own: paho calls it for a written QoS 0 message too, whose id may repeat one
       still awaiting its PUBACK, so those calls are not passed on);
-    * `deliver(topic, payload, qos, mid, dup, properties)` is called for a message the fast
+    * `deliver(topic, payload, qos, mid, dup, properties, retain)` is called for a message the fast
       reader read (never here: messages come through paho's `on_message`);
     * `unsent()`, bytes published that the socket has not taken (paho does not say: 0).
     """
@@ -48,8 +54,8 @@ class Client(mqtt.Client):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # (topic, payload, qos, mid, dup, properties) of a PUBLISH read by the fast path.
-        self.deliver: Callable[[str, bytes, int, int, bool, RequestProperties | None], None]
+        # (topic, payload, qos, mid, dup, properties, retain) of a PUBLISH the fast path read.
+        self.deliver: Callable[[str, bytes, int, int, bool, RequestProperties | None, bool], None]
         self.deliver = _no_delivery
         self.acknowledged: Callable[[int, ReasonCode], None] = _no_acknowledgement
         self._qos0_unwritten: dict[int, int] = {}  # id -> QoS 0 publishes not yet written

@@ -11,6 +11,8 @@ one):
   (`outputs_pieces`, `encode_outputs`, `cbor_uint`, `cbor_text`: the reply hot path);
 - `cbor_scan`: the header-only walk of a CBOR map that bounds it before cbor2 decodes it;
 - `payload`: the guard in its order (`decode_payload`) and `encode_payload`;
+- `topics`: the one check of topics named from outside (`topic_problem`) and where replies
+  may go (`ReplyTopics`);
 - `requests`: `Request`, `parse_request` (the request table), `validate_inputs`;
 - `replies`: reply envelopes, the `gone` message, parts split and reassembled;
 - `layouts`: requests that repeat a recent request's layout, parsed without decoding.

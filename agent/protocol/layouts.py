@@ -11,7 +11,7 @@ decoded byte strings), every other field is the learned request's. The checks ag
 model's inputs (`Agent._precheck`) run on it as on any request.
 
 Anything else (an unknown size, one byte that differs outside those spans, an id the pattern
-refuses, other limits, reply prefixes or MQTT 5 response topic) goes the full way
+refuses, other limits, reply topics or MQTT 5 response topic) goes the full way
 (`decode_payload`, `parse_request`), and a request that passes it and its model's
 checks becomes the layout for its size. So a payload parsed here is one the full way parses
 to the same request: the bytes it shares with an accepted payload (and the response topic)
@@ -27,7 +27,7 @@ layout.md): 16 µs in a loop against 3.4 µs here, and about 40 µs of CPU a req
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,7 @@ from agent.protocol.errors import ID_PATTERN, Limits
 from agent.protocol.payload import ZSTD_MAGIC
 from agent.protocol.requests import Request
 from agent.protocol.tensors import cbor_text, typed_array_dtypes
+from agent.protocol.topics import ReplyTopics
 
 # Larger payloads are not learned: finding the spans costs a pass over the payload, and their
 # decoding is dominated by the data, which the full way does not copy either.
@@ -68,8 +69,8 @@ class _Layout:
     id_end: int
     tensors: tuple[_Tensor, ...]
     template: Request  # the parsed request, without inputs (never handed out)
-    limits: Limits  # the limits and reply prefixes it was checked under
-    prefixes: tuple[str, ...]
+    limits: Limits  # the limits and reply topics it was checked under
+    reply_topics: ReplyTopics
     response_topic: str | None  # MQTT 5's, which the full way makes its reply_to if it has none
 
 
@@ -89,7 +90,7 @@ class RequestLayouts:
         payload: bytes,
         model: str,
         limits: Limits,
-        prefixes: Sequence[str],
+        reply_topics: ReplyTopics,
         response_topic: str | None = None,
     ) -> Request | None:
         """The request, when `payload` (with this MQTT 5 response topic) repeats a layout of
@@ -101,7 +102,7 @@ class RequestLayouts:
             or type(payload) is not bytes
             or layout.limits is not limits
             or layout.response_topic != response_topic
-            or layout.prefixes != tuple(prefixes)
+            or layout.reply_topics != reply_topics
         ):
             return None
         for offset, expected in layout.fixed:
@@ -144,7 +145,7 @@ class RequestLayouts:
         decoded: Mapping[str, Any],
         request: Request,
         limits: Limits,
-        prefixes: Sequence[str],
+        reply_topics: ReplyTopics,
         response_topic: str | None = None,
     ) -> None:
         """Keep the layout of a request that passed the full way: `decoded` is what
@@ -166,7 +167,7 @@ class RequestLayouts:
         self._unmatched[key] = unmatched + 1
         if unmatched >= BACKOFF_AFTER and unmatched % BACKOFF_EVERY:
             return
-        layout = _find_layout(payload, decoded, request, limits, prefixes, response_topic)
+        layout = _find_layout(payload, decoded, request, limits, reply_topics, response_topic)
         if layout is None:
             self._layouts.pop(key, None)
         else:
@@ -178,7 +179,7 @@ def _find_layout(
     decoded: Mapping[str, Any],
     request: Request,
     limits: Limits,
-    prefixes: Sequence[str],
+    reply_topics: ReplyTopics,
     response_topic: str | None,
 ) -> _Layout | None:
     encoded_id = cbor_text(request.id)
@@ -227,7 +228,7 @@ def _find_layout(
         tuple(tensors),
         template,
         limits,
-        tuple(prefixes),
+        reply_topics,
         response_topic,
     )
 

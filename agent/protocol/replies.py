@@ -19,7 +19,7 @@ __all__ = ["gone_message", "reassemble_parts", "reply_envelope", "split_parts"]
 
 
 def reply_envelope(
-    *, request_id: str, seq: int, type: str, model: str, version: int, **extra: Any
+    *, request_id: str, seq: int | None, type: str, model: str, version: int, **extra: Any
 ) -> dict[str, Any]:
     """The fields every reply message carries, stamped with the emit time (Unix ns)."""
     return {

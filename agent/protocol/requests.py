@@ -17,7 +17,6 @@ import numpy as np
 
 from agent.protocol.errors import (
     ID_PATTERN,
-    MAX_REPLY_TO_CHARS,
     Limits,
     WireError,
     is_cbor_int,
@@ -25,6 +24,7 @@ from agent.protocol.errors import (
     show_value,
 )
 from agent.protocol.tensors import Array, decode_request_tensor, format_dims
+from agent.protocol.topics import ReplyTopics
 
 if TYPE_CHECKING:
     from agent.models.backends.base import TensorSpec
@@ -96,7 +96,7 @@ def parse_request(
     model: str,
     limits: Limits,
     *,
-    allowed_reply_prefixes: Sequence[str],
+    reply_topics: ReplyTopics,
 ) -> Request:
     """Check a decoded payload against the contract's request table, key by key.
 
@@ -150,7 +150,7 @@ def parse_request(
         raise _bad(request_id, f"qos must be 0, 1 or 2, got {show_value(qos)}")
     reply_to = payload.get("reply_to")
     if reply_to is not None:
-        problem = reply_to_problem(reply_to, allowed_reply_prefixes)
+        problem = reply_topics.problem(reply_to)
         if problem:
             raise _bad(request_id, problem)
     params = payload.get("params")
@@ -176,20 +176,6 @@ def parse_request(
         reply_to=reply_to,
         params=params,
     )
-
-
-def reply_to_problem(value: object, prefixes: Sequence[str]) -> str | None:
-    """Why ``value`` may not be a reply topic: replies must land where the operator allows."""
-    if not isinstance(value, str):
-        return f"reply_to must be text, got {kind_of(value)}"
-    if not value or len(value) > MAX_REPLY_TO_CHARS:
-        return f"reply_to must be 1 to {MAX_REPLY_TO_CHARS} characters"
-    if "+" in value or "#" in value or "\0" in value:
-        return f"reply_to {show_value(value)} must not contain MQTT wildcards or NUL"
-    if not any(value.startswith(p) for p in prefixes):
-        allowed = ", ".join(repr(p) for p in prefixes) or "none configured"
-        return f"reply_to {show_value(value)} must start with an allowed prefix ({allowed})"
-    return None
 
 
 @functools.lru_cache(maxsize=1024)

@@ -25,6 +25,7 @@ from typing import Any
 
 from agent import __version__
 from agent.config import AgentConfig
+from agent.config.state_files import private_dir
 from agent.delivery.outbox import Outbox, OutMessage
 from agent.delivery.resend import Resender
 from agent.delivery.spool import Spool
@@ -77,13 +78,17 @@ class Agent:
         self.reporter = ServiceReporter(
             notifier if notifier is not None and config.systemd.notify else Notifier.disabled()
         )
+        private_dir(config.state_dir)  # 0700, whatever the umask (agent.config.state_files)
         self.spool = _open_spool(config)
+        self.epoch_store = EpochStore(config.state_dir / "epoch")
         self.outbox = Outbox(
             config.outbox.max_messages,
             config.outbox.error_reserve,
             spool=self.spool,
             on_eviction=lambda eviction: self.announcer.spool_overflow(eviction),
             make_properties=correlation_properties,
+            max_bytes=config.outbox.max_bytes,
+            background_bytes=config.resend.max_queued_bytes,
         )
         self.models = ModelManager(
             config.models.repository,
@@ -204,6 +209,7 @@ class Agent:
             correlation_properties,
             requests_per_s=resend.requests_per_s,
             messages_per_s=resend.messages_per_s,
+            bytes_per_s=resend.bytes_per_s,
             gone_qos=self.config.mqtt.qos.reply,
             defer=self._after_written,
         )
@@ -222,14 +228,19 @@ class Agent:
             will=lambda epoch: self.announcer.status_message("offline", epoch),
             on_connected=self._on_connected,
             on_new_session=self._on_new_session,
-            epoch=EpochStore(config.state_dir / "epoch"),
+            epoch=self.epoch_store,
+            on_publish_refused=self._publish_refused,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        self.config.state_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.config.state_dir)
         self.outbox.start()  # the spool writer: stored requests replayed below queue on it
+        # A corrupt spool moved aside, an unreadable epoch file: events for the first connection.
+        self.announcer.state_recovered(
+            self.spool.quarantine if self.spool is not None else None, self.epoch_store.recovery
+        )
         self._start_metrics_server()
         self.reporter.notifier.status("loading models")
         self._load_models()
@@ -391,6 +402,14 @@ class Agent:
         # While disconnected nothing is queued: the next connection publishes the current one.
         if self.transport.connected.is_set():
             self.announcer.inventory(self.models.inventory())
+
+    def _publish_refused(self, topic: str, reason: str, first: bool) -> None:
+        """A message quarantined (never published again): counted; the first on its topic
+        is reported on `ROOT/events` (the topic as text, undecodable characters escaped)."""
+        self.counters.add("messages_quarantined")
+        if first:
+            shown = topic[:300].encode("utf-8", "backslashreplace").decode("utf-8")
+            self.publish_event({"type": "publish_refused", "topic": shown, "reason": reason})
 
     def publish_event(self, event: dict[str, Any]) -> None:
         self.announcer.event(event)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,6 @@ from agent.protocol.requests import (
     Request,
     parse_request,
     read_request_id,
-    reply_to_problem,
     validate_inputs,
 )
 from agent.service.announce import Announcer
@@ -76,6 +76,7 @@ class RequestReader:
     def __init__(self, config: AgentConfig, models: ModelManager) -> None:
         self.config = config
         self.limits = limits_of(config)
+        self.reply_topics = config.reply_topics
         self.layouts = RequestLayouts()
         self._models = models
 
@@ -83,19 +84,20 @@ class RequestReader:
         """A reload changed the limits or the allowed reply prefixes."""
         self.config = config
         self.limits = limits_of(config)
+        self.reply_topics = config.reply_topics
 
     def read(self, model: str, incoming: Incoming, *, accepting: bool) -> Admission | Rejection:
-        prefixes, response_topic = self.config.reply_prefixes, incoming.response_topic
+        reply_topics, response_topic = self.reply_topics, incoming.response_topic
         payload: dict[str, Any] | None = None
-        request = self.layouts.parse(incoming.payload, model, self.limits, prefixes, response_topic)
+        request = self.layouts.parse(
+            incoming.payload, model, self.limits, reply_topics, response_topic
+        )
         try:
             if request is None:
                 payload = decode_payload(incoming.payload, self.limits)
                 if response_topic is not None and "reply_to" not in payload:
                     payload = {**payload, "reply_to": response_topic}
-                request = parse_request(
-                    payload, model, self.limits, allowed_reply_prefixes=prefixes
-                )
+                request = parse_request(payload, model, self.limits, reply_topics=reply_topics)
             request.correlation_data = incoming.correlation_data
             if not accepting:
                 raise WireError("shutting_down", "the agent is stopping", request.id)
@@ -104,7 +106,7 @@ class RequestReader:
             return self._rejection(incoming, model, payload, e)
         if payload is not None:
             self.layouts.learn(
-                incoming.payload, payload, request, self.limits, prefixes, response_topic
+                incoming.payload, payload, request, self.limits, reply_topics, response_topic
             )
         reply = self.reply_stream(
             request.id,
@@ -149,7 +151,7 @@ class RequestReader:
         reply_to = qos = None
         if payload is not None:
             candidate = payload.get("reply_to", incoming.response_topic)
-            if reply_to_problem(candidate, self.config.reply_prefixes) is None:
+            if self.reply_topics.problem(candidate) is None:
                 reply_to = candidate
             asked = payload.get("qos")
             qos = asked if asked in (0, 1, 2) and not isinstance(asked, bool) else None
@@ -176,6 +178,7 @@ class RequestReader:
             topic=reply_to or f"{config.root_topic}/result/{model}/{request_id}",
             qos=config.mqtt.qos.reply if qos is None else qos,
             max_chunk_bytes=config.limits.max_chunk_bytes,
+            max_reply_bytes=config.limits.max_reply_bytes,
             properties=properties,
             correlation=correlation,
             stream_key=request_key(model, request_id),
@@ -215,8 +218,12 @@ class Ingress:
         root = reader.config.root_topic
         self._infer_prefix = f"{root}/infer/"  # every request's topic starts with it
         self._resend_topic = f"{root}/resend"
+        self._retained_seen: set[str] = set()  # topics of retained messages already logged
 
     def on_message(self, incoming: Incoming, replay: bool = False) -> None:
+        if incoming.retain:
+            self._ignore_retained(incoming)
+            return
         prefix = self._infer_prefix
         if incoming.topic.startswith(prefix):
             self.on_request(incoming.topic[len(prefix) :], incoming, replay)
@@ -233,9 +240,13 @@ class Ingress:
         job, request = outcome.job, outcome.job.request
         if self._spool is not None and incoming.qos > 0:
             key = request_key(model, request.id)
-            if not replay and not self._store(key, incoming):
+            if not replay and self._unstorable(job, incoming):
+                return  # the spool cannot be written (a full disk): answered `overloaded`
+            if not replay and not self._store(key, incoming, job):
                 self._counters.add("requests_duplicate")
-                return  # a redelivery of a request that is already stored and running
+                if not incoming.dup:  # not the broker's redelivery: another request, same id
+                    self._refuse_id_in_use(job)
+                return
             job.reply.request_key = key
         deadline = None if request.deadline_ms is None else request.deadline_ms / 1000.0
         batch = batching.batch_spec(request, outcome.serving)
@@ -248,6 +259,30 @@ class Ingress:
             self._metrics.request_done(model, None, "overloaded")
             job.reply.error("overloaded", "the request queue is full; retry later")
             self._sender.send_now(job.reply.drain())
+
+    def _ignore_retained(self, incoming: Incoming) -> None:
+        """A retained request or resend would run again at every start and reconnect: it is
+        acknowledged and counted, never run (logged once per topic: it comes back on each
+        subscribe of an MQTT 3.1.1 connection until someone clears it)."""
+        self._counters.add("retained_ignored")
+        topic = incoming.topic
+        if topic not in self._retained_seen and len(self._retained_seen) < 1000:
+            self._retained_seen.add(topic)
+            log.warning(
+                "ignored a retained message on %r: requests must not be retained (clear it "
+                "with an empty retained publish on that topic)",
+                topic[:200],
+            )
+
+    def _refuse_id_in_use(self, job: Job) -> None:
+        """A request whose id names a stored request still running: its error goes out with
+        `seq` null, so it cannot be mistaken for a message of the running stream."""
+        self._counters.add("rejected_bad_request")
+        self._metrics.request_done(job.request.model, None, "bad_request")
+        message = (
+            f"id {job.request.id!r} is in use by a running request; use a fresh id per request"
+        )
+        self._sender.send_now([job.reply.unsequenced_error("bad_request", message)])
 
     def _refuse(self, rejection: Rejection) -> None:
         """Answer a request that cannot be queued; one without a readable id is counted."""
@@ -277,10 +312,11 @@ class Ingress:
             )
         )
 
-    def _store(self, key: str, incoming: Incoming) -> bool:
+    def _store(self, key: str, incoming: Incoming, job: Job) -> bool:
         """Queue the request for the spool writer; the broker gets its acknowledgement once
         it is fsynced (the job runs meanwhile). False for a redelivery of a stored request:
-        that one is acknowledged once the original is stored."""
+        that one is acknowledged once the original is stored. Should its batch fail (a full
+        disk), it is answered `overloaded` (`_store_failed`)."""
         assert self._spool is not None and self._writer is not None
         assert self.connection is not None
         # Called by the spool writer, which has the acknowledgements of a batch sent together.
@@ -298,9 +334,32 @@ class Ingress:
                 incoming.response_topic,
                 incoming.correlation_data,
                 on_stored=ack,
+                on_failed=lambda reason: self._store_failed(job, ack, reason),
             )
         )
         return True
+
+    def _unstorable(self, job: Job, incoming: Incoming) -> bool:
+        """While the spool writer fails (a full disk), a QoS 1/2 request cannot be stored
+        before it is acknowledged: answered `overloaded` at once, never run."""
+        assert self._writer is not None and self.connection is not None
+        problem = self._writer.problem
+        if problem is None:
+            return False
+        self._store_failed(job, self.connection.defer(incoming), problem)
+        return True
+
+    def _store_failed(self, job: Job, ack: Callable[[], None], reason: str) -> None:
+        """The request cannot be stored (at ingress, or on the spool writer when its batch
+        failed): answered `overloaded` unless its terminal message is out already (answered
+        from memory), and acknowledged either way, so the broker does not hold it in flight."""
+        self._counters.add("requests_store_failed")
+        if job.reply.error("overloaded", reason):
+            job.cancelled.set()  # a worker running it stops at its next run of the model
+            self._counters.add("rejected_overloaded")
+            self._metrics.request_done(job.request.model, None, "overloaded")
+            self._sender.send_now(job.reply.drain())
+        ack()
 
     def _on_resend(self, incoming: Incoming) -> None:
         """Validated and rate-limited like any outside input; bad ones are only counted."""
@@ -311,7 +370,7 @@ class Ingress:
             request = parse_resend(
                 payload,
                 root=self.reader.config.root_topic,
-                allowed_prefixes=self.reader.config.reply_prefixes,
+                reply_topics=self.reader.reply_topics,
             )
         except WireError as e:
             self._announcer.note_bad_request(f"resend: {e.message}")
