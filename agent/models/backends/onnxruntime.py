@@ -7,6 +7,7 @@ TensorRT-only install) imports without it.
 from __future__ import annotations
 
 import logging
+import mmap
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path, PureWindowsPath
 from typing import Any
@@ -292,6 +293,8 @@ def external_data_problem(model_file: Path, *, refuse_unreadable: bool = True) -
     Loop, Scan) and functions are all looked at. A file that cannot be parsed is refused,
     unless ``refuse_unreadable`` is false (a caller whose own parser reports it better).
     """
+    if not _may_name_external_data(model_file):
+        return None  # the usual case, without importing onnx (some 13 MB of a small box)
     import onnx
 
     try:
@@ -306,6 +309,20 @@ def external_data_problem(model_file: Path, *, refuse_unreadable: bool = True) -
                 if problem is not None:
                     return f"tensor {tensor.name!r}: external data {entry.value!r} {problem}"
     return None
+
+
+# An external-data entry's key as protobuf writes it: field 1 (key), length 8, "location".
+_LOCATION_KEY = b"\x0a\x08location"
+
+
+def _may_name_external_data(model_file: Path) -> bool:
+    """Whether the file's bytes hold an external-data `location` key (a model without one
+    has no external data); True where the file cannot be read (the full check reports it)."""
+    try:
+        with open(model_file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return m.find(_LOCATION_KEY) >= 0
+    except (OSError, ValueError):
+        return True
 
 
 def _location_problem(location: str, folder: Path) -> str | None:
