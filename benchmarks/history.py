@@ -3,14 +3,15 @@
 
     python benchmarks/history.py REV [REV ...]          # --quick runs of each, in one go
     python benchmarks/history.py --full REV [REV ...]
+    python benchmarks/history.py --no-save OLD NEW      # a side-by-side check, nothing written
 
 Each revision is checked out into a temporary git worktree and its agent (only the agent: the
 harness, the models and the baselines stay this checkout's) is measured with the speed suite,
-one revision after the other on the same broker and machine. The results go to
-`benchmarks/results/history.json`, and from there to docs/benchmarks-history.md (written by
-`benchmarks/run.py`'s report, which links to it; `python benchmarks/run.py --report-only`
-rewrites it without measuring). A figure a revision cannot produce (dynamic batching before
-it existed) is n/a.
+one revision after the other on the same broker and machine. The results are merged into
+`benchmarks/results/history.json` (a revision measured again replaces its row), and from
+there go to docs/benchmarks-history.md (written by `benchmarks/run.py`'s report, which links
+to it; `python benchmarks/run.py --report-only` rewrites it without measuring). A figure a
+revision cannot produce (dynamic batching before it existed) is n/a.
 """
 
 from __future__ import annotations
@@ -128,22 +129,42 @@ def table(history: dict[str, Any]) -> list[str]:
     return lines
 
 
+def merged(rows: list[dict[str, Any]], quick: bool) -> dict[str, Any]:
+    """The history with `rows` in it: a revision measured again replaces its row, a new one is
+    added at the end; rows of other revisions are kept. Rows measured in another mode (quick
+    or full) than these are dropped: the table compares one mode."""
+    old: dict[str, Any] = {}
+    if HISTORY.exists():
+        old = json.loads(HISTORY.read_text())
+    kept = old.get("rows", []) if old.get("quick") == quick else []
+    fresh = {row["rev"]: row for row in rows}
+    out = [fresh.pop(row["rev"], row) for row in kept]
+    out += [row for row in rows if row["rev"] in fresh]
+    return {
+        "date": datetime.date.today().isoformat(),
+        "quick": quick,
+        "machine": machine(),
+        "rows": out,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("revs", nargs="+", help="commits, oldest first")
     parser.add_argument("--full", action="store_true", help="full-length runs (slower)")
+    parser.add_argument(
+        "--no-save", action="store_true", help="print the table only; keep history.json"
+    )
     args = parser.parse_args(argv)
     rows = []
     with EmbeddedBroker() as broker:
         for rev in args.revs:
             rows.append(measure_revision(rev, not args.full, broker))
+    if args.no_save:
+        print("\n".join(table({"rows": rows})))
+        return 0
     HISTORY.parent.mkdir(parents=True, exist_ok=True)
-    history = {
-        "date": datetime.date.today().isoformat(),
-        "quick": not args.full,
-        "machine": machine(),
-        "rows": rows,
-    }
+    history = merged(rows, not args.full)
     HISTORY.write_text(json.dumps(history, indent=1) + "\n")
     from benchmarks import run
 

@@ -234,7 +234,7 @@ def wait_model(
     its repository before it comes online, so that is final), or after 20 s."""
     client = mqtt_client(broker)
     got = threading.Event()
-    reply = f"{root}/bench-wait/{unique_id()}"
+    reply = f"{root}/result/bench-wait/{unique_id()}"
     ok: list[bool] = []
     missing: list[bool] = []
 
@@ -418,7 +418,7 @@ def measure_latency(
     echo round trip carrying the same request and reply bytes (QoS 1 both ways). Blocks of
     agent and echo round trips alternate, so both see the same machine."""
     x = np.random.default_rng(0).standard_normal((1, 16)).astype(np.float32)
-    reply_topic = f"{agent.root}/latency/{unique_id()}"
+    reply_topic = f"{agent.root}/result/latency/{unique_id()}"
     requests = Requests(_template({"x": x}, stream=False, reply_to=reply_topic))
     a, b = f"bench/echo/{unique_id()}", f"bench/echo/{unique_id()}"
     requester = Requester(broker, [reply_topic, b])
