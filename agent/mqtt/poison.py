@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 # MQTT 5 reason codes that refuse this message whatever the time or the connection.
 PERMANENT_REFUSALS = frozenset({0x87, 0x90, 0x95, 0x99})
-SUSPECT_DROPS = 3  # lost connections in a row with the same oldest message in flight
+SUSPECT_DROPS = 2  # lost connections in a row with the same oldest message in flight
 REMEMBERED = 1024  # topics remembered as checked (good) or reported (bad), then forgotten
 TRANSIENT_LOG_S = 30.0  # a transient refusal is logged again at most this often
 
