@@ -52,7 +52,15 @@ class MqttConfig(_Section):
     reconnect_min_s: float = Field(default=0.5, gt=0)
     reconnect_max_s: float = Field(default=30.0, gt=0)
     max_inflight: int = Field(default=64, ge=1, le=65535)
+    # MQTT 3.1.1 only (MQTT 5 brokers announce Receive Maximum): QoS 2 publishes left unfinished
+    # at a time. Mosquitto keeps at most `max_inflight_messages` (default 20) and drops, with a
+    # success PUBREC, any QoS 1/2 publish past them; decision 0024.
+    max_inflight_qos2: int = Field(default=20, ge=1, le=65535)
     ack_timeout_s: float = Field(default=30.0, ge=0)  # unacknowledged this long: reconnect
+    # The largest packet the broker takes (0: no limit of ours). MQTT 5 brokers announce it
+    # in CONNACK (the smaller one counts); 3.1.1 brokers cannot: AWS IoT Core 131072, Azure
+    # IoT Hub 262144, Mosquitto its max_packet_size.
+    max_packet_bytes: int = Field(default=0, ge=0, le=268_435_460)
     # A broker acknowledges before it saves: after a lost connection (it may have crashed),
     # what it acknowledged in this many seconds before is published again (duplicates are
     # dropped by (id, seq)). Cover the broker's save interval (Mosquitto: autosave_interval).

@@ -45,12 +45,14 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from agent.config import MqttConfig
 from agent.delivery.outbox import Outbox, OutMessage
+from agent.delivery.packet_limit import PacketLimit
 from agent.mqtt.epoch import EpochStore
 from agent.mqtt.inbound import Inbound
 from agent.mqtt.messages import Incoming
 from agent.mqtt.paho_fast import FastClient, new_client
 from agent.mqtt.paho_plain import Client
-from agent.mqtt.reconnect import CONNECT_TIMEOUT_S, backoff_delays, prepare
+from agent.mqtt.reconnect import CONNECT_TIMEOUT_S, backoff_delays, next_attempt, prepare
+from agent.mqtt.session import BrokerSession, closed_early_text, no_connack_text, refusal_text
 from agent.mqtt.window import Window
 
 log = logging.getLogger(__name__)
@@ -75,10 +77,14 @@ class Transport:
         on_new_session: Callable[[float | None], None] = lambda lost_at: None,
         rng: random.Random | None = None,
         on_publish_refused: Callable[[str, str, bool], None] | None = None,
+        on_session_lost: Callable[[], None] = lambda: None,
+        packet_limit: PacketLimit | None = None,
     ) -> None:
         """`on_publish_refused(topic, reason, first)`: a message was quarantined, never to be
         published again (`agent.mqtt.poison`); `first`: the first on its topic for a while.
-        Called under the io lock: it may queue (never wait for) a message."""
+        `on_session_lost()`: the broker kept no session where one was expected
+        (`agent.mqtt.session`). Both called under the io lock: they may queue (never wait
+        for) a message."""
         self._config = config
         self._outbox = outbox
         self._subscriptions = list(subscriptions)
@@ -96,7 +102,10 @@ class Transport:
         self._disconnected = threading.Event()
         self._stop = threading.Event()
         # Everything below is touched only under the io lock (other threads read counts).
-        self._window = Window(config.max_inflight, outbox)
+        qos2_limit = 65535 if self.mqtt5 else config.max_inflight_qos2  # 5: Receive Maximum
+        limit = packet_limit or PacketLimit(config.max_packet_bytes, mqtt5=self.mqtt5)
+        self._window = Window(config.max_inflight, outbox, qos2_limit, packet_limit=limit)
+        self._session = BrokerSession(config, on_session_lost)
         self._pending = self._window.pending  # the same dict: read on every queued message
         if on_publish_refused is not None:
             self._window.quarantine.on_refused = on_publish_refused
@@ -173,7 +182,7 @@ class Transport:
         """Something this connection could send now."""
         if self._inbound.deferred:
             return True
-        if not self.connected.is_set() or len(self._pending) >= self._window.limit:
+        if not self.connected.is_set() or self._window.full():
             return False
         return not self._client.want_write() and self._outbox.has_work()
 
@@ -194,7 +203,7 @@ class Transport:
                 self._drop_connection()
             if self._stop.is_set():
                 break
-            attempt = 0 if time.monotonic() - started > 60 else attempt + 1
+            attempt = next_attempt(attempt, time.monotonic() - started)
             delay = self._delay(attempt)
             log.info("mqtt: reconnecting in %.1f s (attempt %d)", delay, attempt)
             self._stop.wait(delay)
@@ -233,7 +242,7 @@ class Transport:
         except ConnectionError as e:
             self._note_error(str(e))
             return False
-        self._pending.clear()
+        self._window.new_connection()
         self._client = self._inbound.client = client
         try:
             self._on_new_session(self.lost_at)
@@ -307,7 +316,7 @@ class Transport:
     def _misc(self, client: mqtt.Client, now: float, connect_deadline: float) -> bool:
         """Keepalive (paho's loop_misc), the CONNACK deadline, acknowledgement timeouts."""
         if not self.connected.is_set() and now > connect_deadline:
-            self._note_error(f"no CONNACK within {CONNECT_TIMEOUT_S:.0f} s")
+            self._note_error(no_connack_text(CONNECT_TIMEOUT_S, self.mqtt5))
             return False
         if client.loop_misc() != MQTTErrorCode.MQTT_ERR_SUCCESS:
             return False
@@ -355,12 +364,14 @@ class Transport:
     ) -> None:
         if reason.is_failure:
             # Never mark a refused connection as connected: a wrong password is a retry.
-            self._note_error(f"broker refused the connection: {reason}")
+            self._note_error(refusal_text(reason, self.mqtt5))
             self._disconnected.set()
             return
         epoch = self._epoch.next()
         self._epoch.commit(epoch)
         self._window.apply_broker_limits(properties)
+        self._session.connected(self._client, bool(flags.session_present), self._window.unreleased)
+        self._window.unreleased = set()
         if self.reconnects or self.connected.is_set():
             log.info("mqtt: reconnected (epoch %d)", epoch)
         else:
@@ -406,8 +417,7 @@ class Transport:
                 if not self._leaving:
                     self._window.connection_lost()  # the oldest in flight may be a poison
         elif not self._stop.is_set() and self.last_error is None:
-            # Closed before CONNACK: a refused TLS client certificate looks like this.
-            self._note_error(f"the broker closed the connection before accepting it: {reason}")
+            self._note_error(closed_early_text(reason, self.mqtt5))
         self._disconnected.set()
         self.wake()  # noticed on another thread: the io thread may be waiting in select
 
@@ -424,6 +434,11 @@ class Transport:
     def window_limit(self) -> int:
         """QoS 1/2 publishes allowed unacknowledged now (after the broker's Receive Maximum)."""
         return self._window.limit
+
+    @property
+    def sessions_lost(self) -> int:
+        """Connections on which the broker had lost the session it was expected to keep."""
+        return self._session.lost
 
     @property
     def acked(self) -> int:

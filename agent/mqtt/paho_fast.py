@@ -54,7 +54,7 @@ PLAIN_ENV = "EDGE_AGENT_PAHO"  # "plain": paho's own client whatever the version
 PRIVATE_METHODS = (
     "_packet_queue", "_packet_handle", "_easy_log", "_loop_rc_handle", "_mid_generate",
     "_pack_remaining_length", "_sock_send", "_sock_recv", "_sock_close", "_do_on_publish",
-    "_send_puback",
+    "_send_puback", "_send_pubrel",
 )  # fmt: skip
 PRIVATE_ATTRIBUTES = (
     "_sock", "_out_packet", "_in_packet", "_out_messages", "_out_message_mutex",
@@ -137,6 +137,7 @@ _PUBACK_SUCCESS = ReasonCode(PacketTypes.PUBACK)  # "Success"; read, never chang
 _NO_PROPERTIES = Properties(PacketTypes.PUBACK)  # type: ignore[no-untyped-call]
 PUBLISH_COMMAND = 0x30
 PUBACK_COMMAND = 0x40
+PUBREC_COMMAND = 0x50
 # paho marks the info of a written QoS 0 packet as published: one shared info for all of ours.
 _WRITTEN = mqtt.MQTTMessageInfo(0)
 
@@ -188,12 +189,28 @@ class FastClient(Client):
     READ_SIZE = 65536
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._released: set[int] = set()  # ids of an earlier connection's QoS 2 flows
         super().__init__(*args, **kwargs)
         self._rbuf = bytearray()  # the start of a packet whose rest has not arrived yet
         self._wbuf: list[bytes | bytearray] = []
         self._fast_inflight: set[int] = set()  # QoS 1 ids from `publish_fast`, unacknowledged
         # Topic -> its checked, length-prefixed bytes: a stream publishes many messages to one.
         self._topics = TopicCache()
+
+    def release(self, mids: set[int]) -> None:
+        """PUBREL for each of `mids` (QoS 2 ids of the previous connection, a resumed
+        session: the broker answers PUBCOMP, and forwards the message if it held it),
+        queued before anything published after; the ids are not reused on this client."""
+        self._released |= mids
+        for mid in sorted(mids):
+            self._send_pubrel(mid)
+
+    def _mid_generate(self) -> int:
+        """paho's next message id, past the ids `release` sent PUBREL for."""
+        mid: int = super()._mid_generate()
+        while mid in self._released:
+            mid = super()._mid_generate()
+        return mid
 
     def unsent(self) -> int:
         """Bytes written by paho that the socket has not taken yet."""
@@ -265,6 +282,10 @@ class FastClient(Client):
             rc = self._read_publish(command, body)
         elif kind == PUBACK_COMMAND:
             rc = self._read_puback(body)
+        elif kind == PUBREC_COMMAND and len(body) > 2 and body[2] >= 0x80:
+            # A refusal paho ignores (it sends PUBREL, then reports the PUBCOMP's success).
+            mid = (body[0] << 8) | body[1]
+            self.pubrec_refused[mid] = ReasonCode(PacketTypes.PUBREC, identifier=body[2])
         if rc is not None:
             return rc
         self._in_packet = {

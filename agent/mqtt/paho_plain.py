@@ -47,7 +47,13 @@ class Client(mqtt.Client):
       still awaiting its PUBACK, so those calls are not passed on);
     * `deliver(topic, payload, qos, mid, dup, properties, retain)` is called for a message the fast
       reader read (never here: messages come through paho's `on_message`);
-    * `unsent()`, bytes published that the socket has not taken (paho does not say: 0).
+    * `unsent()`, bytes published that the socket has not taken (paho does not say: 0);
+    * `release(mids)` sends PUBREL for QoS 2 ids of the previous connection (a resumed
+      session), never used again on this client (the fast client only: here a no-op).
+
+    A QoS 2 publish whose PUBREC refused it (MQTT 5; paho ignores it and sends PUBREL) is
+    reported with the PUBREC's reason where the client saw it (`pubrec_refused`: the fast
+    client), not as the PUBCOMP's success.
     """
 
     MID_TRIES = 16  # paho refuses an id still in flight; the next one is free (window < 65535)
@@ -59,6 +65,7 @@ class Client(mqtt.Client):
         self.deliver = _no_delivery
         self.acknowledged: Callable[[int, ReasonCode], None] = _no_acknowledgement
         self._qos0_unwritten: dict[int, int] = {}  # id -> QoS 0 publishes not yet written
+        self.pubrec_refused: dict[int, ReasonCode] = {}  # QoS 2 ids a PUBREC refused
         self.on_publish = self._published
 
     def unsent(self) -> int:
@@ -88,6 +95,11 @@ class Client(mqtt.Client):
     def puback_fast(self, mid: int) -> None:
         self.ack(mid, 1)
 
+    def release(self, mids: set[int]) -> None:
+        """PUBREL for QoS 2 ids of the previous connection: paho has no public way to send
+        one, so this client leaves them to the broker's session (the fast client sends them,
+        `agent.mqtt.paho_fast`)."""
+
     def _published(
         self,
         client: mqtt.Client,
@@ -105,4 +117,5 @@ class Client(mqtt.Client):
             else:
                 self._qos0_unwritten[mid] = unwritten - 1
             return
-        self.acknowledged(mid, reason)
+        refused = self.pubrec_refused.pop(mid, None) if self.pubrec_refused else None
+        self.acknowledged(mid, reason if refused is None or reason.is_failure else refused)

@@ -34,6 +34,14 @@ def backoff_delays(min_s: float, max_s: float, rng: random.Random) -> Callable[[
     return delay
 
 
+def next_attempt(attempt: int, lasted_s: float, reset_after_s: float = 60.0) -> int:
+    """The attempt number after a connection (or attempt) that lasted `lasted_s`: back to 0
+    only when it lasted `reset_after_s`. A broker that accepts the connection and drops it at
+    once (a refused publish, a session it cannot take) keeps the backoff growing, as a
+    refused connection does."""
+    return 0 if lasted_s > reset_after_s else attempt + 1
+
+
 def read_secret(path: Path) -> str:
     """A password from a file (or systemd's credentials folder); the value is never logged."""
     try:

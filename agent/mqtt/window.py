@@ -1,11 +1,16 @@
 """The in-flight window: what the outbox holds, published within the broker's limits, and
 what the broker acknowledges, settled in the outbox.
 
-At most min(`max_inflight`, the broker's Receive Maximum) QoS 1/2 publishes are
-unacknowledged at a time (the broker would otherwise disconnect us, MQTT 5), and nothing is
-published above the broker's Maximum QoS. A message the broker would refuse, or has refused
-for good, or that was in flight at three lost connections in a row, is quarantined
-(`agent.mqtt.poison`). Used by the holder of the transport's io lock only.
+At most min(`max_inflight`, the broker's Receive Maximum) QoS 1/2 publishes are unacknowledged
+at a time (the broker would otherwise disconnect us, MQTT 5), and nothing is published above
+the broker's Maximum QoS. On MQTT 3.1.1, where nothing announces a limit, no QoS 1/2 publish
+goes out while `qos2_limit` QoS 2 flows are unfinished: Mosquitto acknowledges and drops any
+QoS 1/2 publish past its quota of unreleased QoS 2 messages (decision 0024). A message the
+broker would refuse, or has refused for good, or that was in flight at two lost connections in
+a row, is quarantined (`agent.mqtt.poison`); so is one too large for the broker's packet limit
+(its Maximum Packet Size, `[mqtt] max_packet_bytes`: the agent's shared `PacketLimit`, set here
+at every CONNACK), its stream ended (`agent.mqtt.oversize`). Used by the holder of the
+transport's io lock only.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
 from agent.delivery.outbox import Outbox, OutMessage
+from agent.delivery.packet_limit import NO_LIMIT, PacketLimit
+from agent.mqtt.oversize import Oversize
 from agent.mqtt.paho_plain import Client
 from agent.mqtt.poison import Quarantine
 
@@ -30,33 +37,63 @@ PUBLISH_BATCH = 256  # messages taken from the outbox and written with one loop_
 class Window:
     """QoS 1/2 publishes awaiting their acknowledgement, and the publishing into the window."""
 
-    def __init__(self, max_inflight: int, outbox: Outbox) -> None:
+    def __init__(
+        self,
+        max_inflight: int,
+        outbox: Outbox,
+        qos2_limit: int = 65535,
+        *,
+        packet_limit: PacketLimit | None = None,
+    ) -> None:
+        """`packet_limit`: the agent's shared one, set here at every CONNACK."""
         self._max_inflight = max_inflight
+        self.qos2_limit = qos2_limit
         self._outbox = outbox
         self.limit = max_inflight  # after the broker's Receive Maximum
         self.max_qos = 2
         # mid -> (publish time, message): QoS 1/2 awaiting the broker's acknowledgement.
         # Cleared in place (never replaced): the transport holds it too.
         self.pending: dict[int, tuple[float, OutMessage]] = {}
+        self.qos2: set[int] = set()  # the ids in `pending` published at QoS 2
+        # QoS 2 ids unfinished when the last connection ended: released (PUBREL) on the next
+        # connection if the broker kept the session (`agent.mqtt.session`).
+        self.unreleased: set[int] = set()
         self.acked = 0
         self.publish_failures = 0
         self._qos_warned = False
         self._ack_listeners: list[Callable[[float], None]] = []
         self.quarantine = Quarantine(outbox.forget)
         self._good_topics = self.quarantine.good  # the same set: one lookup per message
+        self.packet_limit = packet_limit or PacketLimit()
+        self.oversize = Oversize(self.packet_limit, self.quarantine, outbox.put_nowait_reserved)
 
     def add_ack_listener(self, listener: Callable[[float], None]) -> None:
         """Called with the acknowledgement latency (seconds) of every QoS 1/2 publish."""
         self._ack_listeners.append(listener)
 
     def apply_broker_limits(self, properties: Properties | None) -> None:
-        """Receive Maximum bounds the window; Maximum QoS caps what we publish (CONNACK)."""
+        """Receive Maximum bounds the window; Maximum QoS caps what we publish; Maximum Packet
+        Size, with `[mqtt] max_packet_bytes`, bounds every packet (CONNACK)."""
         receive_max = getattr(properties, "ReceiveMaximum", None) if properties else None
         max_qos = getattr(properties, "MaximumQoS", None) if properties else None
+        max_packet = getattr(properties, "MaximumPacketSize", None) if properties else None
+        if self.packet_limit.announce(max_packet) < NO_LIMIT:
+            log.info("mqtt: packets up to %d bytes", self.packet_limit.bytes)
         self.limit = min(self._max_inflight, receive_max or 65535)
         self.max_qos = 2 if max_qos is None else int(max_qos)
         if self.max_qos < 2:
             log.info("mqtt: the broker accepts QoS <= %d", self.max_qos)
+
+    def full(self) -> bool:
+        """No QoS 1/2 publish may go out now (the window or the QoS 2 quota is taken)."""
+        return len(self.pending) >= self.limit or len(self.qos2) >= self.qos2_limit
+
+    def new_connection(self) -> None:
+        """A new client: what was in flight is published again from the spool; the QoS 2
+        ids among it are kept to be released if the broker resumes the session."""
+        self.unreleased = set(self.qos2)
+        self.qos2.clear()
+        self.pending.clear()
 
     def oldest_sent(self) -> float | None:
         """The publish time of the oldest message awaiting its acknowledgement."""
@@ -81,7 +118,8 @@ class Window:
         return True
 
     def _publish(self, client: Client, message: OutMessage) -> bool:
-        """False when the connection is gone (the message goes back to the outbox)."""
+        """False when the connection is gone or the QoS 2 quota is taken (the message goes
+        back to the outbox)."""
         if message.topic not in self._good_topics and self.quarantine.refuses(message):
             return True  # never published: a topic the broker would refuse
         qos = message.qos
@@ -92,6 +130,10 @@ class Window:
                 )
                 self._qos_warned = True
             qos = self.max_qos
+        if self.oversize.refuses(message, qos):
+            return True  # never published: too large for the broker's packets
+        if qos and len(self.qos2) >= self.qos2_limit:
+            return False  # the broker's QoS 2 quota is taken: wait for a PUBCOMP
         sent = time.monotonic()
         try:
             rc, mid = client.publish_fast(
@@ -109,6 +151,8 @@ class Window:
         else:
             # Acknowledgements are read by this thread only after this returns: no race.
             self.pending[mid] = (sent, message)
+            if qos == 2:
+                self.qos2.add(mid)
         return True
 
     def acknowledged(self, mid: int, reason: ReasonCode) -> None:
@@ -117,6 +161,7 @@ class Window:
         if pending is None:
             return  # not ours, or not on this connection: nothing to settle
         sent, message = pending
+        self.qos2.discard(mid)
         if reason.is_failure:
             # A permanent refusal is quarantined (resending it would only loop); a transient
             # one (quota) stays pending in the spool, published again after a reconnect.

@@ -49,7 +49,8 @@ from agent.ops.systemd import Notifier, ServiceReporter
 from agent.service.announce import Announcer
 from agent.service.health import Health
 from agent.service.housekeeping import Housekeeping
-from agent.service.ingress import Ingress, RequestReader
+from agent.service.ingress import Ingress
+from agent.service.packet_sizing import SizedRequestReader, share_packet_limit
 from agent.service.reload import ReloadReport, plan_reload
 from agent.sources import SourceJob, SourceManager
 
@@ -139,7 +140,7 @@ class Agent:
             cancel=self._cancelled,
             execute_batch=self._execute,
         )
-        self.reader = RequestReader(config, self.models)
+        self.reader = SizedRequestReader(config, self.models)  # with the shared packet limit
         self.ingress = Ingress(
             self.reader,
             scheduler=self.scheduler,
@@ -180,6 +181,7 @@ class Agent:
             registry=self.metrics.registry,
             after_written=self._after_written,
         )
+        share_packet_limit(self.reader.packet_limit, self.sources)
         self.housekeeping = Housekeeping(
             config,
             stop=self._stop,
@@ -230,6 +232,8 @@ class Agent:
             on_new_session=self._on_new_session,
             epoch=self.epoch_store,
             on_publish_refused=self._publish_refused,
+            on_session_lost=self._broker_session_lost,
+            packet_limit=self.reader.packet_limit,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -410,6 +414,12 @@ class Agent:
         if first:
             shown = topic[:300].encode("utf-8", "backslashreplace").decode("utf-8")
             self.publish_event({"type": "publish_refused", "topic": shown, "reason": reason})
+
+    def _broker_session_lost(self) -> None:
+        """The broker kept no session for the agent (`agent.mqtt.session`): counted, and
+        reported on `ROOT/events` (requests published while it was away may be lost)."""
+        self.counters.add("broker_session_lost")
+        self.publish_event({"type": "broker_session_lost"})
 
     def publish_event(self, event: dict[str, Any]) -> None:
         self.announcer.event(event)
