@@ -5,18 +5,21 @@ a restart. Skipped where amqtt is not installed (`pip install amqtt` in a venv o
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from agent.config import AgentConfig
 from agent.demo.broker import EmbeddedBroker, free_port
+from agent.protocol.payload import encode_payload
 from agent.service.agent import Agent
 from tests.conftest import agent_config
 
@@ -102,8 +105,9 @@ def test_stream_restart_and_lost_session_on_amqtt(
     )
     client = make_client(amqtt, agent, protocol="3.1.1")
     token = {"token": np.array([[1]], dtype=np.int64)}
-    chunks = list(client.request("decoder", token))  # type: ignore[attr-defined]
-    assert chunks and chunks[-1].index == len(chunks) - 1
+    first = client.request("decoder", token, params={"max_steps": 6})  # type: ignore[attr-defined]
+    chunks = list(first)
+    assert [chunk.index for chunk in chunks] == list(range(6))
     amqtt.stop()
     amqtt.start()
     deadline = time.monotonic() + 20
@@ -111,6 +115,15 @@ def test_stream_restart_and_lost_session_on_amqtt(
         time.sleep(0.05)
     assert agent.transport.sessions_lost == 1  # amqtt keeps no session across a restart
     assert agent.counters["broker_session_lost"] == 1
+    # After the restart: a new stream, and a resend of the first one from the agent's spool.
+    again = make_client(amqtt, agent, protocol="3.1.1")
+    assert len(list(again.request("decoder", token, params={"max_steps": 3}))) == 3  # type: ignore[attr-defined]
+    resent: queue.Queue[dict[str, Any]] = queue.Queue()
+    again.listen(first.topic, lambda topic, message, raw: resent.put(message or {}))  # type: ignore[attr-defined]
+    ask = encode_payload({"id": first.request_id, "from_seq": 0})
+    again.publish_raw(f"{agent.root}/resend", ask)  # type: ignore[attr-defined]
+    seqs = sorted(resent.get(timeout=10)["seq"] for _ in range(7))  # 6 chunks and the end
+    assert seqs == list(range(7))
 
 
 def test_mqtt5_against_amqtt_says_which_setting(
