@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from agent.mqtt.session import closed_early_text, refusal_text
 from agent.protocol.errors import Limits
 from agent.protocol.payload import decode_payload
 from agent.service.agent import Agent
+from tests.ops_helpers import wait_until
 
 FAST_RECONNECT = {"MQTT__RECONNECT_MIN_S": "1.0", "MQTT__RECONNECT_MAX_S": "1.0"}
 
@@ -48,15 +48,6 @@ class EventWatcher:
         self.client.loop_stop()
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
 @pytest.mark.parametrize("protocol", ["5", "3.1.1"])
 def test_a_session_lost_by_the_broker_is_reported(
     own_broker: EmbeddedBroker,
@@ -71,7 +62,7 @@ def test_a_session_lost_by_the_broker_is_reported(
     own_broker.restart()
     watcher = EventWatcher(own_broker, agent.root)
     try:
-        assert wait_for(lambda: bool(watcher.of_type("broker_session_lost")), 20)
+        assert wait_until(lambda: bool(watcher.of_type("broker_session_lost")), 20)
         (event,) = watcher.of_type("broker_session_lost")
         assert isinstance(event["ts"], int)
         assert agent.transport.sessions_lost == 1
@@ -91,7 +82,7 @@ def test_a_kept_session_is_not_reported(
     try:
         agent = make_agent(broker, repository, **FAST_RECONNECT)
         broker.restart()
-        assert wait_for(lambda: agent.transport.reconnects >= 1, 10)
+        assert wait_until(lambda: agent.transport.reconnects >= 1, 10)
         assert agent.transport.connected.wait(20)
         assert agent.transport.sessions_lost == 0
         assert agent.counters["broker_session_lost"] == 0

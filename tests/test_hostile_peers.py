@@ -20,6 +20,7 @@ from agent.protocol.payload import decode_payload, encode_payload
 from agent.protocol.topics import ReplyTopics, topic_problem
 from agent.service.agent import Agent
 from tests.conftest import agent_config, write_long_decoder
+from tests.ops_helpers import wait_until
 
 TOKEN = np.array([[1]], dtype=np.int64)
 
@@ -257,8 +258,8 @@ def test_retained_requests_never_run(own_broker, tmp_path, make_client, protocol
             if round_ == 0:
                 own_broker.restart()
                 client.close()
-                assert _wait(lambda: agent.transport.reconnects >= 1)
-                assert _wait(lambda: agent.transport.connected.is_set())
+                assert wait_until(lambda: agent.transport.reconnects >= 1, 15)
+                assert wait_until(lambda: agent.transport.connected.is_set(), 15)
                 client = make_client(own_broker, agent, protocol)
                 client.listen(reply_topic, lambda t, m, raw: answers.put(t))
         counters = agent.telemetry()["counters"]
@@ -297,15 +298,6 @@ def test_an_id_in_use_is_answered_not_dropped(broker, tmp_path, make_agent, make
     assert "in use" in refusal["message"]
     rest = list(chunks)  # the running stream is untouched and ends as it would have
     assert len(rest) == 399
-
-
-def _wait(condition: Any, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _answer(client: AgentClient, agent: Agent, request_id: str, **extra: Any) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from agent.demo.broker import EmbeddedBroker
 from agent.protocol.errors import Limits
 from agent.protocol.payload import decode_payload, encode_payload
 from agent.service.agent import Agent
+from tests.ops_helpers import wait_until
 
 MOSQUITTO_DEFAULT = ["max_inflight_messages 20"]  # the test broker's base config says 0
 STREAMS = 16
@@ -79,15 +80,6 @@ class SeqCounter:
         self.client.loop_stop()
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
 def run_streams(broker: EmbeddedBroker, agent: Agent, tag: str) -> dict[str, list[int] | str]:
     """`STREAMS` decoder streams of up to 32 steps at once; what the subscriber missed once
     the agent has every reply acknowledged."""
@@ -102,9 +94,9 @@ def run_streams(broker: EmbeddedBroker, agent: Agent, tag: str) -> dict[str, lis
             body = {"id": request_id, "inputs": {"token": np.array([[i + 1]], dtype=np.int64)}}
             topic = f"{agent.root}/infer/decoder"
             publisher.publish(topic, encode_payload(body), 1).wait_for_publish(5)
-        wait_for(lambda: not counter.missing(ids), 30)
+        wait_until(lambda: not counter.missing(ids), 30)
         assert agent.transport.flush(30), "the agent's replies were never all acknowledged"
-        wait_for(lambda: not counter.missing(ids), 3)  # what the broker still forwards
+        wait_until(lambda: not counter.missing(ids), 3)  # what the broker still forwards
         return counter.missing(ids)
     finally:
         publisher.disconnect()
@@ -162,7 +154,7 @@ def test_unfinished_qos2_flows_are_released_on_a_resumed_session(
         assert process is not None
         process.send_signal(signal.SIGSTOP)  # nothing acknowledged: the window fills
         try:
-            assert wait_for(lambda: agent.transport.inflight >= 20, 30)
+            assert wait_until(lambda: agent.transport.inflight >= 20, 30)
         finally:
             process.send_signal(signal.SIGCONT)
         with agent.transport._io_lock:  # the broker takes the 20 publishes, the agent reads
@@ -170,7 +162,7 @@ def test_unfinished_qos2_flows_are_released_on_a_resumed_session(
             sock = agent.transport._client.socket()
             assert isinstance(sock, socket.socket)
             sock.shutdown(socket.SHUT_RDWR)  # lost abruptly: the broker keeps the session
-        assert wait_for(lambda: agent.transport.reconnects >= 1, 10)
+        assert wait_until(lambda: agent.transport.reconnects >= 1, 10)
         assert agent.transport.connected.wait(10)
         assert agent.transport.sessions_lost == 0
         assert "releasing" in caplog.text  # PUBREL for the ids of the cut connection

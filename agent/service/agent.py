@@ -49,8 +49,8 @@ from agent.ops.systemd import Notifier, ServiceReporter
 from agent.service.announce import Announcer
 from agent.service.health import Health
 from agent.service.housekeeping import Housekeeping
-from agent.service.ingress import Ingress
-from agent.service.packet_sizing import SizedRequestReader, share_packet_limit
+from agent.service.ingress import Ingress, RequestReader
+from agent.service.packet_sizing import share_packet_limit
 from agent.service.reload import ReloadReport, plan_reload
 from agent.sources import SourceJob, SourceManager
 
@@ -140,7 +140,7 @@ class Agent:
             cancel=self._cancelled,
             execute_batch=self._execute,
         )
-        self.reader = SizedRequestReader(config, self.models)  # with the shared packet limit
+        self.reader = RequestReader(config, self.models)  # holds the shared packet limit
         self.ingress = Ingress(
             self.reader,
             scheduler=self.scheduler,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.config import AgentConfig
+from agent.delivery.packet_limit import PacketLimit
 from agent.delivery.resend import Resender, parse_resend
 from agent.delivery.spool import Spool
 from agent.delivery.spool_items import AfterWrite, StoreRequest, request_key
@@ -77,6 +78,10 @@ class RequestReader:
         self.config = config
         self.limits = limits_of(config)
         self.reply_topics = config.reply_topics
+        # The broker's packet limit (the agent's one, set by the transport at every CONNACK):
+        # each reply stream's parts are cut to fit it, once, when the stream is made.
+        mqtt = config.mqtt
+        self.packet_limit = PacketLimit(mqtt.max_packet_bytes, mqtt5=mqtt.protocol == "5")
         self.layouts = RequestLayouts()
         self._models = models
 
@@ -171,13 +176,20 @@ class RequestReader:
         properties = None
         if correlation is not None and config.mqtt.protocol == "5":
             properties = correlation_properties(correlation)
+        topic = reply_to or f"{config.root_topic}/result/{model}/{request_id}"
+        qos = config.mqtt.qos.reply if qos is None else qos
+        max_chunk_bytes = config.limits.max_chunk_bytes
+        if self.packet_limit.limited:
+            max_chunk_bytes = self.packet_limit.chunk_bytes(
+                max_chunk_bytes, topic, qos, correlation
+            )
         return ReplyStream(
             request_id=request_id,
             model=model,
             version=version,  # type: ignore[arg-type]  # set to the leased version later
-            topic=reply_to or f"{config.root_topic}/result/{model}/{request_id}",
-            qos=config.mqtt.qos.reply if qos is None else qos,
-            max_chunk_bytes=config.limits.max_chunk_bytes,
+            topic=topic,
+            qos=qos,
+            max_chunk_bytes=max_chunk_bytes,
             max_reply_bytes=config.limits.max_reply_bytes,
             properties=properties,
             correlation=correlation,
