@@ -210,9 +210,12 @@ def _connect(args: argparse.Namespace) -> Any:
         raise SystemExit(1) from None
 
 
-def _describe_outputs(outputs: dict[str, Array], width: int = 60) -> str:
+def _describe_outputs(outputs: dict[str, Any], width: int = 60) -> str:
     parts = []
     for name, value in outputs.items():
+        if not isinstance(value, np.ndarray):  # a seq or map output: a list or a dict
+            parts.append(f"{name}={str(value)[:width]}")
+            continue
         text = np.array2string(value.reshape(-1)[:8], precision=4, separator=",")
         more = "…" if value.size > 8 else ""
         parts.append(f"{name}{list(value.shape)}={text[:width]}{more}")
@@ -356,7 +359,13 @@ def cmd_models(args: argparse.Namespace) -> int:
         client.close()
         return 1
     client.close()
-    print(json.dumps(inventory, indent=2, default=str))
+    as_json = args.json if args.json is not None else not sys.stdout.isatty()
+    if as_json:
+        print(json.dumps(inventory, indent=2, default=str))
+    else:
+        from agent.models.records import format_inventory
+
+        print(format_inventory(inventory))
     return 0
 
 
@@ -406,6 +415,20 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="show the agent's model inventory")
     client_options(models)
     models.add_argument("--local", action="store_true", help="scan the repository on disk instead")
+    shown = models.add_mutually_exclusive_group()
+    shown.add_argument(
+        "--json",
+        action="store_true",
+        default=None,
+        help="print the raw inventory as JSON (the default when stdout is not a terminal)",
+    )
+    shown.add_argument(
+        "--text",
+        action="store_false",
+        dest="json",
+        default=None,
+        help="print it for a person (the default on a terminal)",
+    )
     models.set_defaults(func=cmd_models)
 
     request = sub.add_parser("request", help="send a request and print its stream live")

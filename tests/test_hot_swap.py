@@ -17,6 +17,8 @@ from agent.client import AgentError
 from agent.demo import models as demo_models
 from agent.models.backends.base import BackendOptions
 from agent.models.manager import ModelManager
+from agent.service.agent import Agent
+from tests.conftest import agent_config
 
 BATCH_CONFIG = '[stream]\nmode = "batch"\nmicro_batch = 4\n'
 
@@ -311,3 +313,21 @@ def test_drain_timeout_closes_a_stuck_lease(tmp_path):
         lease.session.run({"x": np.ones((1, 16), dtype=np.float32)})
     lease.release()
     manager.close()
+
+
+def test_a_version_dropped_during_startup_is_seen_at_once(broker, tmp_path):
+    """The folder is watched before the first sync: a version written while the agent
+    starts is loaded within seconds, not at the next 30 s rescan."""
+    root = make_repo(tmp_path / "models", {1: 101})
+    config = agent_config(tmp_path, broker, root, models__rescan_s="600")
+    agent = Agent(config)
+    starter = threading.Thread(target=agent.start, name="test-agent-start")
+    try:
+        starter.start()
+        time.sleep(0.05)
+        drop_version(root, "mlp", 2, mlp_bytes(102))
+        starter.join(10)
+        assert wait_for(lambda: serving(agent) == 2, timeout=5.0)
+    finally:
+        starter.join(10)
+        agent.stop()

@@ -15,14 +15,9 @@ import pytest
 from agent.demo import models as demo_models
 from agent.models.backends.base import BackendOptions, InferenceError, ModelLoadError, Session
 from agent.models.backends.onnxruntime import OnnxRuntimeBackend, OnnxSession, select_providers
-from agent.models.backends.registry import (
-    BACKENDS,
-    backend_for_file,
-    get_backend,
-    warm_up,
-    zero_inputs,
-)
+from agent.models.backends.registry import BACKENDS, backend_for_file, get_backend
 from agent.models.repository import scan_repository, verify_checksum
+from agent.models.warmup import synthetic_inputs, warm_up
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CPU = BackendOptions()
@@ -302,9 +297,9 @@ def test_tensorrt_without_its_module_is_a_model_load_error(
         get_backend("tensorrt")
 
 
-def test_warm_up_runs_zeros_with_symbolic_dims_as_one(tmp_path: Path) -> None:
+def test_warm_up_runs_synthetic_inputs_with_a_batch_of_one(tmp_path: Path) -> None:
     session = load(tmp_path, demo_models.gru_decoder())
-    feed = zero_inputs(session)
+    feed = synthetic_inputs(session)
     assert {k: (v.shape, v.dtype.name) for k, v in feed.items()} == {
         "token": ((1, 1), "int64"),
         "h": ((1, 32), "float32"),

@@ -107,10 +107,12 @@ def run_streams(broker: EmbeddedBroker, agent: Agent, tag: str) -> dict[str, lis
 def test_qos2_window_above_the_quota_loses_replies(
     quota_broker: EmbeddedBroker, make_agent: Callable[..., Agent], repository: Path
 ) -> None:
-    """The reproduction: 64 QoS 2 publishes in flight on 3.1.1, all acknowledged, some lost."""
+    """The reproduction: 64 QoS 2 publishes in flight on 3.1.1, all acknowledged, some lost.
+    The window fills only when the agent outruns the broker's acknowledgements, which a busy
+    machine does not always do: up to three rounds."""
     agent = make_agent(quota_broker, repository, **ON_311, MQTT__MAX_INFLIGHT_QOS2="64")
-    missing = run_streams(quota_broker, agent, "over")
-    assert missing, "Mosquitto kept every message past its quota (the reproduction is gone)"
+    lost = any(run_streams(quota_broker, agent, f"over{round_}") for round_ in range(3))
+    assert lost, "Mosquitto kept every message past its quota (the reproduction is gone)"
 
 
 def test_qos2_stream_on_311_delivers_every_seq(

@@ -22,10 +22,11 @@ from agent.demo import models as demo_models
 from agent.models.backends import cuda
 from agent.models.backends.base import BackendOptions, InferenceError, ModelLoadError, Session
 from agent.models.backends.onnxruntime import OnnxRuntimeBackend, gpu_provider_options
-from agent.models.backends.registry import get_backend, warm_up
+from agent.models.backends.registry import get_backend
 from agent.models.backends.tensorrt import TensorRTBackend, TensorRTOptions, TensorRTSession
 from agent.models.engine_builder import BuildOptions, ShapeRange, build_engine
 from agent.models.manager import ModelManager
+from agent.models.warmup import warm_up
 from tests import fakes
 from tests.fakes import FakeGPU, install, uninstall
 from tests.fakes import tensorrt as fake_trt

@@ -13,15 +13,14 @@ import contextlib
 import queue
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from agent.models.backends.base import Array
 from agent.protocol.errors import Limits
-from agent.protocol.replies import reassemble_parts
-from agent.protocol.tensors import decode_tensor
+from agent.protocol.payload import decode_payload
+from agent.protocol.values import decode_value
 
 # Replies come from a trusted agent, but still through a broker: decode with generous limits.
 REPLY_LIMITS = Limits(
@@ -33,9 +32,16 @@ REPLY_LIMITS = Limits(
     max_tensor_bytes=1 << 33,
     max_rank=16,
     max_tensors=4096,
+    max_items=1 << 26,  # a ZipMap's list of maps is several items per row
 )
+# Parts were each bounded on arrival; their joined bytes are bounded by the other limits.
+_PARTS_LIMITS = replace(REPLY_LIMITS, max_payload_bytes=1 << 62, max_decompressed_bytes=1 << 62)
 
-Arrays = dict[str, Array]
+# A reply's outputs: name -> value. Numeric tensors are numpy arrays, string tensors numpy
+# arrays of dtype object holding `str`; ONNX sequences are lists, maps dicts (tensors in
+# them decoded to numpy too). Not only arrays, so typed `Any`; `Arrays` is its old name.
+Outputs = dict[str, Any]
+Arrays = Outputs
 
 
 class AgentError(Exception):
@@ -61,7 +67,7 @@ class Chunk:
 
     seq: int
     index: int
-    outputs: Arrays
+    outputs: Outputs  # name -> numpy array (string tensors: dtype object), list or dict
     model: str
     version: int
     ts: int  # agent's emit time, Unix ns (of the last part)
@@ -76,8 +82,25 @@ class StreamEnd:
     version: int
 
 
-def decode_outputs(raw: Mapping[str, Any]) -> Arrays:
-    return {str(k): decode_tensor(v, REPLY_LIMITS, name=str(k)) for k, v in raw.items()}
+def decode_outputs(raw: Mapping[str, Any], limits: Limits = REPLY_LIMITS) -> Outputs:
+    """A reply's decoded `outputs` map as the values the model gave (see :data:`Outputs`):
+    tensors as numpy arrays, ONNX sequences as lists, maps as dicts."""
+    return {str(k): decode_value(v, limits, name=str(k)) for k, v in raw.items()}
+
+
+def _reassemble(parts: list[bytes]) -> Outputs:
+    """The outputs a chunk's `part` messages carry, joined in order and decoded."""
+    return decode_outputs(decode_payload(b"".join(parts), _PARTS_LIMITS), _PARTS_LIMITS)
+
+
+def _join(values: list[Any]) -> Any:
+    """One output's values from every chunk, as `collect` joins them: arrays concatenated on
+    axis 0, lists chained; anything else (maps) kept as the list of the chunks' values."""
+    if all(isinstance(v, np.ndarray) for v in values):
+        return np.concatenate(values, axis=0)
+    if all(isinstance(v, list) for v in values):
+        return [item for v in values for item in v]
+    return values
 
 
 @dataclass
@@ -102,7 +125,7 @@ class Reply:
     _last_ask: float = 0.0  # monotonic time of the last resend request (0: none yet)
     _gap_since: float | None = None
     end: StreamEnd | None = None
-    result: Arrays | None = None
+    result: Outputs | None = None
     timing: Mapping[str, float] | None = None
     version: int | None = None
     duplicates: int = 0
@@ -256,7 +279,7 @@ class Reply:
             if k != n - 1 or len(parts) != n:
                 return None
             del self._parts[index]
-            outputs = reassemble_parts([bytes(p["data"]) for p in parts])
+            outputs = _reassemble([bytes(p["data"]) for p in parts])
         return Chunk(
             seq=int(message["seq"]),
             index=index,
@@ -267,8 +290,9 @@ class Reply:
             received=time.perf_counter(),
         )
 
-    def collect(self) -> Arrays:
-        """Wait for the whole stream; chunks of every output are concatenated on axis 0.
+    def collect(self) -> Outputs:
+        """Wait for the whole stream; chunks of every output are concatenated on axis 0
+        (arrays; lists are chained, maps come as the list of the chunks' maps).
 
         A `result` is returned as is.
         """
@@ -278,7 +302,7 @@ class Reply:
         if not chunks:
             return {}
         names = list(chunks[0].outputs)
-        return {n: np.concatenate([c.outputs[n] for c in chunks], axis=0) for n in names}
+        return {n: _join([c.outputs[n] for c in chunks]) for n in names}
 
     def close(self) -> None:
         if self._on_close is not None:

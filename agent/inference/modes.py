@@ -36,7 +36,7 @@ from agent.inference import batching
 from agent.inference.job import CancelFlag, Cancelled
 from agent.models.backends.base import Array, InferenceError, Session
 from agent.models.model_config import StreamConfig
-from agent.protocol.errors import WireError
+from agent.protocol.errors import WireError, show_value
 
 Arrays = dict[str, Array]
 
@@ -48,6 +48,7 @@ class Member:
     inputs: Arrays
     max_steps: int = 1
     cancelled: CancelFlag = field(default_factory=CancelFlag)
+    select: Sequence[str] | None = None  # `params.outputs`; None: the model's `emit`
 
     @property
     def rows(self) -> int:
@@ -75,6 +76,13 @@ class Run:
         self.infer_s = 0.0
         self.runs = 0
         self.failed: dict[int, Exception] = {}  # member position -> why it left the run
+        self._emitted: list[str] | None = None
+
+    def emitted(self, outputs: Arrays) -> list[str]:
+        """The model's `emit` outputs (worked out once a run, from the first outputs)."""
+        if self._emitted is None:
+            self._emitted = self.config.emitted(list(outputs))
+        return self._emitted
 
     def model(self, inputs: Mapping[str, Array]) -> Arrays:
         """One run of the model, timed."""
@@ -113,7 +121,9 @@ def whole(run: Run) -> Iterator[list[Piece]]:
         parts = batching.split(outputs, [m.rows for m in members])
     else:
         parts = [run.model(members[0].inputs)]
-    yield [Piece(p, 0, part, True) for p, part in zip(active, parts, strict=True)]
+    yield [
+        Piece(p, 0, _chosen(run, p, part), True) for p, part in zip(active, parts, strict=True)
+    ]
 
 
 def slices(run: Run) -> Iterator[list[Piece]]:
@@ -124,7 +134,8 @@ def slices(run: Run) -> Iterator[list[Piece]]:
             if not run.live([position]):
                 break
             part = {k: v[start : start + step] for k, v in member.inputs.items()}
-            yield [Piece(position, start, run.model(part), start + step >= total)]
+            outputs = _chosen(run, position, run.model(part))
+            yield [Piece(position, start, outputs, start + step >= total)]
 
 
 def steps(run: Run) -> Iterator[list[Piece]]:
@@ -134,7 +145,6 @@ def steps(run: Run) -> Iterator[list[Piece]]:
     active = list(range(len(members)))
     rows = [members[p].rows for p in active] if run.joined else [0]
     inputs = batching.join([m.inputs for m in members]) if run.joined else dict(members[0].inputs)
-    emit: list[str] | None = None
     step = 0
     while True:
         live = run.live(active)
@@ -144,11 +154,9 @@ def steps(run: Run) -> Iterator[list[Piece]]:
             (inputs,), rows = _keep_rows(rows, [active.index(p) for p in live], inputs)
             active = live
         outputs = run.model(inputs)
-        if emit is None:
-            emit = config.emitted(list(outputs))
         if run.joined:
             batching.check_rows(outputs, sum(rows))
-        pieces = _step_pieces(run, outputs, emit, active, rows, step)
+        pieces = _step_pieces(run, outputs, active, rows, step)
         yield pieces
         going_on = [k for k, piece in enumerate(pieces) if not piece.last]
         if not going_on:
@@ -160,8 +168,15 @@ def steps(run: Run) -> Iterator[list[Piece]]:
         step += 1
 
 
+def _chosen(run: Run, position: int, outputs: Arrays) -> Arrays:
+    """The outputs a member's chunks carry: its `params.outputs`, else the model's `emit`
+    (default: all but the state outputs). The others are never encoded."""
+    names = run.members[position].select or run.emitted(outputs)
+    return {name: outputs[name] for name in names}
+
+
 def _step_pieces(
-    run: Run, outputs: Arrays, emit: list[str], active: list[int], rows: list[int], step: int
+    run: Run, outputs: Arrays, active: list[int], rows: list[int], step: int
 ) -> list[Piece]:
     """Each active member's rows of one step's outputs; `last` where it stops."""
     stop = run.config.stop
@@ -172,7 +187,7 @@ def _step_pieces(
         mine = _rows_of(outputs, start, end) if run.joined else outputs
         stopped = stop is not None and bool(np.all(mine[stop.output] == stop.value))
         last = stopped or step + 1 >= run.members[position].max_steps
-        pieces.append(Piece(position, step, {name: mine[name] for name in emit}, last))
+        pieces.append(Piece(position, step, _chosen(run, position, mine), last))
         start = end
     return pieces
 
@@ -232,6 +247,33 @@ def max_steps(config: StreamConfig, params: Mapping[str, Any]) -> int:
     return asked
 
 
+def selected_outputs(
+    config: StreamConfig, output_names: Sequence[str], params: Mapping[str, Any]
+) -> list[str] | None:
+    """`params.outputs` checked against what the model emits (None: not asked)."""
+    asked = params.get("outputs")
+    if asked is None:
+        return None
+    emitted = config.emitted(output_names)
+    if (
+        not isinstance(asked, list)
+        or not asked
+        or not all(isinstance(name, str) for name in asked)
+        or len(set(asked)) != len(asked)
+    ):
+        raise WireError(
+            "bad_request", "params.outputs must be a non-empty array of distinct output names"
+        )
+    unknown = [name for name in asked if name not in emitted]
+    if unknown:
+        raise WireError(
+            "bad_request",
+            f"params.outputs names {', '.join(show_value(n, 40) for n in unknown[:5])}, "
+            f"not an output this model sends (it sends {', '.join(emitted)})",
+        )
+    return list(asked)
+
+
 def initial_state(session: Session, config: StreamConfig, inputs: Arrays) -> Arrays:
     """Zero-filled state inputs the request did not give (symbolic dims: the batch size)."""
     if config.mode != "steps":
@@ -258,5 +300,14 @@ def merge_pieces(mode: str, pieces: list[tuple[int, Arrays]]) -> Arrays:
     if mode == "whole":
         return pieces[0][1]
     names = list(pieces[0][1])
-    join = np.concatenate if mode == "batch" else np.stack
-    return {n: join([p[1][n] for p in pieces], axis=0) for n in names}
+    return {n: _joined(mode, [p[1][n] for p in pieces]) for n in names}
+
+
+def _joined(mode: str, values: list[Any]) -> Any:
+    """One output's pieces as one value: tensors joined as above; a `seq` output (a list,
+    such as a classifier's ZipMap) as one list, of items (`batch`) or of steps (`steps`)."""
+    if all(isinstance(v, np.ndarray) for v in values):
+        return np.concatenate(values, axis=0) if mode == "batch" else np.stack(values, axis=0)
+    if mode == "batch":
+        return [item for value in values for item in value]
+    return list(values)

@@ -13,6 +13,12 @@ instead, and the driver ends the stream with an `error` (`too_large`) after what
 
 Chunk and result payloads are assembled around the outputs' encoded bytes (the tensor data
 is copied once, into the payload); the bytes are those `encode_with_outputs` would make.
+
+An output with no wire form (a complex or bfloat16 array, a set, any object that is not an
+ONNX value) fails its request, not the model: the chunk or result is not made and
+:class:`OutputNotEncodable` (`model_error`, naming the output and its type) is raised
+instead, for the driver to end the stream with an `error`, like :class:`ReplyTooLarge`
+(both are a :class:`ReplyRefused`).
 """
 
 from __future__ import annotations
@@ -29,13 +35,13 @@ from typing import Any
 import cbor2
 
 from agent.delivery.outbox import Outbox, OutMessage
-from agent.models.backends.base import Array
 from agent.ops.counters import Counters
 from agent.ops.metrics import AgentMetrics
 from agent.protocol.errors import PROTOCOL_VERSION, WireError
 from agent.protocol.payload import encode_payload
 from agent.protocol.replies import reply_envelope, split_parts
 from agent.protocol.tensors import cbor_text, cbor_uint, outputs_pieces
+from agent.protocol.values import value_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +58,12 @@ _V_AND_ID_KEY = b"".join(cbor2.dumps(x) for x in ("v", PROTOCOL_VERSION, "id"))
 _RESULT_HEAD = bytes((0xA0 + _RESULT_KEYS,)) + _V_AND_ID_KEY
 
 
-class ReplyTooLarge(WireError):
+class ReplyRefused(WireError):
+    """A chunk or result of one request that was not made (nothing of it was): that request
+    ends with an `error` carrying this code and message; the run and its model go on."""
+
+
+class ReplyTooLarge(ReplyRefused):
     """The next chunk or result would pass the request's reply budget (nothing was made)."""
 
     def __init__(self, budget: int, made: int) -> None:
@@ -61,6 +72,22 @@ class ReplyTooLarge(WireError):
             f"reply budget exceeded: the outputs would pass limits.max_reply_bytes "
             f"({budget} bytes) after {made} bytes of replies",
         )
+
+
+class OutputNotEncodable(ReplyRefused):
+    """An output of the chunk or result has no wire form (nothing was made): `model_error`,
+    the message naming the output and its type (see `agent.protocol.values`)."""
+
+    def __init__(self, problem: Exception) -> None:
+        super().__init__("model_error", str(problem))
+
+
+def _encoded(outputs: Mapping[str, Any]) -> tuple[list[Any], int]:
+    """`outputs_pieces`, its encoding failures (TypeError, ValueError) as OutputNotEncodable."""
+    try:
+        return outputs_pieces(outputs)
+    except (TypeError, ValueError) as e:
+        raise OutputNotEncodable(e) from e
 
 
 @functools.lru_cache(maxsize=256)
@@ -151,9 +178,10 @@ class ReplyStream:
             )
         )
 
-    def chunk(self, outputs: Mapping[str, Array], index: int) -> None:
-        """One `chunk` (or its parts); ReplyTooLarge, with nothing made, past the budget."""
-        pieces, size = outputs_pieces(outputs)
+    def chunk(self, outputs: Mapping[str, Any], index: int) -> None:
+        """One `chunk` (or its parts); ReplyTooLarge, with nothing made, past the budget;
+        OutputNotEncodable, with nothing made, for an output with no wire form."""
+        pieces, size = _encoded(outputs)
         if size + PART_OVERHEAD <= self.max_chunk_bytes:
             payload = self._chunk_payload(pieces, index)
             total = self.reply_bytes + len(payload)
@@ -166,10 +194,11 @@ class ReplyStream:
             return
         self._parts(b"".join(pieces), index)
 
-    def hold(self, outputs: Mapping[str, Array]) -> None:
+    def hold(self, outputs: Mapping[str, Any]) -> None:
         """Count outputs kept for a `stream: false` result against the budget, so a result
-        that cannot be sent is refused before all of it was computed (ReplyTooLarge)."""
-        self.held_bytes += sum(a.nbytes for a in outputs.values())
+        that cannot be sent is refused before all of it was computed (ReplyTooLarge). Lists
+        and dicts (ONNX sequences and maps) are counted by an estimate of their size."""
+        self.held_bytes += sum(value_nbytes(a) for a in outputs.values())
         if self.reply_bytes + self.held_bytes > self.max_reply_bytes:
             raise ReplyTooLarge(self.max_reply_bytes, self.reply_bytes)
 
@@ -230,10 +259,10 @@ class ReplyStream:
     def end(self, timing: Mapping[str, float]) -> bool:
         return self._terminal(self._fields("end", chunks=self.chunks, timing=dict(timing)))
 
-    def result(self, outputs: Mapping[str, Array], timing: Mapping[str, float]) -> bool:
+    def result(self, outputs: Mapping[str, Any], timing: Mapping[str, float]) -> bool:
         """The `result` (or parts and `end`); ReplyTooLarge, with nothing made, past the
-        budget."""
-        pieces, size = outputs_pieces(outputs)
+        budget; OutputNotEncodable, with nothing made, for an output with no wire form."""
+        pieces, size = _encoded(outputs)
         if size + PART_OVERHEAD > self.max_chunk_bytes:
             # One message cannot hold it: stream the parts, then close with `end`.
             self._parts(b"".join(pieces), 0)

@@ -29,7 +29,7 @@ from agent.delivery.outbox import OutboxClosed
 from agent.inference import batching, modes
 from agent.inference.job import Cancelled, Job
 from agent.inference.modes import Arrays, Member, Piece, Run
-from agent.inference.reply_stream import ReplySender, ReplyTooLarge
+from agent.inference.reply_stream import ReplyRefused, ReplySender
 from agent.inference.short_runs import ShortRuns
 from agent.models.backends.base import InferenceError, TensorSpec
 from agent.models.manager import LoadedVersion, ModelManager
@@ -127,7 +127,10 @@ class Runner:
         job.reply.version = loaded.version
         try:
             inputs = modes.initial_state(loaded.session, config, _checked_inputs(job, loaded))
-            return Member(inputs, modes.max_steps(config, request.params), job.cancelled)
+            select = modes.selected_outputs(
+                config, [spec.name for spec in loaded.session.outputs], request.params
+            )
+            return Member(inputs, modes.max_steps(config, request.params), job.cancelled, select)
         except WireError as e:
             self._fail(job, e.code, e.message)
             self._send_quietly([job])
@@ -184,13 +187,14 @@ class Runner:
         collected: dict[int, list[tuple[int, Arrays]]],
     ) -> list[int]:
         """The emit rule for one run's pieces; the members they finished. A member past its
-        reply budget is answered `too_large` and leaves the run (noted in `run.failed`)."""
+        reply budget (`too_large`) or with an output that has no wire form (`model_error`) is
+        answered and leaves the run (noted in `run.failed`); the others go on."""
         ended = []
         for piece in pieces:
             try:
                 if self._emit(piece, jobs, run, collected):
                     ended.append(piece.member)
-            except ReplyTooLarge as e:
+            except ReplyRefused as e:
                 self._fail(jobs[piece.member][0], e.code, e.message)
                 run.failed[piece.member] = e
                 collected.pop(piece.member, None)

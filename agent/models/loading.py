@@ -10,18 +10,20 @@ one stays.
 from __future__ import annotations
 
 from agent.models.backends.base import BackendOptions, ModelLoadError, Session
-from agent.models.backends.registry import get_backend, warm_up
+from agent.models.backends.registry import get_backend
 from agent.models.records import ModelRecord
 from agent.models.repository import VersionInfo, verify_checksum
 from agent.models.signature import check_signature, incompatibilities
+from agent.models.warmup import run_warm_up
 
 __all__ = ["open_version"]
 
 
 def open_version(
     record: ModelRecord, version: VersionInfo, options: BackendOptions, *, warmup: bool
-) -> Session:
-    """A checked, warmed-up session of ``version`` (``options``: the agent-wide ones)."""
+) -> tuple[Session, str]:
+    """A checked, warmed-up session of ``version`` (``options``: the agent-wide ones), and
+    how the warm-up went (the inventory's ``warmup``: ``ok``, ``off`` or ``skipped: ...``)."""
     if version.problem is not None:
         raise ModelLoadError(version.problem)
     if version.model_file is None or version.backend is None:
@@ -38,11 +40,12 @@ def open_version(
             problems += incompatibilities(serving.session, session, serving.version)
         if problems:
             raise ModelLoadError("; ".join(problems))
-        if warmup:
-            warm_up(session)
+        warmed = run_warm_up(
+            session, record.config.warmup, version.model_file.parent, enabled=warmup
+        )
     except Exception as e:
         session.close()
         if isinstance(e, ModelLoadError):
             raise
         raise ModelLoadError(f"warm-up failed: {e}") from e
-    return session
+    return session, warmed

@@ -246,7 +246,7 @@ class ModelManager:
         self._on_inventory()
         started = time.monotonic()
         try:
-            session = open_version(record, version, self._options, warmup=self._warmup)
+            session, warmed = open_version(record, version, self._options, warmup=self._warmup)
         except ModelLoadError as e:
             self._mark_failed(record, version, str(e))
             return None
@@ -255,6 +255,7 @@ class ModelManager:
         )
         with self._lock:
             entry.state, entry.loaded, entry.backend = "ready", loaded, loaded.backend
+            entry.warmup = warmed
         seconds = time.monotonic() - started
         log.info(
             "model %s v%d ready (%s, providers %s) in %.2f s",
@@ -271,6 +272,7 @@ class ModelManager:
                 "version": version.version,
                 "backend": loaded.backend,
                 "providers": list(session.providers),
+                "warmup": warmed,
                 "load_s": round(seconds, 4),
             }
         )

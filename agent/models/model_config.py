@@ -10,6 +10,7 @@ each model's file through :func:`load_model_config`; the inference package reads
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -36,12 +37,15 @@ __all__ = [
     "StopCondition",
     "StreamConfig",
     "TensorDecl",
+    "WarmupConfig",
+    "WarmupInput",
     "load_model_config",
     "parse_model_config",
 ]
 
 CONFIG_FILE = "config.toml"
 MAX_CONFIG_BYTES = 64 * 1024  # checked before parsing: a config is a few hundred bytes
+MAX_WARMUP_ELEMENTS = 1 << 24  # per [warmup] input: a warm-up is one small request
 
 # numpy dtype names a declared tensor may use: the ones the wire format carries.
 DTYPES = frozenset(
@@ -204,6 +208,46 @@ class BackendOptionsConfig(_Strict):
         return dataclasses.replace(base, **changes)
 
 
+class WarmupInput(_Strict):
+    """One input of an explicit warm-up: ``shape`` filled with ``value``."""
+
+    shape: list[int] = []
+    value: int | float | bool | str = 0
+
+    @field_validator("shape")
+    @classmethod
+    def _sizes(cls, v: list[int]) -> list[int]:
+        if any(d < 0 for d in v):
+            raise ValueError("dims must be >= 0")
+        if len(v) > 16 or math.prod(v) > MAX_WARMUP_ELEMENTS:
+            raise ValueError(f"at most 16 dims and {MAX_WARMUP_ELEMENTS} elements")
+        return v
+
+
+class WarmupConfig(_Strict):
+    """``[warmup]``: real warm-up inputs for a model the synthetic guesses do not fit.
+
+    ``file`` is an ``.npz`` in the version folder (one array per input name); ``inputs``
+    gives ``NAME = {shape, value}`` and wins over the file. Inputs neither names get the
+    synthetic values. With either set, a failing warm-up fails the version.
+    """
+
+    enabled: bool = True
+    file: str | None = None
+    inputs: dict[str, WarmupInput] = {}
+
+    @field_validator("file")
+    @classmethod
+    def _plain_name(cls, v: str | None) -> str | None:
+        if v is not None and (not v or "/" in v or "\\" in v or v in (".", "..")):
+            raise ValueError("must be a file name in the version folder (no folders)")
+        return v
+
+    @property
+    def explicit(self) -> bool:
+        return self.file is not None or bool(self.inputs)
+
+
 class ModelConfig(_Strict):
     """One model's config.toml; every key is optional."""
 
@@ -215,6 +259,7 @@ class ModelConfig(_Strict):
     backend_options: BackendOptionsConfig = BackendOptionsConfig()
     preprocess: PreprocessConfig | None = None  # how local sources prepare frames for it
     batching: BatchingConfig = BatchingConfig()
+    warmup: WarmupConfig = WarmupConfig()
 
     @model_validator(mode="after")
     def _batching_mode(self) -> ModelConfig:

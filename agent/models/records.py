@@ -4,7 +4,7 @@ The records (:class:`ModelRecord`, :class:`VersionRecord`, :class:`LoadedVersion
 owned by :class:`agent.models.manager.ModelManager` and changed only under its lock; the
 rest of the agent sees them through a :class:`Lease` (one request's hold on a version), a
 :class:`Serving` (what ingress checks a request against) and the inventory payload
-(:func:`inventory_of`, :func:`summarize`).
+(:func:`inventory_of`; :func:`summarize` and :func:`format_inventory` for logs and the CLI).
 """
 
 from __future__ import annotations
@@ -14,10 +14,14 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
 
-from agent.models.backends.base import Session, TensorSpec
+import cbor2
+
+from agent.models.backends.base import Dim, Session, TensorSpec, session_metadata
 from agent.models.model_config import BatchingConfig, ModelConfig, StreamConfig
 
 __all__ = [
+    "INVENTORY_DETAIL_BYTES",
+    "VERSION_DETAIL_FLOOR",
     "Event",
     "Fingerprint",
     "Lease",
@@ -25,7 +29,9 @@ __all__ = [
     "ModelRecord",
     "Serving",
     "State",
+    "VersionDetails",
     "VersionRecord",
+    "format_inventory",
     "inventory_of",
     "summarize",
 ]
@@ -48,6 +54,8 @@ class LoadedVersion:
     retired: bool = False
     retired_at: float = 0.0
     closed: bool = False
+    # Its signature and metadata for the inventory, sized once (by `inventory_of`, lazily).
+    details: VersionDetails | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -60,6 +68,7 @@ class VersionRecord:
     fingerprint: Fingerprint | None = None
     loaded: LoadedVersion | None = None
     removed: bool = False  # the folder is gone: forget the entry once it is closed
+    warmup: str | None = None  # "ok", "off" or "skipped: <reason>" (the inventory's `warmup`)
 
 
 @dataclass
@@ -112,8 +121,123 @@ class Lease:
         self.release()
 
 
-def inventory_of(models: Mapping[str, ModelRecord]) -> dict[str, Any]:
-    """The retained `ROOT/models` payload of the contract (the caller holds the lock)."""
+# The inventory is retained on MQTT, so it must fit one message: 128 KB at AWS IoT Core (and
+# at `mqtt.max_packet_bytes` = 131072). Signatures and metadata share this many bytes, split
+# evenly over the ready versions, each getting at least the floor; what does not fit is
+# counted, not listed (docs/protocol.md, Inventory; benchmarks/inventory_size.py).
+INVENTORY_DETAIL_BYTES = 96 * 1024
+VERSION_DETAIL_FLOOR = 256
+_OVERHEAD = 64  # map heads and the keys signature/inputs/outputs/omitted/metadata/props
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One map entry of a signature or of `props`, with its CBOR size (key and value)."""
+
+    key: str
+    value: Any
+    size: int
+
+    @classmethod
+    def of(cls, key: str, value: Any) -> _Item:
+        return cls(key, value, len(cbor2.dumps(key)) + len(cbor2.dumps(value)))
+
+
+def _take(items: Sequence[_Item], budget: int) -> tuple[dict[str, Any], int, int]:
+    """The longest prefix of ``items`` within ``budget`` bytes: (entries, omitted, budget left).
+    A prefix, not a best fit: the model's order is kept and nothing in the middle is missing."""
+    taken: dict[str, Any] = {}
+    for item in items:
+        if item.size > budget:
+            break
+        taken[item.key] = item.value
+        budget -= item.size
+    return taken, len(items) - len(taken), budget
+
+
+def _dim(d: Dim) -> int | str:
+    return d if isinstance(d, int | str) else "?"
+
+
+def _signature_items(specs: Sequence[TensorSpec]) -> tuple[_Item, ...]:
+    return tuple(
+        _Item.of(s.name, {"type": s.onnx_type, "shape": [_dim(d) for d in s.shape]}) for s in specs
+    )
+
+
+@dataclass(frozen=True)
+class VersionDetails:
+    """A ready version's signature and metadata as inventory entries, each sized once at the
+    first inventory that lists the version; :meth:`within` cuts them to a byte share."""
+
+    inputs: tuple[_Item, ...]
+    outputs: tuple[_Item, ...]
+    metadata: dict[str, Any] | None  # without props; None: the session has none
+    props: tuple[_Item, ...]
+    props_omitted: int  # already left out by the session (past its own bound)
+    fixed_size: int  # bytes spent whatever the share: the metadata but props, map overhead
+
+    @classmethod
+    def of(cls, session: Session) -> VersionDetails:
+        inputs, outputs = _signature_items(session.inputs), _signature_items(session.outputs)
+        meta = session_metadata(session)
+        if meta is None:
+            return cls(inputs, outputs, None, (), 0, _OVERHEAD)
+        metadata = {k: v for k, v in meta.items() if k not in ("props", "props_omitted")}
+        props = meta.get("props")
+        omitted = meta.get("props_omitted")
+        return cls(
+            inputs,
+            outputs,
+            metadata,
+            tuple(_Item.of(str(k), str(v)) for k, v in props.items())
+            if isinstance(props, Mapping)
+            else (),
+            omitted if isinstance(omitted, int) else 0,
+            _OVERHEAD + len(cbor2.dumps(metadata)),
+        )
+
+    def within(self, share: int) -> dict[str, Any]:
+        """``signature`` and ``metadata`` in about ``share`` CBOR bytes: inputs first, then
+        outputs, then props, each in file order; the rest counted in ``omitted`` and
+        ``props_omitted``. The metadata's other fields are small and always there."""
+        inputs, inputs_left, budget = _take(self.inputs, share - self.fixed_size)
+        outputs, outputs_left, budget = _take(self.outputs, budget)
+        signature: dict[str, Any] = {"inputs": inputs, "outputs": outputs}
+        if inputs_left or outputs_left:
+            signature["omitted"] = {"inputs": inputs_left, "outputs": outputs_left}
+        result: dict[str, Any] = {"signature": signature}
+        if self.metadata is not None:
+            props, props_left, _ = _take(self.props, budget)
+            metadata = {**self.metadata, "props": props}
+            if props_left + self.props_omitted:
+                metadata["props_omitted"] = props_left + self.props_omitted
+            result["metadata"] = metadata
+        return result
+
+
+def _details(loaded: LoadedVersion) -> VersionDetails:
+    if loaded.details is None:
+        loaded.details = VersionDetails.of(loaded.session)
+    return loaded.details
+
+
+def inventory_of(
+    models: Mapping[str, ModelRecord], *, detail_bytes: int = INVENTORY_DETAIL_BYTES
+) -> dict[str, Any]:
+    """The retained `ROOT/models` payload of the contract (the caller holds the lock).
+
+    The one place it is built. Ready versions carry their signature and metadata, cut to a
+    fair share of ``detail_bytes`` so the message stays under the broker's limit however
+    many models and inputs there are (the floor aside: past ~90 ready versions it grows).
+    """
+    ready = sum(
+        1
+        for record in models.values()
+        for entry in record.versions.values()
+        if entry.loaded is not None and entry.state == "ready"
+    )
+    share = max(VERSION_DETAIL_FLOOR, detail_bytes // max(ready, 1))
     payload: dict[str, Any] = {}
     for name, record in sorted(models.items()):
         versions: dict[str, Any] = {}
@@ -121,8 +245,11 @@ def inventory_of(models: Mapping[str, ModelRecord]) -> dict[str, Any]:
             item: dict[str, Any] = {"state": entry.state, "backend": entry.backend}
             if entry.error:
                 item["error"] = entry.error
+            if entry.warmup is not None:
+                item["warmup"] = entry.warmup
             if entry.loaded is not None and entry.state == "ready":
                 item["providers"] = list(entry.loaded.session.providers)
+                item.update(_details(entry.loaded).within(share))
             versions[str(number)] = item
         payload[name] = {
             "serving": record.serving.version if record.serving else None,
@@ -138,3 +265,78 @@ def summarize(inventory: Mapping[str, Any]) -> str:
         states = ", ".join(f"v{n}:{v['state']}" for n, v in model["versions"].items())
         lines.append(f"{name}: serving {model['serving']} ({states})")
     return "\n".join(lines)
+
+
+def _safe(value: object) -> str:
+    """Text from the inventory (names and metadata come from model files) without control
+    characters, which a terminal would act on."""
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def format_inventory(inventory: Mapping[str, Any]) -> str:
+    """The inventory for a person: per model, per version its state, backend, warm-up and
+    providers, then one line per input and output (`NAME  type  [dims]`) and the metadata."""
+    lines: list[str] = []
+    for name, model in inventory.get("models", {}).items():
+        serving = model.get("serving")
+        lines.append(f"{_safe(name)}  " + (f"serving v{serving}" if serving else "not serving"))
+        for number, version in model.get("versions", {}).items():
+            lines.extend(_version_lines(str(number), version))
+    return "\n".join(lines) or "(no models)"
+
+
+def _version_lines(number: str, version: Mapping[str, Any]) -> list[str]:
+    head = [f"v{number}", str(version.get("state")), str(version.get("backend") or "-")]
+    if version.get("warmup"):
+        head.append(f"warmup {_safe(version['warmup'])}")
+    if version.get("providers"):
+        head.append("providers " + ",".join(_safe(p) for p in version["providers"]))
+    lines = ["  " + "  ".join(head)]
+    if version.get("error"):
+        lines.append(f"    error: {_safe(version['error'])}")
+    signature = version.get("signature") or {}
+    for role in ("inputs", "outputs"):
+        if role in signature:
+            lines.append(f"    {role}:")
+            lines.extend(_tensor_lines(signature[role]))
+            omitted = (signature.get("omitted") or {}).get(role)
+            if omitted:
+                lines.append(f"      ... {omitted} more, left out of the inventory for size")
+    if isinstance(version.get("metadata"), Mapping):
+        lines.extend(_metadata_lines(version["metadata"]))
+    return lines
+
+
+def _tensor_lines(tensors: Mapping[str, Any]) -> list[str]:
+    """`NAME  type  [dims]`, the columns aligned."""
+    rows = [
+        (
+            _safe(name),
+            _safe(spec.get("type", "?")),
+            "[" + ", ".join(_safe(d) for d in spec.get("shape", [])) + "]",
+        )
+        for name, spec in tensors.items()
+    ]
+    if not rows:
+        return ["      (none)"]
+    name_w = max(len(r[0]) for r in rows)
+    type_w = max(len(r[1]) for r in rows)
+    return [f"      {n:<{name_w}}  {t:<{type_w}}  {d}" for n, t, d in rows]
+
+
+def _metadata_lines(meta: Mapping[str, Any]) -> list[str]:
+    producer = " ".join(_safe(meta[k]) for k in ("producer", "producer_version") if meta.get(k))
+    parts = [f"producer {producer or '?'}"]
+    if meta.get("domain"):
+        parts.append(f"domain {_safe(meta['domain'])}")
+    for key, label in (("opset", "opset"), ("opset_ml", "ai.onnx.ml opset")):
+        if meta.get(key) is not None:
+            parts.append(f"{label} {meta[key]}")
+    lines = ["    metadata: " + ", ".join(parts)]
+    lines.extend(f"      {_safe(k)} = {_safe(v)}" for k, v in (meta.get("props") or {}).items())
+    if meta.get("props_omitted"):
+        lines.append(f"      ... {meta['props_omitted']} more props")
+    return lines

@@ -66,7 +66,8 @@ def _names(specs: Mapping[str, TensorSpec]) -> str:
 def _compare_decl(role: str, decl: TensorDecl, spec: TensorSpec) -> list[str]:
     problems: list[str] = []
     if spec.dtype.name != decl.dtype:
-        problems.append(f"{role} {spec.name!r}: declared {decl.dtype}, model has {spec.dtype.name}")
+        has = spec.dtype.name if spec.is_numeric else spec.onnx_type
+        problems.append(f"{role} {spec.name!r}: declared {decl.dtype}, model has {has}")
     if len(decl.shape) != spec.rank:
         problems.append(
             f"{role} {spec.name!r}: declared rank {len(decl.shape)}, model has {spec.describe()}"
@@ -94,7 +95,7 @@ def _check_link(
     if problems:
         return problems
     a, b = inputs[dst], outputs[src]
-    if a.dtype != b.dtype:
+    if a.dtype != b.dtype or a.onnx_type != b.onnx_type:
         problems.append(f"{kind} {dst} <- {src}: {a.dtype.name} input, {b.dtype.name} output")
     elif a.rank != b.rank or any(
         _dims_conflict(x, y) for x, y in zip(a.shape, b.shape, strict=True)
@@ -125,7 +126,8 @@ def incompatibilities(old: Session, new: Session, old_version: int) -> list[str]
                 isinstance(a, int) and isinstance(b, int) and a != b
                 for a, b in zip(prior.shape, spec.shape, strict=False)
             )
-            if spec.dtype != prior.dtype or spec.rank != prior.rank or fixed_differ:
+            differ = spec.dtype != prior.dtype or spec.onnx_type != prior.onnx_type
+            if differ or spec.rank != prior.rank or fixed_differ:
                 problems.append(
                     f"{role} {spec.describe()} is incompatible with v{old_version}'s "
                     f"{prior.describe()}"

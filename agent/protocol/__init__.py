@@ -9,6 +9,8 @@ one):
   protocol's constants, the helpers that keep messages one bounded line;
 - `tensors`: RFC 8746 tensors to and from CBOR tags, and the hand-built CBOR of reply outputs
   (`outputs_pieces`, `encode_outputs`, `cbor_uint`, `cbor_text`: the reply hot path);
+- `values`: every other ONNX value (string tensors, `seq`, `map`) to and from CBOR, the
+  slow path `tensors` hands such values to (by a late import: values imports tensors);
 - `cbor_scan`: the header-only walk of a CBOR map that bounds it before cbor2 decodes it;
 - `payload`: the guard in its order (`decode_payload`) and `encode_payload`;
 - `topics`: the one check of topics named from outside (`topic_problem`) and where replies

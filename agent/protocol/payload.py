@@ -286,7 +286,9 @@ def decode_payload(data: bytes | bytearray | memoryview, limits: Limits) -> dict
 
 def _encode_default(encoder: cbor2.CBOREncoder, value: Any) -> None:
     """numpy values anywhere in a payload: arrays as tensors, scalars as CBOR numbers."""
-    if isinstance(value, np.ndarray):
+    if isinstance(value, np.ndarray) and value.dtype.kind in "OU":  # string tensors
+        encoder.encode(cbor2.CBORTag(TENSOR_TAG, [list(value.shape), value.ravel().tolist()]))
+    elif isinstance(value, np.ndarray):
         encoder.encode(encode_tensor(value))
     elif isinstance(value, np.generic):
         encoder.encode(value.item())

@@ -13,7 +13,7 @@ from typing import Any
 
 from agent.protocol.errors import PROTOCOL_VERSION, Limits
 from agent.protocol.payload import decode_payload
-from agent.protocol.tensors import Array, decode_tensor
+from agent.protocol.values import decode_value
 
 __all__ = ["gone_message", "reassemble_parts", "reply_envelope", "split_parts"]
 
@@ -54,7 +54,7 @@ def split_parts(outputs_cbor: bytes, max_data_bytes: int) -> list[bytes]:
 _PARTS_LIMITS = Limits(max_payload_bytes=1 << 62)
 
 
-def reassemble_parts(parts: Sequence[bytes], *, limits: Limits | None = None) -> dict[str, Array]:
+def reassemble_parts(parts: Sequence[bytes], *, limits: Limits | None = None) -> dict[str, Any]:
     """The inverse of :func:`split_parts` + :func:`agent.protocol.tensors.encode_outputs`, for
     clients.
 
@@ -64,4 +64,4 @@ def reassemble_parts(parts: Sequence[bytes], *, limits: Limits | None = None) ->
     """
     limits = limits or _PARTS_LIMITS
     outputs = decode_payload(b"".join(parts), limits)
-    return {name: decode_tensor(value, limits, name=name) for name, value in outputs.items()}
+    return {name: decode_value(value, limits, name=name) for name, value in outputs.items()}

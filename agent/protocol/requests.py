@@ -44,6 +44,8 @@ REQUEST_KEYS = frozenset(
 DEFAULT_PRIORITY = 4
 _BOOL = np.dtype(np.bool_)
 _UINT8 = np.dtype(np.uint8)  # booleans travel as uint8 (see agent.protocol.tensors)
+_STRING = np.dtype(object)  # tensor(string), as ONNX Runtime takes it (agent.protocol.values)
+_STRING_FORM = "string (tag 40 over [shape, [text, ...]])"
 
 
 @dataclass
@@ -209,6 +211,23 @@ def _input_names_error(
     return _bad(request_id, "unexpected input(s) " + names + _takes(specs))
 
 
+def _dtype_problem(name: str, got: np.dtype[Any], want: np.dtype[Any]) -> str:
+    """Why an input's dtype is refused (built only for an error): string and numeric
+    tensors told apart in words, as the wire forms differ."""
+    if want == _STRING:  # a string input (else refused for what it is, see _uncarried_type)
+        return f"{_input(name)} has dtype {got.name}, expected {_STRING_FORM}"
+    if got == _STRING:
+        return f"{_input(name)} is a string tensor, expected {want.name}"
+    return f"{_input(name)} has dtype {got.name}, expected {want.name}"
+
+
+def _uncarried_type(spec: TensorSpec) -> str | None:
+    """The ONNX type of an input of dtype object that is not a string tensor (bfloat16, a
+    sequence, a map); None for a string input."""
+    kind = spec.onnx_type
+    return None if kind == "tensor(string)" else kind
+
+
 def validate_inputs(
     request_id: str, inputs: Mapping[str, Array], specs: Sequence[TensorSpec]
 ) -> dict[str, Array]:
@@ -216,8 +235,10 @@ def validate_inputs(
 
     ``specs`` are :class:`agent.models.backends.base.TensorSpec` (name, dtype, shape with int or
     symbolic dims). No dtype is cast implicitly: a silent float64 -> float32 would hide a client
-    bug. The one exception is the wire's own: booleans travel as uint8, so uint8 holding only
-    0 and 1 is viewed as bool for a bool input.
+    bug. The exceptions are the wire's own: booleans travel as uint8, so uint8 holding only
+    0 and 1 is viewed as bool for a bool input; a string input (dtype object, ONNX's
+    ``tensor(string)``) takes string tensors, which decode to object arrays of ``str`` (numpy's
+    own ``str`` arrays, from local callers, are converted to that).
     """
 
     if len(inputs) != len(specs):
@@ -230,6 +251,11 @@ def validate_inputs(
         if not isinstance(arr, np.ndarray):
             raise _bad(request_id, f"{_input(spec.name)} is not a tensor")
         want = spec.dtype if isinstance(spec.dtype, np.dtype) else np.dtype(spec.dtype)
+        if want.kind == "O" and _uncarried_type(spec):
+            raise _bad(
+                request_id,
+                f"{_input(spec.name)} is {_uncarried_type(spec)}, which no request can carry",
+            )
         if arr.dtype != want:
             if want == _BOOL and arr.dtype == _UINT8:
                 if arr.size and int(arr.max()) > 1:
@@ -237,11 +263,10 @@ def validate_inputs(
                         request_id, f"{_input(spec.name)} is bool: its uint8 values must be 0 or 1"
                     )
                 arr = arr.view(_BOOL)
+            elif want == _STRING and arr.dtype.kind == "U":
+                arr = arr.astype(_STRING)
             else:
-                raise _bad(
-                    request_id,
-                    f"{_input(spec.name)} has dtype {arr.dtype.name}, expected {want.name}",
-                )
+                raise _bad(request_id, _dtype_problem(spec.name, arr.dtype, want))
         if arr.ndim != len(spec.shape):
             raise _bad(
                 request_id,

@@ -5,6 +5,11 @@ allocated, and only then wraps the bytes cbor2 already holds (zero copy). Encodi
 ways: :func:`encode_tensor` makes the ``CBORTag`` that cbor2 encodes anywhere in a payload,
 and :func:`outputs_pieces` (the reply hot path) writes the same bytes by hand around each
 array's own buffer, so that a reply copies its tensor data once, into the payload.
+
+Numeric tensors only. The other ONNX values (string tensors, sequences, maps) are
+`agent.protocol.values`', reached from here on two slow paths only, by a late import (values
+builds on this module): a tensor whose data is an array of text (a string tensor), and an
+output that is not a numeric array. A numeric array never goes near them.
 """
 
 from __future__ import annotations
@@ -26,10 +31,12 @@ __all__ = [
     "cbor_uint",
     "decode_request_tensor",
     "decode_tensor",
+    "element_count",
     "encode_outputs",
     "encode_tensor",
     "format_dims",
     "outputs_pieces",
+    "tensor_error",
     "typed_array_dtypes",
 ]
 
@@ -124,14 +131,17 @@ def decode_tensor(obj: Any, limits: Limits, *, name: str = "tensor") -> Array:
 
     The shape is checked against the limits before anything is allocated, so a shape of 2^40
     elements costs a few multiplications. The array wraps the bytes cbor2 decoded (zero copy);
-    big-endian data is converted to the host's order, which is the only copy made.
+    big-endian data is converted to the host's order, which is the only copy made. A string
+    tensor (tag 40 over ``[shape, [text, ...]]``) becomes a numpy array of dtype object
+    holding ``str`` (see :func:`agent.protocol.values.decode_string_tensor`).
     """
     return decode_request_tensor(obj, limits, name, None)
 
 
-def _tensor_error(
+def tensor_error(
     name: str, request_id: str | None, message: str, code: str = "bad_request"
 ) -> WireError:
+    """A tensor's refusal, its message naming the tensor (a request's input, mostly)."""
     return WireError(code, f"tensor {show_value(name)}: {message}", request_id)
 
 
@@ -140,7 +150,7 @@ def decode_request_tensor(obj: Any, limits: Limits, name: str, request_id: str |
     # Errors are built by a module function, not a closure made on every call: on the
     # network thread's path this function runs once per input of every request.
     if not isinstance(obj, cbor2.CBORTag):
-        raise _tensor_error(
+        raise tensor_error(
             name,
             request_id,
             f"not an RFC 8746 tensor (tag 40 over [shape, typed array]), got {kind_of(obj)}",
@@ -149,23 +159,23 @@ def decode_request_tensor(obj: Any, limits: Limits, name: str, request_id: str |
     if obj.tag == TENSOR_TAG:
         value = obj.value
         if not isinstance(value, (list, tuple)) or len(value) != 2:
-            raise _tensor_error(name, request_id, "tag 40 must hold [shape, typed array]")
+            raise tensor_error(name, request_id, "tag 40 must hold [shape, typed array]")
         dims, typed = value
         if not isinstance(dims, (list, tuple)):
-            raise _tensor_error(
+            raise tensor_error(
                 name, request_id, f"the shape must be an array of dimensions, got {kind_of(dims)}"
             )
         if len(dims) > limits.max_rank:
-            raise _tensor_error(
+            raise tensor_error(
                 name, request_id, f"rank {len(dims)} exceeds the limit of {limits.max_rank}"
             )
         for d in dims:
             if not is_cbor_int(d) or d < 0:
-                raise _tensor_error(
+                raise tensor_error(
                     name, request_id, f"dimension {show_value(d)} is not a non-negative integer"
                 )
             if d > limits.max_tensor_elements:
-                raise _tensor_error(
+                raise tensor_error(
                     name,
                     request_id,
                     f"dimension {d} exceeds the limit of {limits.max_tensor_elements} elements",
@@ -175,24 +185,29 @@ def decode_request_tensor(obj: Any, limits: Limits, name: str, request_id: str |
     elif 64 <= obj.tag <= 87:
         shape, typed = None, obj
     else:
-        raise _tensor_error(
+        raise tensor_error(
             name, request_id, f"tag {obj.tag} is not a tensor (tag 40, or a typed array 64-87)"
         )
 
     if not isinstance(typed, cbor2.CBORTag) or not 64 <= typed.tag <= 87:
-        raise _tensor_error(
+        if shape is not None and isinstance(typed, (list, tuple)):  # [shape, [text, ...]]
+            from agent.protocol.values import decode_string_tensor  # the slow path: see above
+
+            return decode_string_tensor(shape, typed, limits, name, request_id)
+        raise tensor_error(
             name,
             request_id,
-            "the data must be an RFC 8746 typed array (tags 64-87 over a byte string)",
+            "the data must be an RFC 8746 typed array (tags 64-87 over a byte string) or, "
+            "for a string tensor, an array of text strings",
         )
     dtype = _TAG_DTYPES.get(typed.tag)
     if dtype is None:
-        raise _tensor_error(
+        raise tensor_error(
             name, request_id, f"typed array tag {typed.tag}: {_UNSUPPORTED_TAGS[typed.tag]}"
         )
     raw = typed.value
     if not isinstance(raw, (bytes, bytearray)):
-        raise _tensor_error(
+        raise tensor_error(
             name,
             request_id,
             f"typed array tag {typed.tag} must hold a byte string, got {kind_of(raw)}",
@@ -202,13 +217,13 @@ def decode_request_tensor(obj: Any, limits: Limits, name: str, request_id: str |
 
     if shape is None:
         if nbytes % itemsize:
-            raise _tensor_error(
+            raise tensor_error(
                 name, request_id, f"{nbytes} bytes is not a whole number of {dtype.name} elements"
             )
         shape = (nbytes // itemsize,)
-    elements = _element_count(shape, limits.max_tensor_elements)
+    elements = element_count(shape, limits.max_tensor_elements)
     if elements > limits.max_tensor_elements:
-        raise _tensor_error(
+        raise tensor_error(
             name,
             request_id,
             f"shape {format_dims(shape)} exceeds the limit of "
@@ -217,7 +232,7 @@ def decode_request_tensor(obj: Any, limits: Limits, name: str, request_id: str |
         )
     need = elements * itemsize
     if need > limits.max_tensor_bytes:
-        raise _tensor_error(
+        raise tensor_error(
             name,
             request_id,
             f"shape {format_dims(shape)} of {dtype.name} needs {need} bytes, over the limit of "
@@ -225,7 +240,7 @@ def decode_request_tensor(obj: Any, limits: Limits, name: str, request_id: str |
             "too_large",
         )
     if nbytes != need:
-        raise _tensor_error(
+        raise tensor_error(
             name,
             request_id,
             f"shape {format_dims(shape)} of {dtype.name} needs {need} bytes, got {nbytes}",
@@ -237,8 +252,9 @@ def decode_request_tensor(obj: Any, limits: Limits, name: str, request_id: str |
     return arr
 
 
-def _element_count(shape: Sequence[int], limit: int) -> int:
-    """The product of the dims, stopping as soon as it passes ``limit`` (unless a dim is 0)."""
+def element_count(shape: Sequence[int], limit: int) -> int:
+    """The product of the dims, stopping as soon as it passes ``limit`` (unless a dim is 0):
+    a hostile shape costs a few multiplications, never a huge integer."""
     if 0 in shape:
         return 0
     count = 1
@@ -258,11 +274,12 @@ def format_dims(shape: Sequence[int]) -> str:
 # The hot path: replies built from pieces, tensor data copied once, into the payload.
 
 
-def encode_outputs(outputs: Mapping[str, Array]) -> bytes:
-    """CBOR of ``{name: tensor}``: a reply's ``outputs``, or the bytes its parts carry.
+def encode_outputs(outputs: Mapping[str, Any]) -> bytes:
+    """CBOR of ``{name: value}``: a reply's ``outputs``, or the bytes its parts carry.
 
-    The same bytes as ``cbor2.dumps({name: encode_tensor(arr)})``, built from each array's own
-    buffer with one copy (into the result).
+    For numeric arrays the same bytes as ``cbor2.dumps({name: encode_tensor(arr)})``, built
+    from each array's own buffer with one copy (into the result); any other value as
+    :func:`agent.protocol.values.encode_value` writes it (TypeError where it has no form).
     """
     pieces, _ = outputs_pieces(outputs)
     return b"".join(pieces)
@@ -339,15 +356,25 @@ def _tensor_head(arr: Array) -> tuple[bytes, np.dtype[Any] | None]:
     return head, convert
 
 
-def outputs_pieces(outputs: Mapping[str, Array]) -> tuple[list[Any], int]:
-    """The CBOR of ``{name: tensor}`` as pieces for one ``b"".join`` (heads as bytes, data
+def outputs_pieces(outputs: Mapping[str, Any]) -> tuple[list[Any], int]:
+    """The CBOR of ``{name: value}`` as pieces for one ``b"".join`` (heads as bytes, data
     as the arrays themselves), and its length: a reply is assembled around them with a
-    single copy of the tensor data."""
+    single copy of the tensor data.
+
+    A numeric array takes the hand-built way; anything else (a string tensor, a list, a
+    dict, a dtype with no tag) fails its head and goes to :func:`_other_output`, which
+    encodes it or raises TypeError naming the output and its type."""
     pieces: list[Any] = [_head(5, len(outputs))]
     size = len(pieces[0])
     for name, arr in outputs.items():
         text = cbor_text(name)
-        head, convert = _tensor_head(arr)
+        try:
+            head, convert = _tensor_head(arr)
+        except (TypeError, AttributeError):  # no dtype, or one with no tag: not numeric
+            data = _other_output(name, arr)
+            pieces += (text, data)
+            size += len(text) + len(data)
+            continue
         if convert is not None:
             arr = arr.view(convert) if convert is _UINT8 else arr.astype(convert)
         if not arr.flags.c_contiguous:
@@ -355,3 +382,10 @@ def outputs_pieces(outputs: Mapping[str, Array]) -> tuple[list[Any], int]:
         pieces += (text, head, arr)
         size += len(text) + len(head) + arr.nbytes
     return pieces, size
+
+
+def _other_output(name: str, value: Any) -> bytes:
+    """The CBOR of an output that is not a numeric array (the slow path, see the module)."""
+    from agent.protocol.values import encode_value
+
+    return encode_value(value, name)

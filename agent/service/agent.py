@@ -247,6 +247,9 @@ class Agent:
         )
         self._start_metrics_server()
         self.reporter.notifier.status("loading models")
+        if self.config.models.repository.is_dir():
+            # Watched before the first sync: a version written meanwhile is seen at once.
+            self.watcher.start()
         self._load_models()
         self.ingress.accepting = True
         self._replay_stored_requests()
@@ -256,8 +259,6 @@ class Agent:
         self.transport.start()
         self.health.started = True
         self.housekeeping.start()
-        if self.config.models.repository.is_dir():
-            self.watcher.start()
         self.sources.start()  # last: models loaded, workers and the connection up
 
     def _start_metrics_server(self) -> None:

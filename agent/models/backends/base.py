@@ -17,21 +17,82 @@ Array = npt.NDArray[Any]
 Dim = int | str | None
 
 
+# ONNX's names of the tensor element types numpy holds natively (the wire format carries
+# these); `TensorSpec` derives its ONNX type from its dtype with it when it is given none.
+ONNX_ELEMENT_DTYPES: dict[str, np.dtype[Any]] = {
+    onnx_name: np.dtype(np_name)
+    for onnx_name, np_name in [
+        ("float", "float32"),
+        ("double", "float64"),
+        ("float16", "float16"),
+        ("int8", "int8"),
+        ("int16", "int16"),
+        ("int32", "int32"),
+        ("int64", "int64"),
+        ("uint8", "uint8"),
+        ("uint16", "uint16"),
+        ("uint32", "uint32"),
+        ("uint64", "uint64"),
+        ("bool", "bool"),
+    ]
+}
+_ONNX_NAMES = {dtype: name for name, dtype in ONNX_ELEMENT_DTYPES.items()}
+_ONNX_NAMES[np.dtype(object)] = "string"
+
+
+def onnx_type_of(dtype: np.dtype[Any]) -> str:
+    """The ONNX type string of a plain tensor of ``dtype`` (``float32`` -> ``tensor(float)``)."""
+    return f"tensor({_ONNX_NAMES.get(dtype, dtype.name)})"
+
+
 @dataclass(frozen=True)
 class TensorSpec:
-    """One declared input or output of a model: what requests are checked against."""
+    """One declared input or output of a model: what requests are checked against.
+
+    ``type`` is the ONNX type string as ONNX Runtime spells it (``tensor(float)``,
+    ``tensor(string)``, ``seq(map(int64,tensor(float)))``); left empty it is derived from
+    ``dtype``, so a backend that only knows numeric tensors (TensorRT) need not spell it.
+    Models with types numpy cannot hold natively still load, so that a classifier with a
+    ``seq(map(...))`` output or a ``bfloat16`` input serves what it can: such specs have the
+    object dtype, and non-tensors the shape ``()``; only a request that touches them fails.
+    """
 
     name: str
     dtype: np.dtype  # type: ignore[type-arg, unused-ignore]
     shape: tuple[Dim, ...]
+    type: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.type:  # filled in, so specs from both spellings compare equal
+            object.__setattr__(self, "type", onnx_type_of(np.dtype(self.dtype)))
+
+    @property
+    def onnx_type(self) -> str:
+        """The ONNX type string (``type``, never empty)."""
+        return self.type
+
+    @property
+    def is_tensor(self) -> bool:
+        """A plain tensor (``tensor(...)``), not a sequence, map, optional or sparse tensor."""
+        return self.type.startswith("tensor(")
+
+    @property
+    def is_numeric(self) -> bool:
+        """A tensor of numbers or booleans: what the wire format carries and zeros can fill."""
+        return self.is_tensor and np.dtype(self.dtype).kind in "biuf"
 
     @property
     def rank(self) -> int:
         return len(self.shape)
 
     def describe(self) -> str:
+        """``x: float32[?,3]``; the ONNX type where numpy's name would hide it
+        (``labels: tensor(string)[?]``, ``probabilities: seq(map(int64,tensor(float)))``)."""
+        if not self.is_tensor:
+            return f"{self.name}: {self.type}"
         dims = ",".join("?" if not isinstance(d, int) else str(d) for d in self.shape)
-        return f"{self.name}: {self.dtype.name}[{dims}]"
+        kind = self.dtype.name if self.is_numeric else self.type
+        return f"{self.name}: {kind}[{dims}]"
 
 
 @dataclass(frozen=True)
@@ -71,6 +132,17 @@ class Session(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def session_metadata(session: object) -> Mapping[str, Any] | None:
+    """What a session says about its model file (producer, opset, ...), or None.
+
+    Optional, so not part of :class:`Session`: a runtime-checkable protocol checks every
+    member, and a session without it (TensorRT's, a test's fake) must still count as one.
+    ONNX Runtime's sessions have ``metadata`` (see ``agent.models.onnx_header``).
+    """
+    metadata = getattr(session, "metadata", None)
+    return metadata if isinstance(metadata, Mapping) else None
 
 
 class Backend(Protocol):

@@ -16,12 +16,14 @@ import numpy as np
 import numpy.typing as npt
 
 from agent.models.backends.base import (
+    ONNX_ELEMENT_DTYPES,
     BackendOptions,
     Dim,
     InferenceError,
     ModelLoadError,
     TensorSpec,
 )
+from agent.models.onnx_header import model_metadata
 
 __all__ = [
     "CPU_PROVIDER",
@@ -39,22 +41,9 @@ CPU_PROVIDER = "CPUExecutionProvider"
 
 # ONNX Runtime's type strings for the tensor types the wire format can carry.
 ORT_DTYPES: dict[str, np.dtype[Any]] = {
-    f"tensor({ort_name})": np.dtype(np_name)
-    for ort_name, np_name in [
-        ("float", "float32"),
-        ("double", "float64"),
-        ("float16", "float16"),
-        ("int8", "int8"),
-        ("int16", "int16"),
-        ("int32", "int32"),
-        ("int64", "int64"),
-        ("uint8", "uint8"),
-        ("uint16", "uint16"),
-        ("uint32", "uint32"),
-        ("uint64", "uint64"),
-        ("bool", "bool"),
-    ]
+    f"tensor({name})": dtype for name, dtype in ONNX_ELEMENT_DTYPES.items()
 }
+_OBJECT = np.dtype(object)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -85,15 +74,16 @@ def select_providers(requested: Sequence[str], available: Sequence[str]) -> list
     return chosen
 
 
-def _spec(node_arg: Any, role: str) -> TensorSpec:
-    """One ORT NodeArg as a TensorSpec; types the wire format cannot carry fail the load."""
-    dtype = ORT_DTYPES.get(node_arg.type)
-    if dtype is None:
-        raise ModelLoadError(
-            f"{role} {node_arg.name!r} has type {node_arg.type}, which the agent cannot carry"
-        )
-    shape: tuple[Dim, ...] = tuple(_dim(d) for d in (node_arg.shape or ()))
-    return TensorSpec(name=node_arg.name, dtype=dtype, shape=shape)
+def _spec(node_arg: Any) -> TensorSpec:
+    """One ORT NodeArg as a TensorSpec. Every type loads: strings, sequences, maps and
+    tensors numpy lacks (bfloat16, float8) get the object dtype and their ONNX type, so a
+    classifier serves its numeric outputs and only a request touching the others fails."""
+    onnx_type = str(node_arg.type) or "unknown"
+    dtype = ORT_DTYPES.get(onnx_type, _OBJECT)
+    shape: tuple[Dim, ...] = ()
+    if onnx_type.startswith("tensor("):  # sequences and maps have no shape of their own
+        shape = tuple(_dim(d) for d in (node_arg.shape or ()))
+    return TensorSpec(name=node_arg.name, dtype=dtype, shape=shape, type=onnx_type)
 
 
 def _dim(d: object) -> Dim:
@@ -185,11 +175,14 @@ def _provider_options(names: Sequence[str], extra: Mapping[str, object]) -> list
 class OnnxSession:
     """A loaded ONNX model. ``run`` may be called from several threads at once."""
 
-    def __init__(self, session: Any, model_file: Path) -> None:
+    def __init__(
+        self, session: Any, model_file: Path, metadata: Mapping[str, Any] | None = None
+    ) -> None:
         self._session: Any = session
         self.model_file = model_file
-        self._inputs = tuple(_spec(a, "input") for a in session.get_inputs())
-        self._outputs = tuple(_spec(a, "output") for a in session.get_outputs())
+        self._metadata = dict(metadata) if metadata is not None else None
+        self._inputs = tuple(_spec(a) for a in session.get_inputs())
+        self._outputs = tuple(_spec(a) for a in session.get_outputs())
         self._output_names = tuple(spec.name for spec in self._outputs)
         self._providers = tuple(str(p) for p in session.get_providers())
 
@@ -204,6 +197,12 @@ class OnnxSession:
     @property
     def providers(self) -> Sequence[str]:
         return self._providers
+
+    @property
+    def metadata(self) -> Mapping[str, Any] | None:
+        """The file's producer, opsets and metadata_props (:mod:`agent.models.onnx_header`),
+        read at load; None when the header could not be read."""
+        return self._metadata
 
     @property
     def closed(self) -> bool:
@@ -258,7 +257,7 @@ class OnnxRuntimeBackend:
             )
         except Exception as exc:
             raise ModelLoadError(f"cannot load {model_file}: {_one_line(exc)}") from exc
-        result = OnnxSession(session, Path(model_file))
+        result = OnnxSession(session, Path(model_file), model_metadata(model_file))
         dropped = [p for p in providers if p not in result.providers]
         if dropped:
             log.warning(

@@ -1,4 +1,4 @@
-"""Backends by type key, imported only when first asked for, plus the shared warm-up.
+"""Backends by type key, imported only when first asked for (warm-up: agent.models.warmup).
 
 A runtime that is not installed (TensorRT on a laptop, ONNX Runtime on a TensorRT-only box)
 costs a :class:`ModelLoadError` for the versions that need it, never an import error at start.
@@ -11,12 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
+from agent.models.backends.base import Backend, ModelLoadError
 
-from agent.models.backends.base import Backend, InferenceError, ModelLoadError, Session
-
-__all__ = ["BACKENDS", "SUFFIXES", "backend_for_file", "get_backend", "warm_up", "zero_inputs"]
+__all__ = ["BACKENDS", "SUFFIXES", "backend_for_file", "get_backend"]
 
 # Model file suffix -> backend name. Which files a version folder may hold is the
 # repository's business (agent.models.repository); this maps the ones it accepts.
@@ -64,23 +61,3 @@ def backend_for_file(path: Path | str) -> str:
         raise ModelLoadError(
             f"{Path(path).name}: no backend for files ending in {suffix or '(no suffix)'!r}"
         ) from None
-
-
-def zero_inputs(session: Session) -> dict[str, npt.NDArray[Any]]:
-    """Zeros for every declared input, symbolic or unknown dims set to 1."""
-    return {
-        spec.name: np.zeros(
-            tuple(d if isinstance(d, int) else 1 for d in spec.shape), dtype=spec.dtype
-        )
-        for spec in session.inputs
-    }
-
-
-def warm_up(session: Session) -> None:
-    """Run once on zeros before a version goes live, so a model that loads but cannot run
-    fails here (and is marked ``failed``) instead of on the first request; it also pays
-    the first-run allocation cost up front. Raises :class:`InferenceError`."""
-    outputs = session.run(zero_inputs(session))
-    missing = [spec.name for spec in session.outputs if spec.name not in outputs]
-    if missing:
-        raise InferenceError(f"warm-up returned no {', '.join(missing)}")

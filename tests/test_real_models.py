@@ -1,0 +1,153 @@
+"""Models made by real exporters, dropped into a models folder with an empty `config.toml`,
+as a user brings them: each loads, says how its warm-up went and what it takes, and answers
+as its own framework did.
+
+The fixtures come from `scripts/make_real_models.py` (optimum, the silero-vad wheel,
+torch.onnx, skl2onnx), each with the framework's reference outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from agent.client import AgentClient, AgentError
+from agent.demo.broker import EmbeddedBroker
+from agent.service.agent import Agent
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "real"
+FAMILIES = ("gpt2", "silero_vad", "ocr_det", "sklearn_iris", "sklearn_strings", "sklearn_text")
+# What the synthetic warm-up makes of each (`ok` where its guesses fit the model).
+WARMUP = {name: "ok" for name in FAMILIES}
+
+
+def reference(name: str) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, np.ndarray]]:
+    meta = json.loads((FIXTURES / name / "reference.json").read_text())
+    with np.load(FIXTURES / name / "reference.npz", allow_pickle=False) as data:
+        inputs = {k[3:]: data[k] for k in data.files if k.startswith("in.")}
+        outputs = {k[4:]: data[k] for k in data.files if k.startswith("out.")}
+    return meta, inputs, outputs
+
+
+def wire_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """numpy unicode arrays as the object arrays of `str` a string tensor decodes to."""
+    return {k: v.astype(object) if v.dtype.kind == "U" else v for k, v in inputs.items()}
+
+
+@pytest.fixture(scope="module")
+def real_agent(
+    broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Agent, AgentClient]]:
+    from tests.conftest import agent_config
+
+    tmp = tmp_path_factory.mktemp("real")
+    root = tmp / "models"
+    for name in FAMILIES:
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "config.toml").write_text("")
+        shutil.copy(FIXTURES / name / "model.onnx", root / name / "1" / "model.onnx")
+    agent = Agent(agent_config(tmp, broker, root))
+    agent.start()
+    client = AgentClient(broker.host, broker.port, device_id=agent.config.device_id).connect()
+    try:
+        assert agent.wait_ready(10)
+        yield agent, client
+    finally:
+        client.close()
+        agent.stop()
+
+
+def version_entry(agent: Agent, name: str) -> dict[str, Any]:
+    entry: dict[str, Any] = agent.models.inventory()["models"][name]["versions"]["1"]
+    return entry
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_loads_with_an_empty_config(real_agent: tuple[Agent, AgentClient], name: str) -> None:
+    agent, _ = real_agent
+    entry = version_entry(agent, name)
+    assert entry["state"] == "ready", entry.get("error")
+    assert entry["warmup"] == WARMUP[name]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_signature_and_metadata_in_the_inventory(
+    real_agent: tuple[Agent, AgentClient], name: str
+) -> None:
+    agent, _ = real_agent
+    meta, _, _ = reference(name)
+    entry = version_entry(agent, name)
+    expected = meta["signature"]
+    if isinstance(expected, str):  # the script wrote a long signature as its repr
+        pytest.skip("reference signature not stored as JSON")
+    for role in ("inputs", "outputs"):
+        listed = entry["signature"][role]
+        assert list(listed) == [item["name"] for item in expected[role]]
+        for item in expected[role]:
+            shape = [("?" if d is None else d) for d in item["shape"]]
+            assert listed[item["name"]] == {"type": item["type"], "shape": shape}
+    metadata = entry["metadata"]
+    assert metadata["producer"] == meta["onnx"]["producer_name"]
+    assert metadata["producer_version"] == meta["onnx"]["producer_version"]
+    opsets = meta["onnx"]["opset_import"]
+    assert metadata["opset"] == opsets.get("ai.onnx", opsets.get(""))
+
+
+def close(actual: Any, expected: np.ndarray, meta: dict[str, Any]) -> None:
+    tolerance = meta["tolerance"]
+    if expected.dtype.kind == "U":
+        assert list(np.asarray(actual).ravel()) == list(expected.ravel())
+    else:
+        np.testing.assert_allclose(actual, expected, rtol=tolerance["rtol"], atol=tolerance["atol"])
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_answers_as_its_framework_did(real_agent: tuple[Agent, AgentClient], name: str) -> None:
+    _, client = real_agent
+    meta, inputs, outputs = reference(name)
+    got = client.request(name, wire_inputs(inputs), stream=False).collect()
+    for key, expected in outputs.items():
+        close(got[key], expected, meta)
+    for key, expected_maps in meta["json_outputs"].items():
+        key_type = meta["json_output_key_types"][key]
+        cast: Callable[[str], Any] = int if key_type == "int64" else str
+        assert isinstance(got[key], list) and len(got[key]) == len(expected_maps)
+        for got_map, want in zip(got[key], expected_maps, strict=True):
+            assert set(got_map) == {cast(k) for k in want}
+            for k, v in want.items():
+                assert got_map[cast(k)] == pytest.approx(v, rel=1e-4, abs=1e-5)
+
+
+def test_string_labels_and_zipmap_stream_in_a_chunk(real_agent: tuple[Agent, AgentClient]) -> None:
+    _, client = real_agent
+    _, inputs, outputs = reference("sklearn_strings")
+    chunks = list(client.request("sklearn_strings", inputs))
+    assert len(chunks) == 1
+    labels = chunks[0].outputs["output_label"]
+    assert labels.dtype == object and list(labels) == list(outputs["output_label"])
+    assert all(isinstance(m, dict) and all(isinstance(k, str) for k in m) for m in
+               chunks[0].outputs["output_probability"])  # fmt: skip
+
+
+def test_params_outputs_narrows_what_is_sent(real_agent: tuple[Agent, AgentClient]) -> None:
+    _, client = real_agent
+    meta, inputs, outputs = reference("gpt2")
+    got = client.request(
+        "gpt2", inputs, stream=False, params={"outputs": ["logits"]}
+    ).collect()
+    assert list(got) == ["logits"]
+    close(got["logits"], outputs["logits"], meta)
+    with pytest.raises(AgentError, match=r"bad_request.*nope"):
+        client.request("gpt2", inputs, params={"outputs": ["nope"]}).collect()
+
+
+def test_a_string_input_refuses_numbers(real_agent: tuple[Agent, AgentClient]) -> None:
+    _, client = real_agent
+    with pytest.raises(AgentError, match=r"bad_request.*string"):
+        client.request("sklearn_text", {"input": np.zeros((1, 1), np.float32)}).collect()
