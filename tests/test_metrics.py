@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from agent.client import AgentError
-from agent.ops.metrics import AgentMetrics, Gauges
+from agent.ops.metrics import SAFETY_COUNTERS, AgentMetrics, Gauges
 from agent.protocol.payload import encode_payload
 from agent.service.agent import Agent
 from tests.conftest import agent_config
@@ -213,3 +213,17 @@ def test_the_grafana_dashboard_only_uses_metrics_that_exist():
     metrics = AgentMetrics(lambda: Gauges(spool_messages=0, spool_bytes=0), device="x", version="0")
     exposed = set(re.findall(r"^# TYPE (\w+) ", generate_latest(metrics.registry).decode(), re.M))
     assert used and used <= exposed, sorted(used - exposed)
+
+
+def test_faults_handled_without_stopping_are_counters():
+    """Each safety counter of the agent is a Prometheus counter, zero until it happens."""
+    metrics = AgentMetrics(
+        lambda: Gauges(counters={"broker_session_lost": 2, "retained_ignored": 1}),
+        device="d",
+        version="0",
+    )
+    snap = metrics.snapshot()
+    assert snap["edge_agent_broker_session_lost_total"] == 2
+    assert snap["edge_agent_retained_ignored_total"] == 1
+    for name, _ in SAFETY_COUNTERS:
+        assert f"edge_agent_{name}_total" in snap

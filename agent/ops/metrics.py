@@ -188,6 +188,19 @@ class Gauges:
     healthy: bool = True
     oldest_job_s: float = 0.0
     inventory: Mapping[str, Any] = field(default_factory=dict)
+    counters: Mapping[str, int] = field(default_factory=dict)  # agent.ops.counters snapshot
+
+
+# What went wrong and was handled without stopping: (counter, help), each exported as
+# `edge_agent_<counter>_total` so an alert can see it without reading telemetry.
+SAFETY_COUNTERS: tuple[tuple[str, str], ...] = (
+    ("spool_quarantined", "Corrupt spool files moved aside at start"),
+    ("epoch_recovered", "Unreadable epoch files recovered at start"),
+    ("requests_store_failed", "QoS 1/2 requests that could not be stored (answered overloaded)"),
+    ("retained_ignored", "Retained requests acknowledged and never run"),
+    ("messages_quarantined", "Messages the broker refused for good, taken out of the spool"),
+    ("broker_session_lost", "Connections on which the broker had lost the agent's session"),
+)
 
 
 class AgentCollector(Collector):
@@ -235,6 +248,8 @@ class AgentCollector(Collector):
                 "Messages the full spool evicted (drop_oldest)",
                 value=g.spool_evicted,
             )
+        for name, help_text in SAFETY_COUNTERS:
+            yield CounterMetricFamily(f"{PREFIX}_{name}", help_text, value=g.counters.get(name, 0))
         yield from _model_families(g.inventory)
 
 

@@ -122,6 +122,7 @@ class Health:
             healthy=self.problem() is None,
             oldest_job_s=time.monotonic() - self.scheduler.oldest_heartbeat() if busy else 0.0,
             inventory=self.models.inventory(),
+            counters=self.counters.snapshot(),
         )
 
     def telemetry(
