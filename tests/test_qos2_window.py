@@ -9,6 +9,7 @@ subscriber.
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import socket
 import threading
@@ -133,7 +134,8 @@ def test_unfinished_qos2_flows_are_released_on_a_resumed_session(
     (a connection that ran a while) would take its quota for good without a PUBREL, and every
     later publish past what is left would be dropped."""
     caplog.set_level(logging.INFO, "agent.mqtt.session")
-    broker = EmbeddedBroker(extra_config=MOSQUITTO_DEFAULT).start()
+    # The broker's debug log shows each PUBREL it receives, with its packet id.
+    broker = EmbeddedBroker(extra_config=[*MOSQUITTO_DEFAULT, "log_type debug"]).start()
     agent = make_agent(
         broker,
         repository,
@@ -163,11 +165,19 @@ def test_unfinished_qos2_flows_are_released_on_a_resumed_session(
             time.sleep(0.5)  # none of its PUBRECs: they stay unfinished in its session
             sock = agent.transport._client.socket()
             assert isinstance(sock, socket.socket)
+            cut = set(agent.transport._window.qos2)  # the ids whose PUBREL never went out
             sock.shutdown(socket.SHUT_RDWR)  # lost abruptly: the broker keeps the session
         assert wait_until(lambda: agent.transport.reconnects >= 1, 10)
         assert agent.transport.connected.wait(10)
         assert agent.transport.sessions_lost == 0
         assert "releasing" in caplog.text  # PUBREL for the ids of the cut connection
+
+        def released() -> set[int]:
+            log = broker.log_path.read_text(errors="replace")
+            return {int(m) for m in re.findall(r"Received PUBREL from \S+ \(Mid: (\d+)\)", log)}
+
+        if paho_kind == "fast":  # paho's own client has no way to send them (paho_plain)
+            assert cut and wait_until(lambda: cut <= released(), 10), cut - released()
         assert run_streams(broker, agent, f"after-{paho_kind}") == {}
     finally:
         publisher.disconnect()
