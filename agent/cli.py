@@ -1,4 +1,4 @@
-"""`edge-agent`: run | check-config | health | models | request | subscribe | demo."""
+"""`edge-agent`: run | check-config | health | models | request | subscribe | sign | demo."""
 
 from __future__ import annotations
 
@@ -455,6 +455,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine_builder.add_arguments(build)
     build.set_defaults(func=engine_builder.run_from_args)
+
+    from agent import cli_sign
+
+    sign = sub.add_parser("sign", help="write a version folder's model.sig (signed models)")
+    cli_sign.add_arguments(sign)
+    sign.set_defaults(func=cli_sign.run_from_args)
 
     demo = sub.add_parser("demo", help="end to end: agent, broker and a streaming decoder")
     demo.add_argument("--host", help="use this broker (default: start a private mosquitto)")

@@ -38,12 +38,12 @@ sys.path.insert(0, str(REPO))
 
 from agent.client import AgentClient  # noqa: E402
 from agent.demo.broker import EmbeddedBroker  # noqa: E402
-from benchmarks import delivery, hot_swap, resend, speed  # noqa: E402
+from benchmarks import delivery, hot_swap, resend, scan, speed  # noqa: E402
 from benchmarks import sources as local_sources  # noqa: E402
 from benchmarks.harness import AgentProcess, machine, versions, wait_online  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
-SECTIONS = ("speed", "hot-swap", "resend", "drain", "sources")
+SECTIONS = ("speed", "hot-swap", "resend", "drain", "sources", "scan")
 PLOT = "benchmarks-speed.png"
 HISTORY_DOC = "benchmarks-history.md"  # written beside the report
 WIDTH = 100  # prose lines of the reports
@@ -99,12 +99,17 @@ def run_sources(broker: EmbeddedBroker, workdir: Path, quick: bool) -> dict[str,
     return local_sources.to_json(local_sources.measure(broker, workdir, quick))
 
 
+def run_scan(broker: EmbeddedBroker, workdir: Path, quick: bool) -> dict[str, Any]:
+    return scan.to_json(scan.measure(broker, workdir, quick))
+
+
 RUNNERS = {
     "speed": run_speed,
     "hot-swap": run_hot_swap,
     "resend": run_resend,
     "drain": run_drain,
     "sources": run_sources,
+    "scan": run_scan,
 }
 
 
@@ -221,7 +226,7 @@ def section_lines(name: str, record: dict[str, Any], docs: Path, plot: bool = Tr
     data = record["data"]
     if name == "speed":
         result = speed.from_json(data)
-        plotted = speed.plot(result, docs / PLOT) if plot else (docs / PLOT).exists()
+        plotted = (plot and speed.plot(result, docs / PLOT)) or (docs / PLOT).exists()
         lines = speed.section(result, PLOT if plotted else None)
     elif name == "hot-swap":
         lines = hot_swap.section(
@@ -231,6 +236,8 @@ def section_lines(name: str, record: dict[str, Any], docs: Path, plot: bool = Tr
         lines = resend.section(resend.ResendFloodResult(**data))
     elif name == "drain":
         lines = delivery.section(delivery.DrainResult(**data))
+    elif name == "scan":
+        lines = scan.section(scan.from_json(data))
     else:
         lines = local_sources.section(local_sources.from_json(data))
     return [lines[0], "", _measured(record), *lines[1:]]
@@ -296,6 +303,8 @@ def met(name: str, data: dict[str, Any]) -> bool:
         return resend.ResendFloodResult(**data).ratio <= 2
     if name == "drain":
         return delivery.DrainResult(**data).ratio >= 0.5
+    if name == "scan":
+        return scan.met(scan.from_json(data))
     return local_sources.met(local_sources.from_json(data))
 
 

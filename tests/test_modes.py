@@ -166,4 +166,4 @@ def test_batch_mode_needs_one_leading_axis(tmp_path: Path) -> None:
 
 
 def test_every_mode_is_a_strategy_of_the_one_run() -> None:
-    assert set(modes.STRATEGIES) == {"whole", "batch", "steps"}
+    assert set(modes.STRATEGIES) == {"whole", "batch", "steps", "scan"}

@@ -72,6 +72,7 @@ class Chunk:
     version: int
     ts: int  # agent's emit time, Unix ns (of the last part)
     received: float  # local time.perf_counter() when it was complete
+    offset: int | None = None  # scan models: the first new sample of the chunk's first window
 
 
 @dataclass(frozen=True)
@@ -288,6 +289,7 @@ class Reply:
             version=int(message.get("version") or 0),
             ts=int(message.get("ts") or 0),
             received=time.perf_counter(),
+            offset=int(message["offset"]) if message.get("offset") is not None else None,
         )
 
     def collect(self) -> Outputs:

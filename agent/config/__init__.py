@@ -34,6 +34,7 @@ from agent.config.schema import (
     SystemdConfig,
     TelemetryConfig,
     TlsConfig,
+    TrustConfig,
 )
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "SystemdConfig",
     "TelemetryConfig",
     "TlsConfig",
+    "TrustConfig",
     "load_config",
     "masked_dict",
     "to_toml",

@@ -59,7 +59,11 @@ def load_config(path: Path | None, environ: Mapping[str, str] | None = None) -> 
     except ValidationError as e:
         raise ConfigError([_describe(err, source, environ) for err in e.errors()]) from None
     base = path.parent.resolve() if path is not None else Path.cwd()
-    return _resolve_paths(config, base, environ)
+    config = _resolve_paths(config, base, environ)
+    problems = [f"{source}: {p}" for p in config.models.trust.file_problems()]
+    if problems:
+        raise ConfigError(problems)
+    return config
 
 
 def _apply_environment(data: dict[str, Any], environ: Mapping[str, str]) -> list[str]:
@@ -124,7 +128,16 @@ def _resolve_paths(
     mqtt = config.mqtt.model_copy(
         update={"tls": tls, "password_file": resolve_secret(config.mqtt.password_file)}
     )
-    models = config.models.model_copy(update={"repository": resolve(config.models.repository)})
+    trust = config.models.trust
+    trust = trust.model_copy(
+        update={
+            "public_keys": [resolve(k) for k in trust.public_keys],
+            "certificate_chain": [resolve(c) for c in trust.certificate_chain],
+        }
+    )
+    models = config.models.model_copy(
+        update={"repository": resolve(config.models.repository), "trust": trust}
+    )
     state_dir = resolve(config.state_dir)
     assert state_dir is not None
     spool = config.spool.model_copy(

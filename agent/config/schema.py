@@ -7,6 +7,7 @@ agent.config.loading), and a loaded configuration is never changed in place.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import socket
 from pathlib import Path
@@ -92,6 +93,51 @@ class MqttConfig(_Section):
         return value
 
 
+class TrustConfig(_Section):
+    """`[models.trust]`: who may put a model version on the box (agent.models.trust).
+
+    With `require_signature`, a version serves only if its `model.sig` (OpenSSF model-signing,
+    over the version folder's files) verifies offline against one of `public_keys` (PEM,
+    elliptic-curve P-256/P-384/P-521) or chains to `certificate_chain` (PEM CA certificates).
+    The files are checked readable when the configuration loads (agent.config.loading).
+    """
+
+    require_signature: bool = False
+    public_keys: list[Path] = Field(default_factory=list)
+    certificate_chain: list[Path] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _some_trust(self) -> TrustConfig:
+        if self.require_signature and not (self.public_keys or self.certificate_chain):
+            raise ValueError("require_signature needs public_keys or certificate_chain")
+        return self
+
+    def file_problems(self) -> list[str]:
+        """Unreadable trust files and a missing library, checked after the paths are resolved:
+        otherwise every version would fail at its first load, far from the cause."""
+        problems = [
+            problem
+            for key in ("public_keys", "certificate_chain")
+            for path in getattr(self, key)
+            if (problem := _pem_problem(path, f"models.trust.{key}")) is not None
+        ]
+        if self.require_signature and importlib.util.find_spec("model_signing") is None:
+            problems.append(
+                "models.trust.require_signature: needs the model-signing package "
+                "(pip install 'edge-stream-agent[signing]')"
+            )
+        return problems
+
+
+def _pem_problem(path: Path, key: str) -> str | None:
+    try:
+        with path.open("rb") as f:
+            head = f.read(64 * 1024)
+    except OSError as e:
+        return f"{key}: cannot read {path}: {e.strerror or e}"
+    return None if b"-----BEGIN " in head else f"{key}: {path} is not a PEM file"
+
+
 class ModelsConfig(_Section):
     repository: Path = Path("models")
     providers: list[str] = Field(
@@ -112,6 +158,7 @@ class ModelsConfig(_Section):
     poll_interval_s: float = Field(default=1.0, gt=0)  # the polling observer's period
     rescan_s: float = Field(default=30.0, gt=0)  # full rescan, the backstop for lost events
     drain_timeout_s: float = Field(default=30.0, ge=0)  # a replaced version's leases
+    trust: TrustConfig = TrustConfig()  # signed versions; off by default
 
 
 class SchedulerConfig(_Section):
@@ -195,10 +242,10 @@ class SystemdConfig(_Section):
 
 
 SOURCE_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}\Z")  # a topic level and a file name
-SOURCE_KINDS = ("video", "folder", "pipe", "synthetic")
+SOURCE_KINDS = ("video", "folder", "pipe", "synthetic", "pcm")
 # Keys that only mean something for some kinds: set for another kind, they are an error.
 SOURCE_KEYS_BY_KIND = {
-    "path": ("video", "folder", "pipe"),
+    "path": ("video", "folder", "pipe", "pcm"),
     "url": ("video",),
     "device": ("video",),
     "backend": ("video",),
@@ -208,11 +255,17 @@ SOURCE_KEYS_BY_KIND = {
     "fill": ("synthetic",),
     "frame_shape": ("synthetic",),
     "max_record_bytes": ("pipe",),
+    "command": ("pcm",),
+    "format": ("pcm",),
+    "sample_rate": ("pcm",),
+    "channels": ("pcm",),
+    "windows_per_chunk": ("pcm",),
 }
 SOURCE_KIND_DEFAULTS: dict[str, dict[str, Any]] = {
     "video": {"backend": "auto", "loop": False},
     "folder": {"settle_s": 0.5, "poll_interval_s": 0.5},
     "synthetic": {"fill": "zeros"},
+    "pcm": {"format": "s16le", "channels": 1},
 }
 
 
@@ -225,7 +278,7 @@ class SourceConfig(_Section):
     """
 
     name: str
-    kind: Literal["video", "folder", "pipe", "synthetic"]
+    kind: Literal["video", "folder", "pipe", "synthetic", "pcm"]
     model: str = Field(min_length=1, max_length=64)
     enabled: bool = True
     inputs: dict[str, str] = Field(default_factory=dict)
@@ -252,6 +305,12 @@ class SourceConfig(_Section):
     fill: Literal["zeros", "random"] | None = None  # synthetic: zeros
     frame_shape: list[int] | None = None  # synthetic: uint8 frames of this shape (preprocessed)
     max_record_bytes: int | None = Field(default=None, ge=64)  # default: [limits] max_payload
+    # pcm: raw interleaved samples from a command's stdout, or from `path` (a FIFO or a file).
+    command: list[str] | None = Field(default=None, min_length=1)
+    format: Literal["s16le", "f32le"] | None = None  # pcm: s16le
+    sample_rate: int | None = Field(default=None, ge=1, le=1_000_000)  # pcm: required
+    channels: int | None = Field(default=None, ge=1, le=64)  # pcm: 1 (channels feed the batch)
+    windows_per_chunk: int | None = Field(default=None, ge=1, le=4096)  # pcm: the model's [scan]
     seq_reserve: int = Field(default=1000, ge=1, le=1_000_000)  # see docs/protocol.md
     retry_min_s: float = Field(default=1.0, gt=0)
     retry_max_s: float = Field(default=30.0, gt=0)
@@ -298,6 +357,8 @@ class SourceConfig(_Section):
             raise ValueError('kind = "video" needs exactly one of path, url, device')
         if self.kind in ("folder", "pipe") and self.path is None:
             raise ValueError(f'kind = "{self.kind}" needs path')
+        if self.kind == "pcm":
+            self._pcm_keys()
         if self.kind == "synthetic" and self.rate_hz is None:
             raise ValueError('kind = "synthetic" needs rate_hz')
         if self.kind == "folder" and self.policy == "latest":
@@ -305,6 +366,18 @@ class SourceConfig(_Section):
         if self.retry_max_s < self.retry_min_s:
             raise ValueError("retry_max_s must be >= retry_min_s")
         return self
+
+    def _pcm_keys(self) -> None:
+        """A pcm source reads one place, at a known rate, and every window in order: its
+        state runs through them, so none may be dropped (`policy = "all"`)."""
+        if (self.command is None) == (self.path is None):
+            raise ValueError('kind = "pcm" needs exactly one of command, path')
+        if self.command is not None and not all(self.command):
+            raise ValueError("command: the program and its arguments must be non-empty")
+        if self.sample_rate is None:
+            raise ValueError('kind = "pcm" needs sample_rate')
+        if self.policy == "latest":
+            raise ValueError('kind = "pcm" runs every window in order: policy must be "all"')
 
 
 class AgentConfig(_Section):

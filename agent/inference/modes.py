@@ -12,6 +12,10 @@ member's `last`. The modes:
 * `steps`: the model is one decode step; outputs are fed back as inputs (`feed`, `state`)
   and each step's `emit` outputs are a piece. Members decode in lock step and leave the run
   when their stop condition holds for their rows or they reached their own `max_steps`.
+* `scan`: the member's `[scan] input` is cut into windows (`agent.inference.windows`), the
+  model runs once per window with the other inputs whole and the `state` outputs fed to the
+  next window; a piece per `windows_per_chunk` windows (`index` = its first window's
+  number, `offset` = that window's first new sample). Members run one after the other.
 
 A group of one request is run on its inputs as given (no join, no split: its model need not
 have a batch axis); a group of several is joined along the leading axis (`batching`) and
@@ -34,8 +38,9 @@ import numpy as np
 
 from agent.inference import batching
 from agent.inference.job import CancelFlag, Cancelled
+from agent.inference.scan import ScanCursor
 from agent.models.backends.base import Array, InferenceError, Session
-from agent.models.model_config import StreamConfig
+from agent.models.model_config import ScanConfig, StreamConfig
 from agent.protocol.errors import WireError, show_value
 
 Arrays = dict[str, Array]
@@ -49,6 +54,9 @@ class Member:
     max_steps: int = 1
     cancelled: CancelFlag = field(default_factory=CancelFlag)
     select: Sequence[str] | None = None  # `params.outputs`; None: the model's `emit`
+    cursor: ScanCursor | None = None  # scan: where its recording stands (a session's)
+    session: str | None = None  # scan: its `params.session`
+    final: bool = True  # scan: the recording's last piece (its tail is flushed)
 
     @property
     def rows(self) -> int:
@@ -63,14 +71,22 @@ class Piece:
     index: int  # the chunk's `index`: step number, first item of a slice, 0
     outputs: Arrays
     last: bool  # the member's final piece
+    offset: int | None = None  # scan: the chunk's `offset` (its first window's first sample)
 
 
 class Run:
     """One group of members against one session: see the module docstring."""
 
-    def __init__(self, session: Session, config: StreamConfig, members: Sequence[Member]) -> None:
+    def __init__(
+        self,
+        session: Session,
+        config: StreamConfig,
+        members: Sequence[Member],
+        scan: ScanConfig | None = None,
+    ) -> None:
         self.session = session
         self.config = config
+        self.scan = scan
         self.members = members
         self.joined = len(members) > 1
         self.infer_s = 0.0
@@ -121,9 +137,7 @@ def whole(run: Run) -> Iterator[list[Piece]]:
         parts = batching.split(outputs, [m.rows for m in members])
     else:
         parts = [run.model(members[0].inputs)]
-    yield [
-        Piece(p, 0, _chosen(run, p, part), True) for p, part in zip(active, parts, strict=True)
-    ]
+    yield [Piece(p, 0, _chosen(run, p, part), True) for p, part in zip(active, parts, strict=True)]
 
 
 def slices(run: Run) -> Iterator[list[Piece]]:
@@ -166,6 +180,43 @@ def steps(run: Run) -> Iterator[list[Piece]]:
             active = [active[k] for k in going_on]
         inputs = _fed(inputs, outputs, links)
         step += 1
+
+
+def scan(run: Run) -> Iterator[list[Piece]]:
+    assert run.scan is not None  # the config's validator: mode = "scan" has [scan]
+    for position in range(len(run.members)):
+        yield from _scan_member(run, run.scan, position)
+
+
+def _scan_member(run: Run, config: ScanConfig, position: int) -> Iterator[list[Piece]]:
+    """One member's windows through the model, state carried, cancellation checked before
+    every window; the cursor keeps the state (for a session's next request)."""
+    member = run.members[position]
+    cursor = member.cursor or ScanCursor.fresh(config)
+    windows = cursor.windows(config, member.inputs[config.input], final=member.final)
+    inputs = {**member.inputs, **(cursor.state or {})}
+    links = list(run.config.state.items())
+    per_chunk = config.windows_per_chunk
+    for start in range(0, len(windows), per_chunk):
+        group = windows[start : start + per_chunk]
+        outputs: list[Arrays] = []
+        for _, window in group:
+            if not run.live([position]):
+                return
+            inputs[config.input] = window
+            result = run.model(inputs)
+            inputs = _fed(inputs, result, links)
+            cursor.state = {name: inputs[name] for name in run.config.state}
+            outputs.append(_chosen(run, position, result))
+        first = group[0][0]
+        piece = outputs[0] if per_chunk == 1 else _stacked(outputs)
+        last = start + per_chunk >= len(windows)
+        yield [Piece(position, first // config.hop, piece, last, offset=first)]
+
+
+def _stacked(outputs: list[Arrays]) -> Arrays:
+    """Several windows' outputs as one piece: on a new leading axis (lists: a list)."""
+    return {name: _joined("steps", [o[name] for o in outputs]) for name in outputs[0]}
 
 
 def _chosen(run: Run, position: int, outputs: Arrays) -> Arrays:
@@ -233,7 +284,12 @@ def _shared_leading_axis(inputs: Mapping[str, Array]) -> int:
 
 
 Strategy = Callable[[Run], Iterator[list[Piece]]]
-STRATEGIES: dict[str, Strategy] = {"whole": whole, "batch": slices, "steps": steps}
+STRATEGIES: dict[str, Strategy] = {
+    "whole": whole,
+    "batch": slices,
+    "steps": steps,
+    "scan": scan,
+}
 
 
 def max_steps(config: StreamConfig, params: Mapping[str, Any]) -> int:
@@ -274,12 +330,15 @@ def selected_outputs(
     return list(asked)
 
 
-def initial_state(session: Session, config: StreamConfig, inputs: Arrays) -> Arrays:
-    """Zero-filled state inputs the request did not give (symbolic dims: the batch size)."""
-    if config.mode != "steps":
+def initial_state(
+    session: Session, config: StreamConfig, inputs: Arrays, scan: ScanConfig | None = None
+) -> Arrays:
+    """Zero-filled state inputs the request did not give (symbolic dims: the batch size:
+    the leading axis of the first input that has one; for a scan, of its `[scan] input`
+    where the windows do not run along that axis)."""
+    if config.mode not in ("steps", "scan"):
         return inputs
-    given = [v for v in inputs.values() if v.ndim]
-    batch = int(given[0].shape[0]) if given else 1
+    batch = _batch_of(inputs, scan)
     full = dict(inputs)
     for spec in session.inputs:
         if spec.name in config.state and spec.name not in full:
@@ -288,17 +347,29 @@ def initial_state(session: Session, config: StreamConfig, inputs: Arrays) -> Arr
     return full
 
 
-def merge_pieces(mode: str, pieces: list[tuple[int, Arrays]]) -> Arrays:
+def _batch_of(inputs: Arrays, scan: ScanConfig | None) -> int:
+    signal = inputs.get(scan.input) if scan is not None else None
+    if signal is not None:
+        along = scan.axis % signal.ndim if scan is not None and signal.ndim else 0
+        return int(signal.shape[0]) if signal.ndim > 1 and along != 0 else 1
+    given = [v for v in inputs.values() if v.ndim]
+    return int(given[0].shape[0]) if given else 1
+
+
+def merge_pieces(mode: str, pieces: list[tuple[int, Arrays]], *, per_chunk: int = 1) -> Arrays:
     """The whole output for `stream: false`.
 
-    `batch` slices are concatenated back along the leading axis; `steps` outputs are stacked
-    on a new leading axis (one entry per step), so `result` carries exactly what the chunks
-    would have carried.
+    `batch` slices are concatenated back along the leading axis; `steps` and `scan` outputs
+    are stacked on a new leading axis (one entry per step or window; a scan's pieces of
+    `per_chunk` > 1 windows, stacked already, are concatenated), so `result` carries exactly
+    what the chunks would have carried.
     """
     if not pieces:
         return {}
     if mode == "whole":
         return pieces[0][1]
+    if mode == "scan" and per_chunk > 1:
+        mode = "batch"  # the same joining: along the windows' axis
     names = list(pieces[0][1])
     return {n: _joined(mode, [p[1][n] for p in pieces]) for n in names}
 

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 PART_OVERHEAD = 512
 _CHUNK_KEYS = 9  # v, id, seq, type, model, version, ts, index, outputs
 _INDEX_KEY = cbor_text("index")
+_OFFSET_KEY = cbor_text("offset")
 _OUTPUTS_KEY = cbor_text("outputs")
 _SEQ_KEY = cbor_text("seq")
 _TIMING_KEY = cbor_text("timing")
@@ -178,12 +179,13 @@ class ReplyStream:
             )
         )
 
-    def chunk(self, outputs: Mapping[str, Any], index: int) -> None:
+    def chunk(self, outputs: Mapping[str, Any], index: int, offset: int | None = None) -> None:
         """One `chunk` (or its parts); ReplyTooLarge, with nothing made, past the budget;
-        OutputNotEncodable, with nothing made, for an output with no wire form."""
+        OutputNotEncodable, with nothing made, for an output with no wire form. `offset`
+        (a scan's first new sample) is one more key after `index`; None: no key."""
         pieces, size = _encoded(outputs)
         if size + PART_OVERHEAD <= self.max_chunk_bytes:
-            payload = self._chunk_payload(pieces, index)
+            payload = self._chunk_payload(pieces, index, offset)
             total = self.reply_bytes + len(payload)
             if total > self.max_reply_bytes:
                 self.seq -= 1  # never sent: its number goes to the error
@@ -192,7 +194,7 @@ class ReplyStream:
             self._emit(payload)
             self.chunks += 1
             return
-        self._parts(b"".join(pieces), index)
+        self._parts(b"".join(pieces), index, offset)
 
     def hold(self, outputs: Mapping[str, Any]) -> None:
         """Count outputs kept for a `stream: false` result against the budget, so a result
@@ -202,10 +204,11 @@ class ReplyStream:
         if self.reply_bytes + self.held_bytes > self.max_reply_bytes:
             raise ReplyTooLarge(self.max_reply_bytes, self.reply_bytes)
 
-    def _chunk_payload(self, outputs: list[Any], index: int) -> bytes:
-        """`{v, id, seq, type: "chunk", model, version, ts, index, outputs}`, the same bytes
-        as `encode_with_outputs` would make, in one join around the outputs' pieces (the
-        tensor data is copied once, into the payload)."""
+    def _chunk_payload(self, outputs: list[Any], index: int, offset: int | None = None) -> bytes:
+        """`{v, id, seq, type: "chunk", model, version, ts, index, outputs}` (with `offset`
+        after `index` where given), the same bytes as `encode_with_outputs` would make, in
+        one join around the outputs' pieces (the tensor data is copied once, into the
+        payload)."""
         prefix = self._prefix
         if prefix is None or prefix[0] != self.version:
             head = b"".join(
@@ -220,20 +223,26 @@ class ReplyStream:
             prefix = self._prefix = (self.version, head, middle)
         seq = self.seq
         self.seq = seq + 1
+        head = prefix[1]
+        extra: tuple[bytes, ...] = ()
+        if offset is not None:  # one more key: the map's head counts it
+            head = bytes((head[0] + 1,)) + head[1:]
+            extra = (_OFFSET_KEY, cbor_uint(offset))
         return b"".join(
             (
-                prefix[1],
+                head,
                 cbor_uint(seq),
                 prefix[2],
                 cbor_uint(time.time_ns()),
                 _INDEX_KEY,
                 cbor_uint(index),
+                *extra,
                 _OUTPUTS_KEY,
                 *outputs,
             )
         )
 
-    def _parts(self, outputs_cbor: bytes, index: int) -> None:
+    def _parts(self, outputs_cbor: bytes, index: int, offset: int | None = None) -> None:
         """A chunk too large for one message: `part: [k, n]` messages carrying its bytes,
         all of them or (past the budget: ReplyTooLarge) none."""
         room = self.max_chunk_bytes - PART_OVERHEAD
@@ -242,7 +251,8 @@ class ReplyStream:
             raise ReplyTooLarge(self.max_reply_bytes, self.reply_bytes)
         pieces = split_parts(outputs_cbor, room)
         for k, data in enumerate(pieces):
-            fields = self._fields("chunk", index=index, part=[k, len(pieces)], data=data)
+            where = {"index": index} if offset is None else {"index": index, "offset": offset}
+            fields = self._fields("chunk", **where, part=[k, len(pieces)], data=data)
             payload = encode_payload(fields)
             self.reply_bytes += len(payload)
             self._emit(payload)

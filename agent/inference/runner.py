@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from agent.delivery.outbox import OutboxClosed
@@ -30,8 +30,11 @@ from agent.inference import batching, modes
 from agent.inference.job import Cancelled, Job
 from agent.inference.modes import Arrays, Member, Piece, Run
 from agent.inference.reply_stream import ReplyRefused, ReplySender
+from agent.inference.scan import ScanCursor, session_params
+from agent.inference.scan_sessions import ScanSessions
 from agent.inference.short_runs import ShortRuns
 from agent.models.backends.base import InferenceError, TensorSpec
+from agent.models.defaults import default_arrays, with_defaults
 from agent.models.manager import LoadedVersion, ModelManager
 from agent.ops.counters import Counters
 from agent.ops.metrics import AgentMetrics
@@ -62,6 +65,11 @@ class Runner:
         self._short_runs = short_runs
         self._running: set[Job] = set()
         self._running_lock = threading.Lock()
+        self.scan_sessions = ScanSessions()
+
+    def close(self) -> None:
+        """Forget the scan sessions (the agent stops)."""
+        self.scan_sessions.close()
 
     # -- entry points ------------------------------------------------------------------------
 
@@ -123,14 +131,28 @@ class Runner:
 
     def _member(self, job: Job, loaded: LoadedVersion) -> Member | None:
         """The job's inputs checked against the leased version (an error answers the job)."""
-        request, config = job.request, loaded.config.stream
+        request, config, scan = job.request, loaded.config.stream, loaded.config.scan
         job.reply.version = loaded.version
         try:
-            inputs = modes.initial_state(loaded.session, config, _checked_inputs(job, loaded))
+            inputs = _checked_inputs(job, loaded)
+            if loaded.config.defaults:
+                defaults = default_arrays(loaded.config.defaults, loaded.session.inputs)
+                inputs = with_defaults(inputs, defaults)
+            inputs = modes.initial_state(loaded.session, config, inputs, scan)
             select = modes.selected_outputs(
                 config, [spec.name for spec in loaded.session.outputs], request.params
             )
-            return Member(inputs, modes.max_steps(config, request.params), job.cancelled, select)
+            steps = modes.max_steps(config, request.params)
+            member = Member(inputs, steps, job.cancelled, select)
+            asked = session_params(request.params, scan=scan is not None)
+            member.final = asked.final
+            if asked.session is not None and scan is not None:  # taken last: given back
+                fresh = ScanCursor.fresh(scan)  # after the run (`_give_back`)
+                member.session = asked.session
+                member.cursor = self.scan_sessions.take(
+                    request.model, asked.session, loaded.version, scan.session_ttl_s, fresh
+                )
+            return member
         except WireError as e:
             self._fail(job, e.code, e.message)
             self._send_quietly([job])
@@ -146,11 +168,28 @@ class Runner:
         *,
         batched: bool,
     ) -> None:
-        run = Run(loaded.session, loaded.config.stream, members)
+        run = Run(loaded.session, loaded.config.stream, members, loaded.config.scan)
+        finished: set[int] = set()
+        try:
+            self._run_members(loaded, run, jobs, finished, batched=batched)
+        finally:
+            self._give_back(loaded.model, run, finished)
+
+    def _run_members(
+        self,
+        loaded: LoadedVersion,
+        run: Run,
+        jobs: list[tuple[Job, float]],
+        finished: set[int],
+        *,
+        batched: bool,
+    ) -> None:
+        """The loop, the emit rule, the failure rule; `finished`: the members that ended
+        well."""
+        members = run.members
         if batched:
             self._metrics.batch_run(loaded.model, len(members))
         collected: dict[int, list[tuple[int, Arrays]]] = {}
-        finished: set[int] = set()
         failure: tuple[str, str] | None = None
         try:
             for pieces in run.pieces():
@@ -178,6 +217,14 @@ class Runner:
             elif index not in finished and failure is not None:
                 self._fail(job, *failure)
         self._send_quietly([job for job, _ in jobs])  # after what the run made before failing
+
+    def _give_back(self, model: str, run: Run, finished: set[int]) -> None:
+        """Scan sessions of the run's members: kept for their next piece where the member
+        ended well and was not its recording's last piece; else ended."""
+        for position, member in enumerate(run.members):
+            if member.session is not None and member.cursor is not None:
+                keep = position in finished and position not in run.failed and not member.final
+                self.scan_sessions.give_back(model, member.session, member.cursor, keep=keep)
 
     def _emit_all(
         self,
@@ -211,7 +258,7 @@ class Runner:
         job, queued = jobs[piece.member]
         reply = job.reply
         if job.request.stream:
-            reply.chunk(piece.outputs, piece.index)
+            reply.chunk(piece.outputs, piece.index, piece.offset)
             if piece.index == 0:
                 self._metrics.first_chunk_after(job.request.model, time.monotonic() - job.received)
             if piece.last:
@@ -233,7 +280,9 @@ class Runner:
         if job.request.stream:
             job.reply.end(timing)
         else:
-            job.reply.result(modes.merge_pieces(run.config.mode, pieces), timing)
+            per_chunk = run.scan.windows_per_chunk if run.scan is not None else 1
+            merged = modes.merge_pieces(run.config.mode, pieces, per_chunk=per_chunk)
+            job.reply.result(merged, timing)
 
     # -- what goes out -----------------------------------------------------------------------
 
@@ -291,15 +340,17 @@ def _checked_inputs(job: Job, loaded: LoadedVersion) -> dict[str, Any]:
     request = job.request
     if job.checked is not None and job.checked[0] == loaded.version:
         return job.checked[1]
-    specs = required_inputs(loaded.session.inputs, loaded.config.stream.state, request.inputs)
+    optional = (*loaded.config.stream.state, *loaded.config.defaults)
+    specs = required_inputs(loaded.session.inputs, optional, request.inputs)
     return validate_inputs(request.id, request.inputs, specs)
 
 
 def required_inputs(
-    specs: Sequence[TensorSpec], state_inputs: Mapping[str, str], given: Mapping[str, object]
+    specs: Sequence[TensorSpec], optional: Collection[str], given: Mapping[str, object]
 ) -> list[TensorSpec]:
-    """Inputs a request must carry: all but the state inputs it left out (they start at zero)."""
-    return [s for s in specs if s.name not in state_inputs or s.name in given]
+    """Inputs a request must carry: all but the `optional` ones it left out: state inputs
+    (they start at zero) and `[defaults]` inputs (the runner adds them after the check)."""
+    return [s for s in specs if s.name not in optional or s.name in given]
 
 
 def _timing(job: Job, queued_s: float, infer_s: float) -> dict[str, float]:

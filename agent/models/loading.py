@@ -1,7 +1,8 @@
 """Opening one version for the manager: everything that must pass before it may serve.
 
 This is invariant 2 of :mod:`agent.models.manager` in code: the folder's problem, the
-checksum, the backend's load, the fit with ``config.toml`` and with the version that
+signature (``[models.trust]``, before anything else reads the files), the checksum, the
+backend's load, the fit with ``config.toml`` and with the version that
 serves now, and a warm-up run. Any failure closes the session and raises
 :class:`ModelLoadError` with one line, so the version is marked ``failed`` and the serving
 one stays.
@@ -11,24 +12,34 @@ from __future__ import annotations
 
 from agent.models.backends.base import BackendOptions, ModelLoadError, Session
 from agent.models.backends.registry import get_backend
+from agent.models.defaults import default_arrays
 from agent.models.records import ModelRecord
 from agent.models.repository import VersionInfo, verify_checksum
 from agent.models.signature import check_signature, incompatibilities
+from agent.models.trust import TrustPolicy
 from agent.models.warmup import run_warm_up
 
 __all__ = ["open_version"]
 
 
 def open_version(
-    record: ModelRecord, version: VersionInfo, options: BackendOptions, *, warmup: bool
-) -> tuple[Session, str]:
-    """A checked, warmed-up session of ``version`` (``options``: the agent-wide ones), and
-    how the warm-up went (the inventory's ``warmup``: ``ok``, ``off`` or ``skipped: ...``)."""
+    record: ModelRecord,
+    version: VersionInfo,
+    options: BackendOptions,
+    *,
+    warmup: bool,
+    trust: TrustPolicy | None = None,
+) -> tuple[Session, str, dict[str, str] | None]:
+    """A checked, warmed-up session of ``version`` (``options``: the agent-wide ones), how
+    the warm-up went (the inventory's ``warmup``: ``ok``, ``off`` or ``skipped: ...``) and,
+    with ``trust``, who signed it (the inventory's ``signed``)."""
     if version.problem is not None:
         raise ModelLoadError(version.problem)
     if version.model_file is None or version.backend is None:
         raise ModelLoadError("no model file in the version folder")
-    problem = verify_checksum(version)
+    # A verified signature covers model.sha256 and the model file's bytes: no second read.
+    signed = trust.verify(version.path) if trust is not None else None
+    problem = verify_checksum(version) if signed is None else None
     if problem is not None:
         raise ModelLoadError(problem)
     backend = get_backend(version.backend)
@@ -41,11 +52,15 @@ def open_version(
         if problems:
             raise ModelLoadError("; ".join(problems))
         warmed = run_warm_up(
-            session, record.config.warmup, version.model_file.parent, enabled=warmup
+            session,
+            record.config.warmup,
+            version.model_file.parent,
+            enabled=warmup,
+            known=default_arrays(record.config.defaults, session.inputs),
         )
     except Exception as e:
         session.close()
         if isinstance(e, ModelLoadError):
             raise
         raise ModelLoadError(f"warm-up failed: {e}") from e
-    return session, warmed
+    return session, warmed, signed

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from agent.config import ModelsConfig
 from agent.models.backends.base import BackendOptions, ModelLoadError, TensorSpec
 from agent.models.loading import open_version
 from agent.models.model_config import ModelConfig
@@ -41,6 +42,7 @@ from agent.models.records import (
 )
 from agent.models.repository import ModelInfo, VersionInfo, scan_repository
 from agent.models.settling import SettleTracker, fingerprint_of
+from agent.models.trust import TrustPolicy
 from agent.protocol.errors import WireError
 
 # LoadedVersion, Serving and summarize live in agent.models.records; the service and the
@@ -63,6 +65,7 @@ class ModelManager:
         on_inventory: Callable[[], None] = lambda: None,
         settle_s: float = 1.0,
         drain_timeout_s: float = 30.0,
+        trust: TrustPolicy | None = None,
     ) -> None:
         self._root = repository
         self._options = options
@@ -78,6 +81,30 @@ class ModelManager:
         self._closed = False
         self._drain_timeout_s = drain_timeout_s
         self._settling = SettleTracker(settle_s)
+        self._trust = trust  # None: versions need no signature
+
+    @classmethod
+    def for_config(
+        cls,
+        models: ModelsConfig,
+        options: BackendOptions,
+        *,
+        on_event: Callable[[Event], None],
+        on_inventory: Callable[[], None],
+    ) -> ModelManager:
+        """The agent's manager, as ``[models]`` says. Signatures are checked only with
+        ``[models.trust] require_signature``: without it nothing of model-signing is loaded."""
+        trust = models.trust
+        return cls(
+            models.repository,
+            options,
+            warmup=models.warmup,
+            on_event=on_event,
+            on_inventory=on_inventory,
+            settle_s=models.settle_s,
+            drain_timeout_s=models.drain_timeout_s,
+            trust=TrustPolicy(trust) if trust.require_signature else None,
+        )
 
     # -- requests --------------------------------------------------------------------------
 
@@ -139,6 +166,7 @@ class ModelManager:
             loaded.session.inputs,
             record.config.stream,
             batching if batching.enabled else None,
+            tuple(record.config.defaults),
         )
         self._serving[model] = (loaded, record.config, info)
         return info
@@ -243,10 +271,13 @@ class ModelManager:
         entry = record.versions[version.version]
         with self._lock:
             entry.state, entry.error, entry.fingerprint = "loading", None, fingerprint
+            entry.signed = None
         self._on_inventory()
         started = time.monotonic()
         try:
-            session, warmed = open_version(record, version, self._options, warmup=self._warmup)
+            session, warmed, signed = open_version(
+                record, version, self._options, warmup=self._warmup, trust=self._trust
+            )
         except ModelLoadError as e:
             self._mark_failed(record, version, str(e))
             return None
@@ -255,7 +286,7 @@ class ModelManager:
         )
         with self._lock:
             entry.state, entry.loaded, entry.backend = "ready", loaded, loaded.backend
-            entry.warmup = warmed
+            entry.warmup, entry.signed = warmed, signed
         seconds = time.monotonic() - started
         log.info(
             "model %s v%d ready (%s, providers %s) in %.2f s",

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from agent.models.backends.base import BackendOptions
 from agent.models.preprocess import PreprocessConfig
+from agent.models.scan_config import ScanConfig, check_default_values
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -34,6 +35,7 @@ __all__ = [
     "ModelConfig",
     "ModelConfigError",
     "PolicyConfig",
+    "ScanConfig",
     "StopCondition",
     "StreamConfig",
     "TensorDecl",
@@ -81,7 +83,7 @@ class StopCondition(_Strict):
 class StreamConfig(_Strict):
     """How one request's output is cut into chunks."""
 
-    mode: Literal["whole", "batch", "steps"] = "whole"
+    mode: Literal["whole", "batch", "steps", "scan"] = "whole"
     micro_batch: int = Field(default=1, ge=1)
     max_steps: int = Field(default=32, ge=1, le=100_000)
     feed: dict[str, str] = {}
@@ -101,12 +103,12 @@ class StreamConfig(_Strict):
 
     @model_validator(mode="after")
     def _steps_keys(self) -> StreamConfig:
-        steps_only = {"feed": bool(self.feed), "state": bool(self.state), "stop": bool(self.stop)}
-        if self.mode != "steps":
-            used = [key for key, present in steps_only.items() if present]
-            if used:
-                raise ValueError(f'{", ".join(used)} only apply to mode = "steps"')
-        elif not (self.feed or self.state):
+        # `state` also applies to a scan: it is carried from window to window.
+        carried = ("feed", "stop") if self.mode == "scan" else ("feed", "state", "stop")
+        used = [key for key in carried if getattr(self, key)]
+        if self.mode != "steps" and used:
+            raise ValueError(f'{", ".join(used)} only apply to mode = "steps"')
+        if self.mode == "steps" and not (self.feed or self.state):
             raise ValueError('mode = "steps" needs feed or state (what carries over a step)')
         both = sorted(set(self.feed) & set(self.state))
         if both:
@@ -260,14 +262,25 @@ class ModelConfig(_Strict):
     preprocess: PreprocessConfig | None = None  # how local sources prepare frames for it
     batching: BatchingConfig = BatchingConfig()
     warmup: WarmupConfig = WarmupConfig()
+    scan: ScanConfig | None = None  # mode = "scan": the windows
+    # An input's value when a request leaves it out (`sr = 16000`); checked against the
+    # model's signature at load (agent.models.defaults).
+    defaults: dict[str, Any] = {}
+
+    @field_validator("defaults")
+    @classmethod
+    def _default_values(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return check_default_values(v)
 
     @model_validator(mode="after")
     def _batching_mode(self) -> ModelConfig:
-        if self.batching.enabled and self.stream.mode == "batch":
+        if self.batching.enabled and self.stream.mode in ("batch", "scan"):
             raise ValueError(
                 'batching applies to mode = "whole" and "steps" (a "batch" request runs its '
-                "own slices)"
+                'own slices, a "scan" request its own windows)'
             )
+        if (self.stream.mode == "scan") != (self.scan is not None):
+            raise ValueError('mode = "scan" and a [scan] section go together')
         return self
 
 

@@ -69,6 +69,7 @@ class VersionRecord:
     loaded: LoadedVersion | None = None
     removed: bool = False  # the folder is gone: forget the entry once it is closed
     warmup: str | None = None  # "ok", "off" or "skipped: <reason>" (the inventory's `warmup`)
+    signed: dict[str, str] | None = None  # {"by": key or identity}: model.sig verified
 
 
 @dataclass
@@ -90,6 +91,7 @@ class Serving:
     inputs: Sequence[TensorSpec]
     stream: StreamConfig
     batching: BatchingConfig | None  # None: off
+    defaults: tuple[str, ...] = ()  # inputs `[defaults]` gives: a request may leave them out
 
 
 class Lease:
@@ -247,6 +249,8 @@ def inventory_of(
                 item["error"] = entry.error
             if entry.warmup is not None:
                 item["warmup"] = entry.warmup
+            if entry.signed is not None:
+                item["signed"] = entry.signed
             if entry.loaded is not None and entry.state == "ready":
                 item["providers"] = list(entry.loaded.session.providers)
                 item.update(_details(entry.loaded).within(share))
@@ -297,6 +301,8 @@ def _version_lines(number: str, version: Mapping[str, Any]) -> list[str]:
     lines = ["  " + "  ".join(head)]
     if version.get("error"):
         lines.append(f"    error: {_safe(version['error'])}")
+    if isinstance(version.get("signed"), Mapping):
+        lines.append(f"    signed by: {_safe(version['signed'].get('by'))}")
     signature = version.get("signature") or {}
     for role in ("inputs", "outputs"):
         if role in signature:

@@ -9,6 +9,7 @@ another sync after the seconds :meth:`SettleTracker.finish_round` returns.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -70,13 +71,27 @@ class SettleTracker:
 
 
 def fingerprint_of(version: VersionInfo) -> Fingerprint | None:
-    """The model file's (size, mtime_ns), or None without a readable one."""
+    """The model file's size and the newest mtime (ns) of it, the version folder and the
+    files in it; None without a readable model file. A failed version is retried when this
+    changes, so the folder counts too: a `model.sig` copied after the model, a file added
+    or removed, or a side file fixed in place brings the version back (agent.models.trust)."""
     if version.model_file is None:
         return None
     try:
-        return file_fingerprint(version.model_file)
+        size, mtime_ns = file_fingerprint(version.model_file)
     except OSError:
         return None
+    return size, max(mtime_ns, _newest_mtime_ns(version.path))
+
+
+def _newest_mtime_ns(folder: Path) -> int:
+    newest = 0
+    with contextlib.suppress(OSError):
+        newest = folder.stat().st_mtime_ns
+        for child in folder.iterdir():
+            with contextlib.suppress(OSError):
+                newest = max(newest, child.stat().st_mtime_ns)
+    return newest
 
 
 def _newest_mtime(folder: Path) -> float:

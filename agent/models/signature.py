@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from agent.models.backends.base import Dim, Session, TensorSpec
-from agent.models.model_config import ModelConfig, TensorDecl
+from agent.models.defaults import default_problems
+from agent.models.model_config import ModelConfig, ScanConfig, TensorDecl
 
 __all__ = ["check_signature", "incompatibilities"]
 
@@ -48,6 +49,9 @@ def check_signature(config: ModelConfig, session: Session) -> list[str]:
                 problems.append(
                     f"batch mode slices the leading axis, but input {spec.name!r} is a scalar"
                 )
+    if config.scan is not None:
+        problems.extend(_scan_problems(config.scan, inputs))
+    problems.extend(default_problems(config.defaults, session.inputs))
     if config.batching.enabled:
         for role, specs in (("input", session.inputs), ("output", session.outputs)):
             for spec in specs:
@@ -57,6 +61,19 @@ def check_signature(config: ModelConfig, session: Session) -> list[str]:
                         f"{role} {spec.describe()} has none"
                     )
     return problems
+
+
+def _scan_problems(scan: ScanConfig, inputs: Mapping[str, TensorSpec]) -> list[str]:
+    """The `[scan] input` exists, has the axis, and a fixed size there is the window."""
+    spec = inputs.get(scan.input)
+    if spec is None:
+        return [f"[scan] input {scan.input!r} is not a model input ({_names(inputs)})"]
+    if not -spec.rank <= scan.axis < spec.rank:
+        return [f"[scan] axis {scan.axis} is not an axis of input {spec.describe()}"]
+    size = spec.shape[scan.axis]
+    if isinstance(size, int) and size != scan.window:
+        return [f"[scan] window {scan.window} does not fit input {spec.describe()}"]
+    return []
 
 
 def _names(specs: Mapping[str, TensorSpec]) -> str:

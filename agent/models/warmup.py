@@ -141,13 +141,22 @@ def _fill(spec: TensorSpec, shape: tuple[int, ...]) -> npt.NDArray[Any]:
     return np.zeros(shape, dtype=spec.dtype)
 
 
-def synthetic_inputs(session: Session) -> Arrays:
-    """Plausible inputs for every declared input, from the signature alone."""
+def synthetic_inputs(
+    session: Session, known: Mapping[str, npt.NDArray[Any]] | None = None
+) -> Arrays:
+    """Plausible inputs for every declared input, from the signature alone; `known` (the
+    model's `[defaults]`, a scan's window) replace the guesses."""
     sizes = _Sizes(audio=any(_is_sample_rate(spec) for spec in session.inputs))
-    return {spec.name: _fill(spec, _shape(spec, sizes)) for spec in session.inputs}
+    guessed = {spec.name: _fill(spec, _shape(spec, sizes)) for spec in session.inputs}
+    return {**guessed, **(known or {})}
 
 
-def explicit_inputs(session: Session, config: WarmupConfig, folder: Path) -> Arrays:
+def explicit_inputs(
+    session: Session,
+    config: WarmupConfig,
+    folder: Path,
+    known: Mapping[str, npt.NDArray[Any]] | None = None,
+) -> Arrays:
     """The ``[warmup]`` section's inputs over synthetic ones; ModelLoadError on a bad file."""
     specs = {spec.name: spec for spec in session.inputs}
     given: Arrays = {}
@@ -161,7 +170,7 @@ def explicit_inputs(session: Session, config: WarmupConfig, folder: Path) -> Arr
         )
     for name, table in config.inputs.items():
         given[name] = np.full(tuple(table.shape), table.value, dtype=specs[name].dtype)
-    return {**synthetic_inputs(session), **given}
+    return {**synthetic_inputs(session, known), **given}
 
 
 def _read_npz(path: Path) -> Arrays:
@@ -186,8 +195,16 @@ def warm_up(session: Session, inputs: Mapping[str, npt.NDArray[Any]] | None = No
         raise InferenceError(f"warm-up returned no {', '.join(missing)}")
 
 
-def run_warm_up(session: Session, config: WarmupConfig, folder: Path, *, enabled: bool) -> str:
+def run_warm_up(
+    session: Session,
+    config: WarmupConfig,
+    folder: Path,
+    *,
+    enabled: bool,
+    known: Mapping[str, npt.NDArray[Any]] | None = None,
+) -> str:
     """Warm ``session`` up as the model's config says; the inventory's ``warmup`` value.
+    ``known``: inputs the config fixes (``[defaults]``), used instead of guesses.
 
     An explicit warm-up that fails raises :class:`ModelLoadError` (the version fails); a
     synthetic one that fails is logged once and reported as ``skipped: <reason>``.
@@ -195,7 +212,7 @@ def run_warm_up(session: Session, config: WarmupConfig, folder: Path, *, enabled
     if not enabled or not config.enabled:
         return WARMUP_OFF
     if config.explicit:
-        inputs = explicit_inputs(session, config, folder)
+        inputs = explicit_inputs(session, config, folder, known)
         try:
             warm_up(session, inputs)
         except InferenceError as exc:
@@ -207,7 +224,7 @@ def run_warm_up(session: Session, config: WarmupConfig, folder: Path, *, enabled
         log.warning("%s: no synthetic value for %s; serving it cold", folder, spec.describe())
         return f"skipped: input {spec.name!r} is {spec.onnx_type} (no synthetic value)"
     try:
-        warm_up(session)
+        warm_up(session, synthetic_inputs(session, known))
     except Exception as exc:  # a guess the model refuses, in whatever form its runtime says
         reason = _reason(exc)[:_REASON_CHARS]
         log.warning(

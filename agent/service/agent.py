@@ -91,18 +91,15 @@ class Agent:
             max_bytes=config.outbox.max_bytes,
             background_bytes=config.resend.max_queued_bytes,
         )
-        self.models = ModelManager(
-            config.models.repository,
+        self.models = ModelManager.for_config(
+            config.models,
             BackendOptions(
                 intra_op_threads=intra_op_threads(config),
                 providers=tuple(config.models.providers),
                 extra=dict(config.models.backend_options),
             ),
-            warmup=config.models.warmup,
             on_event=self.publish_event,
             on_inventory=self._publish_inventory,
-            settle_s=config.models.settle_s,
-            drain_timeout_s=config.models.drain_timeout_s,
         )
         self.metrics = AgentMetrics(
             lambda: self.health.gauges(),
@@ -342,6 +339,7 @@ class Agent:
         self.scheduler.stop(drain + 5.0)
         cancel_timer.cancel()
         self.sources.close()  # waiting frames dropped, each stream's exact next seq saved
+        self.runner.close()  # the scan sessions' samples and state
         self.housekeeping.join(5.0)
         # Publishes `offline`, flushes, disconnects, then closes the outbox (the spool writer
         # writes what it holds: the last acknowledgements).

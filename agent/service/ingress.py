@@ -138,7 +138,8 @@ class RequestReader:
             raise WireError("unknown_model", message, request.id)
         if request.version is not None:
             return serving, None  # a pinned version is checked when it is leased
-        specs = required_inputs(serving.inputs, serving.stream.state, request.inputs)
+        optional = (*serving.stream.state, *serving.defaults)
+        specs = required_inputs(serving.inputs, optional, request.inputs)
         return serving, (serving.version, validate_inputs(request.id, request.inputs, specs))
 
     def _rejection(

@@ -1,12 +1,13 @@
 """Local sources: the box's own cameras, files and sensors, run through a model continuously.
 
 Modules: `base` (the record a reader makes, the reader protocol, errors), `readers` (a
-package, one module a kind: `synthetic`, `video`, `folder`, `pipe`, and `open_reader`),
+package, one module a kind: `synthetic`, `video`, `folder`, `pipe`, `pcm`, and `open_reader`),
 `frames` (a frame; its fields as the model's inputs, the outputs it streams), `stream` (the
 source's chunk messages), `seq` (the persisted `seq`), `counters` (a source's counters and
 how it bears failing frames and records), `runner` (a source's thread, frame slot, ticket
-and the worker's side of a frame), `manager` (every source of an agent; the Prometheus
-collector).
+and the worker's side of a frame), `pcm` (the runner of a pcm source: a scan model's
+windows with the state carried through them), `manager` (every source of an agent; the
+Prometheus collector).
 
 Each `[[sources]]` entry of the configuration becomes a :class:`SourceRunner` with one named
 thread (`source-NAME`) that reads frames or records and hands them to the same scheduler as

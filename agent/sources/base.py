@@ -3,10 +3,11 @@ the errors, how a source's place is named."""
 
 from __future__ import annotations
 
+import shlex
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from agent.config import SourceConfig
 from agent.models.backends.base import Array
@@ -18,7 +19,10 @@ Outcome = Literal["done", "failed", "retry", "dropped"]
 
 
 def describe_where(config: SourceConfig) -> str:
-    """Where a source reads, for its logs and errors: the camera, the path or the URL."""
+    """Where a source reads, for its logs and errors: the camera, the command, the path or the
+    URL."""
+    if config.command is not None:
+        return f"command {shlex.join(config.command)}"
     if config.device is not None:
         return f"camera {config.device}"
     return str(config.path if config.path is not None else config.url)
@@ -42,6 +46,7 @@ class Record:
     file: str | None = None  # folder: the file's name, sent as `file`
     on_done: Callable[[Outcome], None] | None = None
     error: str | None = None
+    extra: dict[str, Any] | None = None  # more fields of its stream message (pcm: `offset`)
 
 
 class ReaderContext(Protocol):

@@ -16,6 +16,7 @@ from agent.config import AgentConfig
 from agent.models.manager import ModelManager
 from agent.ops.metrics import LATENCY_BUCKETS, PREFIX
 from agent.protocol.errors import Limits
+from agent.sources.pcm import PcmSourceRunner
 from agent.sources.runner import Send, SourceRunner, Submit
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ class SourceManager:
                 registry=registry,
             )
         self.runners = [
-            SourceRunner(
+            (PcmSourceRunner if source.kind == "pcm" else SourceRunner)(
                 source,
                 agent_config=config,
                 models=models,

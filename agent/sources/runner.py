@@ -119,7 +119,7 @@ class SourceRunner:
             try:
                 self._open_seqs()
                 specs = self._serving_inputs()
-                reader = open_reader(self, specs, self._errors.bad_record)
+                reader = self._open_reader(specs)
                 self._errors.trouble = None
                 self._errors.consecutive = 0
                 self.state = "running"
@@ -161,6 +161,10 @@ class SourceRunner:
                 break
         if self.state != "finished":
             self.state = "stopped"
+
+    def _open_reader(self, specs: Sequence[TensorSpec]) -> Reader:
+        """The source's reader, open (a kind with its own runner opens its own)."""
+        return open_reader(self, specs, self._errors.bad_record)
 
     def _where(self) -> str:
         if self.config.kind == "synthetic":
@@ -350,6 +354,8 @@ class SourceRunner:
         extra: dict[str, Any] = {"frame_ts": frame.captured_ns}
         if frame.record.file is not None:
             extra["file"] = frame.record.file
+        if frame.record.extra:
+            extra.update(frame.record.extra)
         self.stream.version = version
         try:
             messages = self.stream.frame(outputs, frame.index, extra)

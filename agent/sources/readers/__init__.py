@@ -2,7 +2,9 @@
 
 Modules: `synthetic` (generated inputs at a rate), `video` (OpenCV: files, stream URLs,
 cameras, GStreamer pipelines), `folder` (files dropped into a folder; checked .npy/.npz
-loading), `pipe` (a CBOR sequence on a FIFO, a file or stdin; the framing of its records).
+loading), `pipe` (a CBOR sequence on a FIFO, a file or stdin; the framing of its records),
+`pcm` (raw samples from a command, a FIFO or a file, cut into a scan model's windows; opened
+by agent.sources.pcm, which checks the model first).
 
 Every reader follows agent.sources.base: it is opened by its constructor, yields `Record`s
 from `records()` on the source's thread, raises `SourceError` when the source cannot go on
@@ -15,14 +17,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from agent.models.backends.base import TensorSpec
-from agent.sources.base import Reader, ReaderContext
+from agent.sources.base import Reader, ReaderContext, SourceError
 from agent.sources.readers.folder import FolderReader, load_array_file
+from agent.sources.readers.pcm import PcmReader
 from agent.sources.readers.pipe import PipeReader, cbor_item_end
 from agent.sources.readers.synthetic import SyntheticReader
 from agent.sources.readers.video import VideoReader
 
 __all__ = [
     "FolderReader",
+    "PcmReader",
     "PipeReader",
     "SyntheticReader",
     "VideoReader",
@@ -44,4 +48,6 @@ def open_reader(
         return VideoReader(ctx)
     if kind == "folder":
         return FolderReader(ctx, on_bad)
+    if kind == "pcm":  # its windows depend on the model: agent.sources.pcm opens it
+        raise SourceError("a pcm source opens through agent.sources.pcm.PcmSourceRunner")
     return PipeReader(ctx, on_bad)

@@ -1,0 +1,321 @@
+"""The pcm source: raw samples from a command, a FIFO or a file, through silero-vad's windows
+with its state carried, compared with a plain onnxruntime loop over the same windows."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from agent.config import ConfigError, SourceConfig, load_config
+from agent.demo import models as demo_models
+from agent.demo.broker import EmbeddedBroker
+from agent.models.backends.base import InferenceError, TensorSpec
+from agent.models.model_config import parse_model_config
+from agent.models.records import LoadedVersion
+from agent.service.agent import Agent
+from agent.sources.pcm import CarriedState
+from agent.sources.readers.pcm import PcmRecord, WindowPlan, to_float
+from tests.conftest import agent_config
+from tests.test_sources import Subscriber, outputs, subscribe, write_config
+
+__all__ = ["subscribe"]  # the fixture, used by name
+
+REPO = Path(__file__).resolve().parent.parent
+SILERO = REPO / "tests" / "fixtures" / "real" / "silero_vad" / "model.onnx"
+RATE = 16000
+WINDOW, HOP, LEAD = 576, 512, 64
+VAD_CONFIG = f"""\
+[stream]
+mode = "scan"
+state = {{ state = "stateN" }}
+
+[scan]
+input = "input"
+window = {WINDOW}
+hop = {HOP}
+lead = {LEAD}
+
+[defaults]
+sr = {RATE}
+"""
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_source_threads() -> Iterator[None]:
+    yield
+    deadline = time.monotonic() + 5
+    while True:
+        alive = [t.name for t in threading.enumerate() if t.name.startswith("source-")]
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not alive, f"source threads left running: {alive}"
+
+
+def signal_s16() -> np.ndarray:
+    """2.5 s at 16 kHz: quiet seeded noise with a 440 Hz tone burst in the middle, as s16."""
+    rng = np.random.default_rng(26)
+    n = int(2.5 * RATE)
+    t = np.arange(n) / RATE
+    x = 0.02 * rng.standard_normal(n)
+    burst = (t > 0.8) & (t < 1.6)
+    x[burst] += 0.5 * np.sin(2 * np.pi * 440 * t[burst])
+    return np.clip(np.round(x * 32768), -32768, 32767).astype("<i2")
+
+
+def reference(samples: np.ndarray) -> list[np.ndarray]:
+    """silero's `output` per window: a plain ORT loop, `lead` zeros first, state carried,
+    the last partial window dropped."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(SILERO), providers=["CPUExecutionProvider"])
+    padded = np.concatenate([np.zeros(LEAD, np.float32), samples.astype(np.float32)])
+    state = np.zeros((2, 1, 128), np.float32)
+    sr = np.array(RATE, dtype=np.int64)
+    found = []
+    k = 0
+    while k * HOP + WINDOW <= len(padded):
+        window = padded[None, k * HOP : k * HOP + WINDOW]
+        out, state = session.run(None, {"input": window, "state": state, "sr": sr})
+        found.append(out)
+        k += 1
+    return found
+
+
+@pytest.fixture(scope="module")
+def vad_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("pcm-models")
+    (root / "vad" / "1").mkdir(parents=True)
+    shutil.copy(SILERO, root / "vad" / "1" / "model.onnx")
+    (root / "vad" / "config.toml").write_text(VAD_CONFIG)
+    (root / "mlp" / "1").mkdir(parents=True)
+    demo_models.save(demo_models.mlp(), root / "mlp" / "1" / "model.onnx")
+    return root
+
+
+@pytest.fixture(scope="module")
+def recording(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]:
+    """The signal as an s16le file, and its samples as the agent sees them (/32768)."""
+    s16 = signal_s16()
+    path = tmp_path_factory.mktemp("pcm") / "signal.s16"
+    path.write_bytes(s16.tobytes())
+    return path, s16.astype(np.float32) / 32768
+
+
+def pcm_source(name: str, where: str, **keys: Any) -> str:
+    lines = [f'[[sources]]\nname = "{name}"\nkind = "pcm"\nmodel = "vad"\n{where}\n']
+    lines += [f"{key} = {value}\n" for key, value in {"sample_rate": RATE, **keys}.items()]
+    return "".join(lines)
+
+
+def chunks_of(sub: Subscriber) -> list[dict[str, Any]]:
+    seen: dict[int, dict[str, Any]] = {}
+    for m in sub.bodies("chunk"):
+        seen.setdefault(m["seq"], m)  # QoS 1: at least once
+    return [seen[s] for s in sorted(seen)]
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize(
+    ("keys", "problem"),
+    [
+        ("sample_rate = 16000\n", "exactly one of command, path"),
+        ('command = ["arecord"]\npath = "x"\nsample_rate = 16000\n', "exactly one of"),
+        ('command = ["arecord"]\n', "needs sample_rate"),
+        ('command = ["arecord"]\nsample_rate = 16000\npolicy = "latest"\n', 'must be "all"'),
+        ('command = ["arecord"]\nsample_rate = 16000\nformat = "u8"\n', "sources.0.format"),
+        ("command = []\nsample_rate = 16000\n", "sources.0.command"),
+    ],
+)
+def test_pcm_config_errors_name_the_key(tmp_path: Path, keys: str, problem: str) -> None:
+    text = f'[[sources]]\nname = "mic"\nkind = "pcm"\nmodel = "vad"\n{keys}'
+    with pytest.raises(ConfigError) as info:
+        load_config(write_config(tmp_path, text), environ={})
+    assert len(info.value.problems) == 1 and problem in info.value.problems[0]
+
+
+def test_pcm_keys_belong_to_pcm_and_have_defaults(tmp_path: Path) -> None:
+    text = '[[sources]]\nname = "p"\nkind = "pipe"\nmodel = "m"\npath = "-"\nsample_rate = 1\n'
+    with pytest.raises(ConfigError, match='sample_rate: not for kind = "pipe"'):
+        load_config(write_config(tmp_path, text), environ={})
+    text = '[[sources]]\nname = "mic"\nkind = "pcm"\nmodel = "vad"\npath = "a.fifo"\n'
+    config = load_config(write_config(tmp_path, text + "sample_rate = 16000\n"), environ={})
+    (mic,) = config.sources
+    assert (mic.format, mic.channels, mic.policy, mic.windows_per_chunk) == (
+        "s16le",
+        1,
+        "all",
+        None,
+    )
+    assert mic.path == tmp_path / "a.fifo"
+
+
+def test_the_example_config_loads() -> None:
+    config = load_config(REPO / "configs" / "vad-mic.toml", environ={})
+    (mic,) = config.sources
+    assert mic.kind == "pcm" and mic.command is not None and mic.command[0] == "arecord"
+
+
+def test_to_float_scales_and_deinterleaves() -> None:
+    s16 = np.array([0, -32768, 16384, 32767, -1, 2], dtype="<i2")
+    stereo = to_float(s16.tobytes(), "s16le", 2)
+    assert stereo.dtype == np.float32 and stereo.shape == (2, 3)
+    np.testing.assert_array_equal(stereo[0], np.array([0, 0.5, -1 / 32768], np.float32))
+    np.testing.assert_array_equal(stereo[1], np.array([-1, 32767 / 32768, 2 / 32768], np.float32))
+    f32 = np.array([0.25, -0.5], dtype="<f4")
+    np.testing.assert_array_equal(to_float(f32.tobytes(), "f32le", 1), f32[None])
+
+
+class Counter:
+    """A fake session: `output` = the window's sum + the state; `stateN` = state + 1; fails
+    on a window whose first sample is negative."""
+
+    inputs = (
+        TensorSpec("input", np.dtype(np.float32), ("batch", 4)),
+        TensorSpec("state", np.dtype(np.float32), ("batch", 1)),
+        TensorSpec("sr", np.dtype(np.int64), ()),
+    )
+    outputs = (
+        TensorSpec("output", np.dtype(np.float32), ("batch", 1)),
+        TensorSpec("stateN", np.dtype(np.float32), ("batch", 1)),
+    )
+    providers = ("fake",)
+
+    def run(self, inputs: Any) -> dict[str, np.ndarray]:
+        window, state = inputs["input"], inputs["state"]
+        assert int(inputs["sr"]) == RATE
+        if window[0, 0] < 0:
+            raise InferenceError("a negative window")
+        return {"output": window.sum(axis=1, keepdims=True) + state, "stateN": state + 1}
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_failing_window_costs_its_record_and_the_state_goes_on_from_the_last_good_one() -> None:
+    text = '[stream]\nmode = "scan"\nstate = { state = "stateN" }\n'
+    text += f'[scan]\ninput = "input"\nwindow = 4\nhop = 2\n[defaults]\nsr = {RATE}\n'
+    config = parse_model_config(text, "c.toml")
+    loaded = LoadedVersion("vad", 1, Counter(), config, "fake")
+    source = SourceConfig(name="s", kind="pcm", model="vad", path=Path("x"), sample_rate=RATE)
+    carried = CarriedState(source)
+    plan = WindowPlan("input", 4, 2, 0, "drop", 2, False)
+
+    def record(first: float, fresh: bool = False) -> PcmRecord:
+        windows = np.full((2, 1, 4), first, dtype=np.float32)
+        return PcmRecord({"input": windows}, plan=plan, fresh=fresh)
+
+    out = carried.run(loaded, record(1, fresh=True))["output"]
+    np.testing.assert_array_equal(out[:, 0, 0], [4, 5])  # stacked: two windows, state 0 then 1
+    with pytest.raises(InferenceError):
+        carried.run(loaded, record(-1))
+    np.testing.assert_array_equal(carried.run(loaded, record(1))["output"][:, 0, 0], [6, 7])
+    np.testing.assert_array_equal(carried.run(loaded, record(1, True))["output"][:, 0, 0], [4, 5])
+
+
+# --------------------------------------------------------------------------- through an agent
+
+
+def test_command_windows_match_a_plain_loop_and_state_resets_on_restart(
+    broker: EmbeddedBroker,
+    vad_repository: Path,
+    recording: tuple[Path, np.ndarray],
+    tmp_path: Path,
+    make_agent: Callable[..., Agent],
+    subscribe: Callable[..., Subscriber],
+) -> None:
+    """The command writes the signal in pieces that cut sample frames, and an odd byte at the
+    end; when it exits the source restarts it, and the windows start again from offset 0
+    with the state from zeros."""
+    path, samples = recording
+    want = reference(samples)
+    script = (
+        f"import sys\nd = open({str(path)!r}, 'rb').read() + b'\\x01'\n"
+        "for i in range(0, len(d), 1001):\n"
+        "    sys.stdout.buffer.write(d[i : i + 1001]); sys.stdout.buffer.flush()\n"
+    )
+    command = f"command = [{sys.executable!r}, '-c', {script!r}]"
+    toml = pcm_source("mic", command, retry_min_s=0.2, retry_max_s=0.3)
+    config = agent_config(tmp_path, broker, vad_repository, toml)
+    events = subscribe(broker, f"{config.root_topic}/events")
+    sub = subscribe(broker, f"{config.root_topic}/stream/mic")
+    make_agent(broker, vad_repository, toml=toml, DEVICE_ID=f'"{config.device_id}"')
+    assert sub.wait_for(lambda ms: len(ms) >= 2 * len(want), 30), len(sub.messages)
+    chunks = chunks_of(sub)
+    first, second = chunks[: len(want)], chunks[len(want) : 2 * len(want)]
+    for run in (first, second):
+        assert [m["offset"] for m in run] == [k * HOP for k in range(len(want))]
+        for m, expected in zip(run, want, strict=True):
+            got = outputs(m)
+            assert set(got) == {"output"}  # the state output is carried, not sent
+            np.testing.assert_allclose(got["output"], expected, rtol=1e-5, atol=1e-5)
+    indexes = [m["index"] for m in chunks]
+    assert indexes == list(range(indexes[0], indexes[0] + len(indexes)))
+    assert all(m["id"] == "mic" and m["model"] == "vad" and "frame_ts" in m for m in chunks)
+    failed = [m for m in events.bodies() if m["type"] == "source_failed"]
+    assert failed and "exited with status 0" in failed[0]["error"], failed
+
+
+def test_f32_file_in_chunks_of_windows_then_finished(
+    broker: EmbeddedBroker,
+    vad_repository: Path,
+    recording: tuple[Path, np.ndarray],
+    tmp_path: Path,
+    make_agent: Callable[..., Agent],
+    subscribe: Callable[..., Subscriber],
+) -> None:
+    """A float32 file, four windows a message (stacked on a new leading axis); the last
+    message has what is left; the source finishes at the end of the file."""
+    _, samples = recording
+    want = reference(samples)
+    f32 = tmp_path / "signal.f32"
+    f32.write_bytes(samples.astype("<f4").tobytes())
+    toml = pcm_source("file", f'path = "{f32}"', format='"f32le"', windows_per_chunk=4)
+    config = agent_config(tmp_path, broker, vad_repository, toml)
+    events = subscribe(broker, f"{config.root_topic}/events")
+    sub = subscribe(broker, f"{config.root_topic}/stream/file")
+    agent = make_agent(broker, vad_repository, toml=toml, DEVICE_ID=f'"{config.device_id}"')
+    assert events.wait_for(lambda ms: any(m["type"] == "source_finished" for m in ms), 30)
+    count = -(-len(want) // 4)
+    assert sub.wait_for(lambda ms: len(ms) >= count, 10)
+    chunks = chunks_of(sub)
+    assert [m["offset"] for m in chunks] == [4 * k * HOP for k in range(count)]
+    got = np.concatenate([outputs(m)["output"] for m in chunks])
+    assert outputs(chunks[0])["output"].shape == (4, 1, 1) and got.shape == (len(want), 1, 1)
+    np.testing.assert_allclose(got, np.stack(want), rtol=1e-5, atol=1e-5)
+    assert agent.sources.runner("file").snapshot()["state"] == "finished"
+
+
+def test_a_sample_rate_the_model_does_not_take_refuses_the_source(
+    broker: EmbeddedBroker,
+    vad_repository: Path,
+    recording: tuple[Path, np.ndarray],
+    tmp_path: Path,
+    make_agent: Callable[..., Agent],
+    make_client: Callable[..., Any],
+    subscribe: Callable[..., Subscriber],
+) -> None:
+    path, _ = recording
+    toml = pcm_source("mic", f'path = "{path}"', sample_rate=8000, retry_min_s=5, retry_max_s=5)
+    config = agent_config(tmp_path, broker, vad_repository, toml)
+    events = subscribe(broker, f"{config.root_topic}/events")
+    sub = subscribe(broker, f"{config.root_topic}/stream/mic")
+    agent = make_agent(broker, vad_repository, toml=toml, DEVICE_ID=f'"{config.device_id}"')
+    assert events.wait_for(lambda ms: any(m["type"] == "source_failed" for m in ms), 10)
+    failed = next(m for m in events.bodies() if m["type"] == "source_failed")
+    assert "sample_rate = 8000 does not match model 'vad'" in failed["error"], failed
+    assert "sr = 16000" in failed["error"]
+    client = make_client(broker, agent)  # the agent goes on serving
+    client.infer("mlp", {"x": np.zeros((1, 16), dtype=np.float32)}, timeout=10)
+    assert agent.sources.runner("mic").snapshot()["state"] == "failed"
+    assert not sub.bodies("chunk")
