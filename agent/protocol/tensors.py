@@ -29,6 +29,7 @@ __all__ = [
     "Array",
     "cbor_text",
     "cbor_uint",
+    "checked_element_count",
     "decode_request_tensor",
     "decode_tensor",
     "element_count",
@@ -221,15 +222,7 @@ def decode_request_tensor(obj: Any, limits: Limits, name: str, request_id: str |
                 name, request_id, f"{nbytes} bytes is not a whole number of {dtype.name} elements"
             )
         shape = (nbytes // itemsize,)
-    elements = element_count(shape, limits.max_tensor_elements)
-    if elements > limits.max_tensor_elements:
-        raise tensor_error(
-            name,
-            request_id,
-            f"shape {format_dims(shape)} exceeds the limit of "
-            f"{limits.max_tensor_elements} elements",
-            "too_large",
-        )
+    elements = checked_element_count(shape, limits, name, request_id)
     need = elements * itemsize
     if need > limits.max_tensor_bytes:
         raise tensor_error(
@@ -250,6 +243,22 @@ def decode_request_tensor(obj: Any, limits: Limits, name: str, request_id: str |
     if not dtype.isnative:
         arr = arr.astype(_NATIVE_DTYPES[typed.tag])
     return arr
+
+
+def checked_element_count(
+    shape: Sequence[int], limits: Limits, name: str, request_id: str | None
+) -> int:
+    """The elements ``shape`` holds; ``too_large`` past the limit (numeric or text)."""
+    elements = element_count(shape, limits.max_tensor_elements)
+    if elements > limits.max_tensor_elements:
+        raise tensor_error(
+            name,
+            request_id,
+            f"shape {format_dims(shape)} exceeds the limit of "
+            f"{limits.max_tensor_elements} elements",
+            "too_large",
+        )
+    return elements
 
 
 def element_count(shape: Sequence[int], limit: int) -> int:

@@ -33,8 +33,8 @@ from agent.protocol.errors import Limits, WireError, kind_of, show_value
 from agent.protocol.tensors import (
     TENSOR_TAG,
     Array,
+    checked_element_count,
     decode_tensor,
-    element_count,
     encode_tensor,
     format_dims,
     tensor_error,
@@ -202,15 +202,7 @@ def decode_string_tensor(
     dims); here the element count and the texts' UTF-8 bytes are held to the limits, and
     every element must be text, as many as the shape holds.
     """
-    count = element_count(shape, limits.max_tensor_elements)
-    if count > limits.max_tensor_elements:
-        raise tensor_error(
-            name,
-            request_id,
-            f"shape {format_dims(shape)} exceeds the limit of "
-            f"{limits.max_tensor_elements} elements",
-            "too_large",
-        )
+    count = checked_element_count(shape, limits, name, request_id)
     if len(items) != count:
         raise tensor_error(
             name,
