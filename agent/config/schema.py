@@ -223,6 +223,10 @@ class ResendConfig(_Section):
 
 class TelemetryConfig(_Section):
     interval_s: float = Field(default=30.0, ge=0)  # 0 disables the telemetry topic
+    # Box telemetry (agent.ops.box): power rails, temperatures, GPU, memory, sampled this
+    # often (0: no sampler, no `box` key, no energy per inference); a restart applies both.
+    box_interval_s: float = Field(default=1.0, ge=0)
+    box_root: Path = Path("/")  # where the host's /sys, /proc, /etc and /var are (containers)
 
 
 class MetricsConfig(_Section):

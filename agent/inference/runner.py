@@ -170,9 +170,11 @@ class Runner:
     ) -> None:
         run = Run(loaded.session, loaded.config.stream, members, loaded.config.scan)
         finished: set[int] = set()
+        energy = self._metrics.energy.begin()  # None while the board's power is unknown
         try:
             self._run_members(loaded, run, jobs, finished, batched=batched)
         finally:
+            self._metrics.energy.end(energy, loaded.model, run.infer_s, len(members))
             self._give_back(loaded.model, run, finished)
 
     def _run_members(

@@ -1,7 +1,8 @@
 """Running it as a service: Prometheus metrics and the HTTP endpoint, systemd, logs.
 
 Modules: `metrics` (the registry, histograms, collectors, the telemetry snapshot), `endpoint`
-(the `/metrics` + `/healthz` server), `systemd`, `logs`, `counters`.
+(the `/metrics` + `/healthz` server), `systemd`, `logs`, `counters`; box telemetry: `box`
+(the sampler thread), `jetson` (sysfs readers), `nvml` (discrete GPUs), `energy` (per model).
 
 May import: the standard library, prometheus-client, `agent.config`. Nothing of the request
 path: the service hands in what they report.

@@ -31,6 +31,8 @@ from prometheus_client.core import (
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from agent.ops.energy import EnergyMeter
+
 log = logging.getLogger(__name__)
 
 PREFIX = "edge_agent"
@@ -365,6 +367,8 @@ class AgentMetrics:
             f"{PREFIX}_config_reloads", "SIGHUP reloads by result", ["result"], registry=r
         )
         r.register(AgentCollector(read))
+        self.energy = EnergyMeter()  # fed by the box sampler (agent.ops.box) and the runner
+        r.register(self.energy)
         # edge_agent_process_resident_memory_bytes, _cpu_seconds_total, _open_fds, ...
         ProcessCollector(namespace=PREFIX, registry=r)
 

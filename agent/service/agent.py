@@ -189,6 +189,7 @@ class Agent:
             reporter=self.reporter,
             health=self.health,
             telemetry=self.telemetry,
+            metrics=self.metrics,
         )
 
     def _make_resender(self) -> Resender | None:

@@ -20,6 +20,7 @@ from agent.delivery.spool import Spool
 from agent.inference.scheduler import Scheduler
 from agent.models.manager import ModelManager
 from agent.mqtt.connection import Transport
+from agent.ops.box import BoxMonitor
 from agent.ops.counters import Counters
 from agent.ops.metrics import AgentMetrics, Gauges
 from agent.ops.systemd import ServiceReporter
@@ -44,6 +45,7 @@ class Health:
     stopping: threading.Event
     started: bool = False
     restart_pending: list[str] = field(default_factory=list)  # keys a SIGHUP could not apply
+    box: BoxMonitor | None = None  # the box sampler (agent.service.housekeeping makes it)
 
     def problem(self) -> str | None:
         """None while healthy: the workers are alive and none is stuck, the MQTT loop runs."""
@@ -148,5 +150,6 @@ class Health:
                 "acked": transport.acked,
             },
             **({"sources": sources.snapshot()} if sources else {}),
+            **({"box": self.box.telemetry()} if self.box is not None else {}),
             "metrics": metrics.snapshot(),
         }

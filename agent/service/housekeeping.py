@@ -18,7 +18,9 @@ from typing import Any
 from agent.config import AgentConfig
 from agent.delivery.outbox import Outbox
 from agent.delivery.spool import Spool
+from agent.ops.box import BoxMonitor
 from agent.ops.counters import Counters
+from agent.ops.metrics import AgentMetrics
 from agent.ops.systemd import ServiceReporter
 from agent.service.announce import Announcer
 from agent.service.health import Health
@@ -41,6 +43,7 @@ class Housekeeping:
         reporter: ServiceReporter,
         health: Health,
         telemetry: Callable[[], dict[str, Any]],
+        metrics: AgentMetrics | None = None,
     ) -> None:
         self.config = config
         self._stop = stop
@@ -53,13 +56,19 @@ class Housekeeping:
         self._telemetry = telemetry
         self._spool_maintained = 0.0
         self._thread = threading.Thread(target=self._run, name="housekeeping", daemon=True)
+        self.box = _box_monitor(config, metrics, announcer)
+        health.box = self.box
 
     def start(self) -> None:
         self._thread.start()
+        if self.box is not None:
+            self.box.start()
 
     def join(self, timeout: float) -> None:
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self.box is not None:
+            self.box.close(timeout)
 
     def _run(self) -> None:
         last_telemetry = time.monotonic()
@@ -103,3 +112,21 @@ class Housekeeping:
             return 0.1
         ping = self._reporter.ping_interval_s
         return 0.5 if ping is None else max(0.02, min(0.5, ping / 2))
+
+
+def _box_monitor(
+    config: AgentConfig, metrics: AgentMetrics | None, announcer: Announcer
+) -> BoxMonitor | None:
+    """The box sampler (agent.ops.box) on the agent's registry; None with `box_interval_s = 0`
+    (nothing read, no thread, no `box` key, no energy per inference)."""
+    settings = config.telemetry
+    if metrics is None or settings.box_interval_s <= 0:
+        return None
+    box = BoxMonitor(
+        interval_s=settings.box_interval_s,
+        root=settings.box_root,
+        energy=metrics.energy,
+        on_event=announcer.event,
+    )
+    metrics.registry.register(box)
+    return box

@@ -32,7 +32,7 @@ RELOADABLE = (
     "mqtt.qos.status",
     "mqtt.qos.telemetry",
     "mqtt.allowed_reply_prefixes",
-    "telemetry",
+    "telemetry.interval_s",
     "limits",
     "scheduler.drain_timeout_s",
     "scheduler.inline_max_ms",
