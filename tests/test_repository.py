@@ -132,14 +132,23 @@ def test_model_file_that_is_a_folder_is_a_problem(tmp_path: Path) -> None:
 
 
 def test_config_backend_must_fit_the_file(tmp_path: Path) -> None:
+    put(tmp_path / "m" / "config.toml", 'backend = "onnxruntime"\n')
+    put(tmp_path / "m" / "1" / "model.onnx")
+    put(tmp_path / "m" / "2" / "model.engine")
+    versions = scan_repository(tmp_path)["m"].versions
+    assert versions[1].problem is None and versions[1].backend == "onnxruntime"
+    assert (
+        versions[2].problem
+        == "config says backend 'onnxruntime', but model.engine is a tensorrt file"
+    )
+
+
+def test_onnx_under_tensorrt_is_built_by_the_agent(tmp_path: Path) -> None:
     put(tmp_path / "m" / "config.toml", 'backend = "tensorrt"\n')
     put(tmp_path / "m" / "1" / "model.onnx")
     put(tmp_path / "m" / "2" / "model.engine")
     versions = scan_repository(tmp_path)["m"].versions
-    assert (
-        versions[1].problem
-        == "config says backend 'tensorrt', but model.onnx is a onnxruntime file"
-    )
+    assert versions[1].problem is None and versions[1].backend == "tensorrt"
     assert versions[2].problem is None and versions[2].backend == "tensorrt"
 
 

@@ -189,7 +189,11 @@ def _scan_version(
         problem = _file_problem(model_file, root)
         if problem is not None:
             return failed(problem)
-        if backend != suffix_backend:
+        # An ONNX file under `backend = "tensorrt"`: the agent builds its engine
+        # (agent.models.engine_builds); a plan under "onnxruntime" cannot work.
+        if backend != suffix_backend and not (
+            backend == "tensorrt" and model_file.suffix == ".onnx"
+        ):
             return failed(
                 f"config says backend {backend!r}, but {model_file.name} is a {suffix_backend} file"
             )

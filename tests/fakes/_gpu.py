@@ -135,6 +135,9 @@ class FakeGPU:
         self.timing_cache_hits = 0
         self.timing_cache_misses = 0
         self.builds = 0
+        # Tests only: called as hook(phase, step) before each step of a build completes (with
+        # or without a progress monitor), e.g. to hold a build while its progress is read.
+        self.build_hook: Callable[[str, int], None] | None = None
 
     # -- version -------------------------------------------------------------------------
 

@@ -12,7 +12,9 @@ import hashlib
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from agent.models.backends import cuda
 from agent.models.backends.base import ModelLoadError
@@ -29,7 +31,15 @@ from agent.models.engine_builder.publish import (
     write_atomic,
 )
 
-__all__ = ["KEY_FORMAT", "build_engine", "cache_key", "gpu_identity"]
+__all__ = [
+    "KEY_FORMAT",
+    "CacheEntry",
+    "build_engine",
+    "build_into_cache",
+    "cache_entry",
+    "cache_key",
+    "gpu_identity",
+]
 
 log = logging.getLogger(__name__)
 
@@ -72,15 +82,26 @@ def cache_key(
     return hashlib.sha256(material.encode()).hexdigest()
 
 
-def build_engine(
-    onnx_path: Path | str, out_repository_model_dir: Path | str, options: BuildOptions | None = None
-) -> Path:
-    """Build (or reuse) the plan for ``onnx_path`` and return the ``model.plan`` in the
-    repository: ``out_repository_model_dir/N+1/model.plan``, or the existing version that
-    already holds the same build. Raises :class:`EngineBuildError` (one line)."""
-    options = options or BuildOptions()
-    onnx_path, model_dir = Path(onnx_path), Path(out_repository_model_dir)
-    progress = Progress(options.progress or (lambda line: log.info("build-engine: %s", line)))
+@dataclass(frozen=True)
+class CacheEntry:
+    """Where the plan for one ONNX file, TensorRT, GPU and set of options lives in the
+    engine cache (:func:`cache_entry`); ``plan`` may not exist yet."""
+
+    key: str
+    plan: Path
+    onnx_sha256: str
+    tensorrt: str
+    gpu: cuda.DeviceIdentity
+    trt: Any  # the imported tensorrt module
+
+    @property
+    def cached(self) -> bool:
+        return self.plan.is_file()
+
+
+def cache_entry(onnx_path: Path, options: BuildOptions) -> CacheEntry:
+    """Hash the ONNX file, import TensorRT, identify the GPU: the cache entry of the build.
+    Raises :class:`EngineBuildError` (one line)."""
     try:
         onnx_sha = sha256_file(onnx_path)
     except OSError as exc:
@@ -93,7 +114,47 @@ def build_engine(
     version = str(trt.__version__)
     key = cache_key(onnx_sha, version, gpu, options)
     cache_dir = options.cache_dir or default_cache_dir()
-    cached_plan = cache_dir / f"{key}.plan"
+    return CacheEntry(key, cache_dir / f"{key}.plan", onnx_sha, version, gpu, trt)
+
+
+def _timing_cache(entry: CacheEntry, options: BuildOptions) -> Path:
+    return options.timing_cache or entry.plan.parent / (
+        f"timing-{entry.tensorrt}-{entry.gpu.slug}.cache"
+    )
+
+
+def build_into_cache(onnx_path: Path, options: BuildOptions, progress: Progress) -> CacheEntry:
+    """The agent's build: the plan into the engine cache only (no version is published; the
+    version folder stays as it is). A plan already cached is kept. One build at a time per
+    cache folder on this box (a lock file). Raises :class:`EngineBuildError` (one line)."""
+    entry = cache_entry(onnx_path, options)
+    with locked(entry.plan.parent):
+        if entry.cached and not options.force:
+            return entry
+        plan = build_in_context(
+            entry.trt, onnx_path, options, _timing_cache(entry, options), progress
+        )
+        try:
+            write_atomic(entry.plan, plan)
+        except OSError as exc:
+            raise EngineBuildError(
+                f"cannot write the engine cache {entry.plan.parent}: {exc.strerror or exc}"
+            ) from exc
+    return entry
+
+
+def build_engine(
+    onnx_path: Path | str, out_repository_model_dir: Path | str, options: BuildOptions | None = None
+) -> Path:
+    """Build (or reuse) the plan for ``onnx_path`` and return the ``model.plan`` in the
+    repository: ``out_repository_model_dir/N+1/model.plan``, or the existing version that
+    already holds the same build. Raises :class:`EngineBuildError` (one line)."""
+    options = options or BuildOptions()
+    onnx_path, model_dir = Path(onnx_path), Path(out_repository_model_dir)
+    progress = Progress(options.progress or (lambda line: log.info("build-engine: %s", line)))
+    entry = cache_entry(onnx_path, options)
+    key, onnx_sha, version, gpu = entry.key, entry.onnx_sha256, entry.tensorrt, entry.gpu
+    cached_plan = entry.plan
     with locked(model_dir):
         existing = None if options.force else published(model_dir, key)
         if existing is not None:
@@ -104,12 +165,15 @@ def build_engine(
         if plan is not None:
             progress.phase(f"cache hit: {cached_plan}")
         else:
-            timing = options.timing_cache or cache_dir / f"timing-{version}-{gpu.slug}.cache"
-            plan = build_in_context(trt, onnx_path, options, timing, progress)
+            plan = build_in_context(
+                entry.trt, onnx_path, options, _timing_cache(entry, options), progress
+            )
             try:
                 write_atomic(cached_plan, plan)
             except OSError as exc:  # a full cache disk costs a rebuild later, not this build
-                log.warning("cannot cache the engine in %s: %s", cache_dir, exc.strerror or exc)
+                log.warning(
+                    "cannot cache the engine in %s: %s", cached_plan.parent, exc.strerror or exc
+                )
         info = {
             "key": key,
             "onnx_file": onnx_path.name,

@@ -61,11 +61,12 @@ class TensorRTOptions:
         raw = extra.get("tensorrt", {})
         if not isinstance(raw, Mapping):
             raise ModelLoadError("backend option 'tensorrt' must be a table")
-        unknown = sorted(set(raw) - {"device", "zero_copy"})
+        # `build`: how the agent builds an engine from ONNX (agent.models.engine_builds)
+        unknown = sorted(set(raw) - {"device", "zero_copy", "build"})
         if unknown:
             raise ModelLoadError(
                 f"unknown tensorrt option(s) {', '.join(map(str, unknown))} "
-                "(known: device, zero_copy)"
+                "(known: device, zero_copy, build)"
             )
         device = raw.get("device", 0)
         if isinstance(device, bool) or not isinstance(device, int) or device < 0:
