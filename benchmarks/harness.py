@@ -169,7 +169,9 @@ class AgentProcess:
         device_id: str = "bench",
         extra: str = "",
         tree: Path = REPO,
+        env: dict[str, str] | None = None,
     ) -> None:
+        """`env`: more environment variables for the agent's process."""
         self.device_id = device_id
         self.root = f"edge/{device_id}"
         workdir.mkdir(parents=True, exist_ok=True)
@@ -184,7 +186,7 @@ class AgentProcess:
             f'[models]\nrepository = "{repository}"\ndebounce_s = 0.05\n'
             "[telemetry]\ninterval_s = 0\n[metrics]\nport = 0\n" + extra
         )
-        env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1", **(env or {})}
         self.started = time.perf_counter()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "agent.cli", "run", "--config", str(self.config)],

@@ -162,7 +162,7 @@ class Outbox:
             if remaining is not None and remaining <= 0:
                 raise TimeoutError("outbox full")
             if durable and self.writer is not None:
-                self.writer.nudge()  # room comes from the writer (or from acknowledgements)
+                self.writer.nudge(prompt=True)  # room comes from the writer (or from acks)
             self._cond.wait(0.1 if remaining is None else min(remaining, 0.1))
 
     def kick(self) -> None:
@@ -187,8 +187,8 @@ class Outbox:
         self._unwritten += 1
         self._unwritten_bytes += size
         self.writer.submit(message)
-        if self._unwritten >= self._max // 2:
-            self.writer.nudge()  # well before producers would have to wait for it
+        if self._unwritten >= self._max // 2 or self._unwritten_bytes >= self._max_bytes // 2:
+            self.writer.nudge(prompt=True)  # well before producers would have to wait for it
         if (
             not self._spilling
             and len(self._queue) < self._max

@@ -1,7 +1,8 @@
 """What goes into the spool and comes out of it: the rows read back (`SpooledMessage`,
 `StoredRequest`), what an eviction dropped, the items of a write batch (a message, a request
-to store or to forget, a callback after the write), and the rule that decides how much of a
-batch is written now and whether its commit needs an fsync (`settled_prefix`, `settlement`).
+to store or to forget, a callback after the write), and the rules that decide how much of a
+batch is written now (`settled_prefix`, `unacknowledged_tail`) and whether its commit needs an
+fsync (`settlement`).
 
 Plain data and pure functions: the `Spool` (agent.delivery.spool) writes them, the spool
 writer (agent.delivery.spool_writer) batches them.
@@ -122,6 +123,31 @@ def settled_prefix(
         if now - queued_at >= grace_s:
             return len(items)
         cut = position  # its stores' answers may lie past the new end: look again
+
+
+def unacknowledged_tail(
+    items: Sequence[WriteItem], acks: Sequence[int], held_up_to: int, limit: int
+) -> int:
+    """How many of `items` (in order) to write now so that messages the broker has not
+    acknowledged yet wait for the next batch, by when it usually has: written once, as
+    acknowledged, not inserted now and marked later (which costs about half a row more).
+
+    The batch ends before the first unacknowledged message among its last `limit` items
+    when only messages follow it; a message is held back once (ids up to `held_up_to` were),
+    and never from a batch that stores a request (its fsync rule reads the whole batch)."""
+    acked = set(acks)
+    cut = len(items)
+    for position in range(len(items) - 1, max(-1, len(items) - limit - 1), -1):
+        item = items[position]
+        if isinstance(item, (StoreRequest, FinishRequest, AfterWrite)):
+            break
+        if item.spool_id is not None and item.spool_id not in acked:
+            if item.spool_id <= held_up_to:
+                break
+            cut = position
+    if cut < len(items) and any(isinstance(item, StoreRequest) for item in items):
+        return len(items)
+    return cut
 
 
 def settlement(

@@ -4,7 +4,8 @@ Workers queue messages, the network thread queues request stores and acknowledge
 thread takes everything that arrived since its last wake-up and writes it as one transaction
 (`Spool.write`), in the order it was queued. It is woken when a request's replies are out (or
 a batch run ended, or a producer would have to wait for it, or on a housekeeping tick), never
-on a request's own path, and then waits out GROUP_COMMIT_S. Nobody waits for it except where
+on a request's own path, and then waits out GROUP_COMMIT_S (STREAM_COMMIT_S for a batch of
+messages alone: a stream's replies). Nobody waits for it except where
 the contract says so: a request is acknowledged to the broker only from `on_stored`, after
 the fsync (or, for a request already answered with every reply acknowledged, after the
 commit: it needs nothing on disk any more). A request stored moments ago and still running
@@ -41,6 +42,7 @@ from agent.delivery.spool_items import (
     StoreRequest,
     WriteItem,
     settled_prefix,
+    unacknowledged_tail,
 )
 
 log = logging.getLogger(__name__)
@@ -50,10 +52,21 @@ log = logging.getLogger(__name__)
 # written, so it is written once, as acknowledged, instead of written and then updated.
 GROUP_COMMIT_S = 0.005
 URGENT_ITEMS = 512  # a batch this large is written at once
+# A batch of messages alone (a stream's replies: no request stored, nobody waiting for a
+# callback) is written this long after its first item, or once it holds STREAM_ITEMS: a fast
+# stream costs the writer a few large batches a second instead of one every few milliseconds,
+# each a round of GIL hand-offs with the worker (docs/decisions/0029). A crash loses no more:
+# the request of a stream whose rows were not written is still stored and runs again.
+STREAM_COMMIT_S = 0.1
+STREAM_ITEMS = 2048
 ACK_FLUSH_S = 0.02  # acknowledgements alone wake the writer at most this late
 # A request stored less than this long ago and not settled yet (see `settled_prefix`) waits for
 # the next batch instead of costing this one an fsync; older ones are fsynced at once.
 SETTLE_GRACE_S = GROUP_COMMIT_S
+# The newest messages of a batch the broker has not acknowledged yet (at most this many) wait
+# for the next batch, once (see `unacknowledged_tail`): a fast stream's rows are then written
+# once, as acknowledged, not inserted and marked later (docs/decisions/0029).
+IN_FLIGHT_TAIL = 256
 RETRY_S = 0.5  # after a failed write (disk full, I/O error)
 FAILURE_LOG_S = 30.0  # a failing disk is logged again at most this often
 FLUSH_FAILING_S = 5 * RETRY_S  # how long `flush` waits for a disk that fails
@@ -88,11 +101,13 @@ class SpoolWriter:
         self._acks: list[int] = []
         self._first_ack_at = 0.0
         self._first_item_at = 0.0
+        self._prompt = False  # a queued item stores a request or waits to run (GROUP_COMMIT_S)
         self._urgent = False  # someone waits: write without the group-commit delay
         self._notified = False  # the writer was woken for the items it holds
         self._submitted = 0
         self._written = 0  # items written so far (submission count reached)
         self._closing = False
+        self._held_up_to = 0  # the newest message id held back by `unacknowledged_tail`
         self.failures = 0  # batches that could not be written
         self.failed_stores = 0  # requests not stored because their batch failed
         # Why the last write failed (`disk_problem`), None once a write succeeds again.
@@ -119,17 +134,24 @@ class SpoolWriter:
             self._submitted += 1
             if len(self._items) == 1:
                 self._first_item_at = time.monotonic()
+            if not self._prompt and isinstance(item, (StoreRequest, AfterWrite)):
+                self._prompt = True
             if urgent:
                 self._urgent = True
             if urgent or len(self._items) == URGENT_ITEMS:
                 self._notified = True
                 self._cond.notify()
 
-    def nudge(self) -> None:
+    def nudge(self, *, prompt: bool = False) -> None:
         """Wake the writer for what was queued since its last batch (it still waits out the
-        group-commit delay)."""
+        group-commit delay). `prompt`: producers (are about to) wait for room only the writer
+        makes: GROUP_COMMIT_S, even for a batch of messages alone."""
         with self._lock:
-            if (self._items or self._acks) and not self._notified:
+            if prompt and self._items and not self._prompt:
+                self._prompt = True
+                self._notified = True
+                self._cond.notify()
+            elif (self._items or self._acks) and not self._notified:
                 self._notified = True
                 self._cond.notify()
 
@@ -188,8 +210,13 @@ class SpoolWriter:
                         self._cond.wait(self._retry_at - now)  # the last write failed
                         continue
                     if self._items:
-                        due = self._first_item_at + GROUP_COMMIT_S
-                        if self._urgent or self._closing or len(self._items) >= URGENT_ITEMS:
+                        prompt = self._prompt
+                        due = self._first_item_at + (GROUP_COMMIT_S if prompt else STREAM_COMMIT_S)
+                        if (
+                            self._urgent
+                            or self._closing
+                            or len(self._items) >= (URGENT_ITEMS if prompt else STREAM_ITEMS)
+                        ):
                             break
                     elif self._acks:
                         due = self._first_ack_at + ACK_FLUSH_S
@@ -209,9 +236,12 @@ class SpoolWriter:
                 self._notified = False
                 acks, self._acks = self._acks, []  # first: each refers to a message queued before
                 items, self._items = self._items, []
+                self._prompt = False
                 reached = self._submitted
                 if not hurry:  # nobody waits: a young unsettled request may wait for the next
                     cut = settled_prefix(items, acks, time.monotonic(), SETTLE_GRACE_S)
+                    if cut == len(items):  # and so may messages still in flight
+                        cut = unacknowledged_tail(items, acks, self._held_up_to, IN_FLIGHT_TAIL)
                     if cut < len(items):
                         items, acks = self._hold_back(items, acks, cut)
                         reached -= len(self._items)
@@ -232,10 +262,12 @@ class SpoolWriter:
         """Under the lock, with nothing else queued: `items[cut:]` (and the acknowledgements of
         their messages) go back to the queue for the next batch; the rest is returned."""
         later = items[cut:]
-        ids = {getattr(item, "spool_id", None) for item in later} - {None}
+        ids = {i for i in (getattr(item, "spool_id", None) for item in later) if i is not None}
         self._items = later
         self._acks = [spool_id for spool_id in acks if spool_id in ids]
+        self._held_up_to = max(ids, default=self._held_up_to)
         self._first_item_at = time.monotonic()
+        self._prompt = any(isinstance(item, (StoreRequest, AfterWrite)) for item in later)
         return items[:cut], [spool_id for spool_id in acks if spool_id not in ids]
 
     def _write(self, items: list[WriteItem], acks: list[int]) -> bool:
@@ -306,6 +338,7 @@ class SpoolWriter:
                 self._items, self._acks = [], []
             else:
                 self._items = kept + self._items
+                self._prompt = True  # tried again after RETRY_S, not STREAM_COMMIT_S
                 self._acks = acks + self._acks
                 self._first_item_at = self._first_ack_at = time.monotonic()
                 self._retry_at = time.monotonic() + RETRY_S
