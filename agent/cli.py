@@ -222,13 +222,22 @@ def _describe_outputs(outputs: dict[str, Any], width: int = 60) -> str:
     return " ".join(parts)
 
 
-def _parse_inputs(specs: Sequence[str]) -> dict[str, Array]:
-    inputs = {}
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+
+
+def _parse_inputs(specs: Sequence[str]) -> dict[str, Array | bytes]:
+    """`NAME=FILE.npy` as the array, `NAME=FILE.jpg|.png` as the file's bytes (an encoded
+    image, for a model with `[preprocess]`)."""
+    inputs: dict[str, Array | bytes] = {}
     for spec in specs:
         name, sep, path = spec.partition("=")
         if not sep:
             raise SystemExit(f"error: --input needs NAME=FILE.npy, got {spec!r}")
         try:
+            if path.lower().endswith(IMAGE_SUFFIXES):
+                with open(path, "rb") as file:
+                    inputs[name] = file.read()
+                continue
             inputs[name] = np.load(path, allow_pickle=False)
         except (OSError, ValueError) as e:
             raise SystemExit(f"error: cannot read {path}: {e}") from None
@@ -262,6 +271,7 @@ def cmd_request(args: argparse.Namespace) -> int:
             priority=args.priority,
             version=args.version,
             timeout=args.timeout,
+            compress=args.compress,
         )
         first = None
         try:
@@ -434,7 +444,10 @@ def build_parser() -> argparse.ArgumentParser:
     request = sub.add_parser("request", help="send a request and print its stream live")
     client_options(request)
     request.add_argument("model")
-    request.add_argument("--input", "-i", action="append", default=[], metavar="NAME=FILE.npy")
+    request.add_argument(
+        "--input", "-i", action="append", default=[], metavar="NAME=FILE.npy|FILE.jpg|FILE.png"
+    )
+    request.add_argument("--compress", action="store_true", help="send the request as zstd")
     request.add_argument("--param", "-p", action="append", default=[], metavar="KEY=VALUE")
     request.add_argument("--no-stream", action="store_true", help="ask for one result message")
     request.add_argument("--priority", type=int)

@@ -141,3 +141,40 @@ def test_report_from_saved_results_keeps_the_current_tables_and_links_the_histor
     assert "](benchmarks.md)" in history_doc.read_text()
     for text in (report, history_doc.read_text()):
         assert all(len(line) <= run.WIDTH for line in _prose(text))
+
+
+def test_image_bench_loop_by_hand_makes_what_the_agent_makes(tmp_path: Path) -> None:
+    """The images figure compares like with like: the seeded scene gives the same JPEG every
+    run, and the loop by hand (cv2.resize + copyMakeBorder, the session, `detect`) gives the
+    model the tensor the agent's `[preprocess]` gives it and the boxes its `[[postprocess]]`
+    gives, both read from the config the benchmark installs."""
+    cv2 = pytest.importorskip("cv2")
+    import numpy as np
+
+    from agent.models.model_config import parse_model_config
+    from agent.models.postprocess import build_postprocess
+    from agent.models.preprocess import preprocess_image
+    from benchmarks import images
+
+    image = images.jpeg(images.scene())
+    assert image == images.jpeg(images.scene()) and len(image) > 100_000
+    pixels = cv2.imdecode(np.frombuffer(image, np.uint8), cv2.IMREAD_COLOR)
+    assert pixels.shape == (*images.SIZE, 3)
+    images.add_model(tmp_path)
+    config = parse_model_config((tmp_path / images.MODEL / "config.toml").read_text(), "bench")
+    assert config.preprocess is not None
+    expected, geometry = preprocess_image(pixels, config.preprocess, bgr=True)
+    tensor, hand_geometry = images.HandPipeline.letterbox(pixels)
+    assert hand_geometry == geometry and geometry.pad == (35, 0)
+    np.testing.assert_array_equal(tensor, expected)
+    hand = images.HandPipeline()
+    post = build_postprocess(config.postprocess, ["output0"], tmp_path / images.MODEL / "1")
+    assert post is not None
+    (raw,) = hand.session.run(None, {images.INPUT: expected})
+    agent = post.apply({"output0": raw}, geometry)
+    got = hand.run(image)
+    assert len(got["boxes"]) > 0
+    for key in ("boxes", "scores", "classes", "labels"):
+        np.testing.assert_array_equal(got[key], agent[key])
+    template = images.request_template(image)
+    assert template.count(images.MARKER.encode()) == 1  # what the load peer replaces

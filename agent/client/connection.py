@@ -156,7 +156,7 @@ class AgentClient:
     def request(
         self,
         model: str,
-        inputs: Mapping[str, Array],
+        inputs: Mapping[str, Array | bytes | str],
         *,
         request_id: str | None = None,
         stream: bool = True,
@@ -170,10 +170,13 @@ class AgentClient:
         timeout: float = 30.0,
         extra: Mapping[str, Any] | None = None,
         recover: bool = True,
+        compress: bool = False,
     ) -> Reply:
         """Publish a request and return its reply stream (iterate it for the chunks).
 
         With `recover`, gaps and a stream gone quiet are asked for again on `ROOT/resend`.
+        An input may be `bytes` holding a JPEG or PNG (for a model with `[preprocess]`).
+        `compress`: the request goes as a zstd frame where that is smaller.
         """
         request_id = request_id or uuid.uuid4().hex[:16]
         body: dict[str, Any] = {"id": request_id, "inputs": dict(inputs)}
@@ -195,7 +198,8 @@ class AgentClient:
         with self._lock:
             self._routes[topic] = reply
         self._subscribe(topic, max(qos, reply_qos or 0))
-        self.publish_raw(f"{self.root}/infer/{model}", encode_payload(body), qos)
+        payload = encode_payload(body, compress_over=0 if compress else None)
+        self.publish_raw(f"{self.root}/infer/{model}", payload, qos)
         reply.sent_at = time.perf_counter()
         return reply
 
@@ -238,7 +242,12 @@ class AgentClient:
         reply.resend_requests += 1
         return reply
 
-    def infer(self, model: str, inputs: Mapping[str, Array], **options: Any) -> Arrays:
+    def cancel(self, request_id: str) -> None:
+        """Ask the agent to stop a running or queued request (`ROOT/cancel`): its stream
+        ends with `end`, `finish_reason: "cancelled"`. Unknown or finished ids are ignored."""
+        self.publish_raw(f"{self.root}/cancel", encode_payload({"id": request_id}), 1)
+
+    def infer(self, model: str, inputs: Mapping[str, Array | bytes], **options: Any) -> Arrays:
         """Request and wait for the whole output."""
         return self.request(model, inputs, **options).collect()
 

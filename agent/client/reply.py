@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import cbor2
 import numpy as np
 
 from agent.protocol.errors import Limits
@@ -73,6 +74,9 @@ class Chunk:
     ts: int  # agent's emit time, Unix ns (of the last part)
     received: float  # local time.perf_counter() when it was complete
     offset: int | None = None  # scan models: the first new sample of the chunk's first window
+    # An image input's `geometry` ({source, input, scale, pad}), where the agent resized one.
+    geometry: Mapping[str, Any] | None = None
+    text: str | None = None  # a generate model with a tokenizer: the chunk's new text
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,8 @@ class StreamEnd:
     timing: Mapping[str, float]
     model: str
     version: int
+    finish_reason: str | None = None  # generate (and any cancelled request): why it ended
+    usage: Mapping[str, int] | None = None  # generate: {prompt_tokens, completion_tokens}
 
 
 def decode_outputs(raw: Mapping[str, Any], limits: Limits = REPLY_LIMITS) -> Outputs:
@@ -89,9 +95,23 @@ def decode_outputs(raw: Mapping[str, Any], limits: Limits = REPLY_LIMITS) -> Out
     return {str(k): decode_value(v, limits, name=str(k)) for k, v in raw.items()}
 
 
-def _reassemble(parts: list[bytes]) -> Outputs:
+def _reassemble(parts: list[bytes], compression: Any = None) -> Outputs:
     """The outputs a chunk's `part` messages carry, joined in order and decoded."""
-    return decode_outputs(decode_payload(b"".join(parts), _PARTS_LIMITS), _PARTS_LIMITS)
+    joined = b"".join(parts)
+    if compression is not None:  # the CBOR of one byte string: the compressed outputs
+        return _unpacked(cbor2.loads(joined), compression)
+    return decode_outputs(decode_payload(joined, _PARTS_LIMITS), _PARTS_LIMITS)
+
+
+def _unpacked(outputs: Any, compression: Any) -> Outputs:
+    """A chunk's `outputs`, undoing `params.reply_compression` where the chunk says so
+    (the zstd frame goes through the payload guard: its size is checked before it is
+    decompressed)."""
+    if compression is None:
+        return decode_outputs(outputs)
+    if compression != "zstd" or not isinstance(outputs, bytes):
+        raise AgentError("bad_reply", f"outputs compressed as {compression!r}: not known here")
+    return decode_outputs(decode_payload(outputs, _PARTS_LIMITS), _PARTS_LIMITS)
 
 
 def _join(values: list[Any]) -> Any:
@@ -128,6 +148,10 @@ class Reply:
     end: StreamEnd | None = None
     result: Outputs | None = None
     timing: Mapping[str, float] | None = None
+    geometry: Mapping[str, Any] | None = None  # a `result`'s image geometry
+    text: str | None = None  # a generate `result`'s whole text
+    finish_reason: str | None = None  # a generate `result`'s (the `end`'s: in `end`)
+    usage: Mapping[str, int] | None = None
     version: int | None = None
     duplicates: int = 0
     messages: int = 0
@@ -256,12 +280,18 @@ class Reply:
                 self.timing,
                 str(message.get("model")),
                 int(message.get("version") or 0),
+                message.get("finish_reason"),
+                message.get("usage"),
             )
             return None
         if kind == "result":
             self._done = True
             self.timing = message.get("timing", {})
-            self.result = decode_outputs(message.get("outputs", {}))
+            self.result = _unpacked(message.get("outputs", {}), message.get("compression"))
+            self.geometry = message.get("geometry")
+            self.text = message.get("text")
+            self.finish_reason = message.get("finish_reason")
+            self.usage = message.get("usage")
             return None
         if kind == "error":
             self._done = True
@@ -271,8 +301,9 @@ class Reply:
     def _chunk(self, message: dict[str, Any]) -> Chunk | None:
         index = int(message["index"])
         part = message.get("part")
+        compression = message.get("compression")
         if part is None:
-            outputs = decode_outputs(message["outputs"])
+            outputs = _unpacked(message["outputs"], compression)
         else:
             k, n = int(part[0]), int(part[1])
             parts = self._parts.setdefault(index, [])
@@ -280,7 +311,7 @@ class Reply:
             if k != n - 1 or len(parts) != n:
                 return None
             del self._parts[index]
-            outputs = _reassemble([bytes(p["data"]) for p in parts])
+            outputs = _reassemble([bytes(p["data"]) for p in parts], compression)
         return Chunk(
             seq=int(message["seq"]),
             index=index,
@@ -290,6 +321,8 @@ class Reply:
             ts=int(message.get("ts") or 0),
             received=time.perf_counter(),
             offset=int(message["offset"]) if message.get("offset") is not None else None,
+            geometry=message.get("geometry"),
+            text=message.get("text"),
         )
 
     def collect(self) -> Outputs:

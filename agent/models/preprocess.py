@@ -6,6 +6,10 @@ box serving it) prepares frames the same way::
     [preprocess]
     input = "image"            # the model input the frame feeds (default: its only input)
     resize = [32, 32]          # [height, width]
+    resize_mode = "stretch"    # stretch | letterbox | limit_side (agent.models.resize)
+    limit_side = 960           # limit_side: the side's bound; limit_type = "max" | "min"
+    multiple_of = 32           # round each side to a multiple (detectors with dynamic input)
+    pad_value = 114            # letterbox: the padding, in the frame's own pixel values
     interpolation = "linear"   # nearest | linear | area | cubic
     color = "rgb"              # rgb | bgr | gray (OpenCV decodes to BGR; converted here)
     scale = "1/255"            # a number, or a fraction as text (TOML has no 1/255)
@@ -23,6 +27,7 @@ buffer (``(x * scale - mean) / std`` is folded into ``x * a + b`` per channel).
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from fractions import Fraction
 from types import ModuleType
 from typing import Any, Literal
@@ -31,7 +36,16 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["PreprocessConfig", "PreprocessError", "load_cv2", "preprocess"]
+from agent.models.resize import Geometry, plan_resize
+
+__all__ = [
+    "PreprocessConfig",
+    "PreprocessError",
+    "image_input",
+    "load_cv2",
+    "preprocess",
+    "preprocess_image",
+]
 
 Array = npt.NDArray[Any]
 
@@ -60,6 +74,11 @@ class PreprocessConfig(BaseModel):
 
     input: str | None = Field(default=None, min_length=1)
     resize: list[int] | None = None
+    resize_mode: Literal["stretch", "letterbox", "limit_side"] = "stretch"
+    limit_side: int | None = Field(default=None, ge=1, le=_MAX_SIDE)
+    limit_type: Literal["max", "min"] = "max"
+    multiple_of: int | None = Field(default=None, ge=1, le=1024)
+    pad_value: float = 0.0
     interpolation: Literal["nearest", "linear", "area", "cubic"] = "linear"
     color: Literal["rgb", "bgr", "gray"] = "rgb"
     scale: float = 1.0
@@ -105,10 +124,19 @@ class PreprocessConfig(BaseModel):
                 raise ValueError(f"{key}: give 1 value or 3 (one per channel)")
             if values is not None and self.color == "gray" and len(values) != 1:
                 raise ValueError(f'{key}: color = "gray" has one channel: give 1 value')
+        self._check_resize_mode()
         integer = np.issubdtype(np.dtype(self.dtype), np.integer)
         if integer and (self.mean or self.std or self.scale != 1.0):
             raise ValueError(f"scale, mean and std need a float dtype, not {self.dtype}")
         return self
+
+    def _check_resize_mode(self) -> None:
+        if self.resize_mode == "letterbox" and self.resize is None:
+            raise ValueError('resize_mode = "letterbox" needs resize = [height, width]')
+        if (self.resize_mode == "limit_side") != (self.limit_side is not None):
+            raise ValueError('resize_mode = "limit_side" and limit_side = N go together')
+        if self.resize_mode == "limit_side" and self.resize is not None:
+            raise ValueError('resize_mode = "limit_side" sizes the image itself: drop resize')
 
     @property
     def channels_first(self) -> bool:
@@ -117,6 +145,16 @@ class PreprocessConfig(BaseModel):
     @property
     def batched(self) -> bool:
         return self.layout.startswith("N")
+
+
+def image_input(config: PreprocessConfig | None, specs: Sequence[Any]) -> str | None:
+    """The input `[preprocess]` prepares: its `input`, else the model's only input; None
+    without a `[preprocess]` (or with several inputs and none named)."""
+    if config is None:
+        return None
+    if config.input is not None:
+        return config.input
+    return specs[0].name if len(specs) == 1 else None
 
 
 def _resize(frame: Array, height: int, width: int, interpolation: str) -> Array:
@@ -160,14 +198,20 @@ def preprocess(frame: Array, config: PreprocessConfig, *, bgr: bool = False) -> 
     `bgr`: the frame's channels are in OpenCV's order (video frames, decoded images); other
     frames (arrays from files, pipes) are taken to be RGB already.
     """
+    return preprocess_image(frame, config, bgr=bgr)[0]
+
+
+def preprocess_image(
+    frame: Array, config: PreprocessConfig, *, bgr: bool = False
+) -> tuple[Array, Geometry]:
+    """:func:`preprocess`, and where the frame's pixels landed in the input (its geometry)."""
     if not isinstance(frame, np.ndarray) or frame.ndim not in (2, 3):
         shape = getattr(frame, "shape", None)
         raise PreprocessError(f"expected an image H x W or H x W x C, got shape {shape}")
     if frame.dtype.kind not in "uif" or 0 in frame.shape:
         raise PreprocessError(f"cannot preprocess a {frame.dtype} frame of shape {frame.shape}")
     image = frame if frame.ndim == 3 else frame[:, :, None]
-    if config.resize is not None and tuple(image.shape[:2]) != tuple(config.resize):
-        image = _resize(image, config.resize[0], config.resize[1], config.interpolation)
+    image, geometry = _placed(image, config)
     if config.color == "gray":
         image = _to_gray(image, bgr)
     elif image.shape[2] >= 3:
@@ -191,7 +235,39 @@ def preprocess(frame: Array, config: PreprocessConfig, *, bgr: bool = False) -> 
             np.multiply(view, alpha.astype(compute).reshape(shape), out=result, casting="unsafe")
             if beta is not None:
                 np.add(result, beta.astype(compute).reshape(shape), out=result, casting="unsafe")
-    return result[None] if config.batched else result
+    return (result[None] if config.batched else result), geometry
+
+
+def _placed(image: Array, config: PreprocessConfig) -> tuple[Array, Geometry]:
+    """The image resized (and padded) as `config` says, with its geometry."""
+    height, width = image.shape[:2]
+    plan = plan_resize(
+        height,
+        width,
+        mode=config.resize_mode,
+        resize=(config.resize[0], config.resize[1]) if config.resize is not None else None,
+        limit_side=config.limit_side,
+        limit_type=config.limit_type,
+        multiple_of=config.multiple_of,
+    )
+    if (plan.height, plan.width) != (height, width):
+        image = _resize(image, plan.height, plan.width, config.interpolation)
+    if plan.padded:
+        image = _pad(image, plan.canvas, plan.top, plan.left, config.pad_value)
+    return image, plan.geometry(height, width)
+
+
+def _pad(image: Array, canvas: tuple[int, int], top: int, left: int, value: float) -> Array:
+    """`image` on a `canvas`-sized frame filled with `value` (one allocation)."""
+    out = np.empty((canvas[0], canvas[1], image.shape[2]), dtype=image.dtype)
+    height, width = image.shape[:2]
+    fill = np.asarray(value).astype(image.dtype)
+    out[:top] = fill
+    out[top + height :] = fill
+    out[top : top + height, :left] = fill
+    out[top : top + height, left + width :] = fill
+    out[top : top + height, left : left + width] = image
+    return out
 
 
 def _affine(config: PreprocessConfig, channels: int) -> tuple[Array | None, Array | None]:

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from agent.config import SourceConfig
 from agent.models.backends.base import Array, InferenceError
 from agent.models.manager import LoadedVersion
-from agent.models.preprocess import PreprocessError, preprocess
+from agent.models.preprocess import PreprocessError, preprocess_image
+from agent.models.resize import Geometry
 from agent.sources.base import FIELD, Outcome, Record
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,8 @@ def select_outputs(
 
 
 def model_inputs(config: SourceConfig, record: Record, loaded: LoadedVersion) -> dict[str, Array]:
-    """The record's fields as the model's inputs: mapped by name, then preprocessed."""
+    """The record's fields as the model's inputs: mapped by name, then preprocessed (the
+    frame's `geometry` then goes into the record's `extra`, sent with its chunk)."""
     pre = loaded.config.preprocess if config.preprocess else None
     names = [spec.name for spec in loaded.session.inputs]
     only = names[0] if len(names) == 1 else None
@@ -72,5 +74,22 @@ def model_inputs(config: SourceConfig, record: Record, loaded: LoadedVersion) ->
     if pre is not None:
         target = pre.input or only
         if target is not None and target in mapped:
-            mapped[target] = preprocess(mapped[target], pre, bgr=record.bgr)
+            mapped[target], geometry = preprocess_image(mapped[target], pre, bgr=record.bgr)
+            record.extra = {**(record.extra or {}), "geometry": geometry.as_wire()}
     return mapped
+
+
+def postprocessed(
+    outputs: dict[str, Array], record: Record, loaded: LoadedVersion
+) -> dict[str, Array]:
+    """The version's `[[postprocess]]` on a frame's outputs (boxes mapped back through the
+    frame's geometry, where it was preprocessed)."""
+    post = loaded.postprocess
+    if post is None:
+        return outputs
+    wire = (record.extra or {}).get("geometry")
+    geometry = Geometry.from_wire(wire) if wire is not None else None
+    try:
+        return post.apply(outputs, geometry)
+    except (ValueError, TypeError, IndexError) as e:
+        raise InferenceError(f"postprocess: {e}") from e

@@ -22,7 +22,7 @@ from agent.protocol.errors import Limits, WireError
 from agent.protocol.requests import validate_inputs
 from agent.sources.base import Reader, Record, SourceError, describe_where
 from agent.sources.counters import FrameErrors, Stats
-from agent.sources.frames import Frame, model_inputs, select_outputs
+from agent.sources.frames import Frame, model_inputs, postprocessed, select_outputs
 from agent.sources.readers import open_reader
 from agent.sources.seq import SeqStore
 from agent.sources.stream import SourceStream
@@ -338,6 +338,7 @@ class SourceRunner:
             started = time.perf_counter()
             try:
                 outputs = select_outputs(self.config, loaded.session.run(inputs), loaded)
+                outputs = postprocessed(outputs, record, loaded)
             except InferenceError as e:
                 self._errors.frame_failed(frame, f"model_error: {e}", bad_input=True)
                 return None

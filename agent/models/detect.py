@@ -1,0 +1,146 @@
+"""The `detect` post-processing op: a detector's raw output as boxes, scores, classes, labels.
+
+Layouts (`format`):
+
+- ``yolov8`` (also YOLO11, as Ultralytics exports them): one output ``[1, 4 + C, N]``
+  (``cx, cy, w, h`` in input pixels, then C class scores); ``[1, N, 4 + C]`` is taken too (the
+  class axis is the shorter one: detectors have far more anchors than classes);
+- ``yolov5``: one output ``[1, N, 5 + C]`` (``cx, cy, w, h, objectness``, then C class
+  scores; a box's score is objectness times its class score);
+- ``boxes_scores``: two outputs, ``output`` the boxes ``[1, N, 4]`` (``box_format``,
+  ``xyxy`` unless said otherwise) and ``scores`` ``[1, N, C]``.
+
+Then, as Ultralytics' ``non_max_suppression`` does it (without multi-label): each box keeps its
+best class; boxes scoring at most ``score_threshold`` are dropped; the rest, best first (at
+most 30000), go through greedy NMS per class (boxes of different classes never suppress each
+other: they are shifted apart by class, one NMS for all); at most ``max_detections`` stay.
+
+All in numpy, vectorised: the candidates are filtered, decoded and shifted as whole arrays;
+NMS is one vectorised IoU row per kept box (at most ``max_detections`` rows). Written here
+rather than taken from a library: OpenCV's ``dnn.NMSBoxesBatched`` would do, but OpenCV is
+an optional extra and the op must work without it; torchvision is not a runtime dependency.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from agent.models.resize import Geometry, to_source_boxes
+
+__all__ = ["DetectSpec", "decode_detections", "nms"]
+
+Array = npt.NDArray[Any]
+
+MAX_CANDIDATES = 30000  # boxes into NMS, as Ultralytics' max_nms
+_CLASS_OFFSET = 7680.0  # Ultralytics' max_wh: shifts each class's boxes apart
+
+
+@dataclass(frozen=True)
+class DetectSpec:
+    """One `detect` op, checked at load (agent.models.postprocess)."""
+
+    output: str
+    format: str  # yolov8 | yolov5 | boxes_scores
+    scores: str | None
+    box_format: str  # xywh (centre, size) | xyxy
+    score_threshold: float
+    iou_threshold: float
+    max_detections: int
+    labels: tuple[str, ...] | None
+
+
+def _squeeze_batch(array: Array, name: str) -> Array:
+    if array.ndim == 3:
+        if array.shape[0] != 1:
+            raise ValueError(f"detect: {name} has a batch of {array.shape[0]}; it takes one image")
+        first: Array = array[0]
+        return first
+    if array.ndim != 2:
+        raise ValueError(f"detect: {name} has shape {list(array.shape)}, expected rank 2 or 3")
+    return array
+
+
+def _candidates(spec: DetectSpec, outputs: dict[str, Any]) -> tuple[Array, Array]:
+    """`(boxes [N, 4], class scores [N, C])` of every anchor, boxes in `box_format`."""
+    raw = _squeeze_batch(np.asarray(outputs[spec.output]), spec.output)
+    if spec.format == "boxes_scores":
+        assert spec.scores is not None
+        scores = _squeeze_batch(np.asarray(outputs[spec.scores]), spec.scores)
+        if raw.shape[-1] != 4 or scores.shape[0] != raw.shape[0]:
+            raise ValueError(
+                f"detect: boxes {list(raw.shape)} and scores {list(scores.shape)} do not pair "
+                "as [N, 4] and [N, C]"
+            )
+        return raw, scores
+    if spec.format == "yolov8" and raw.shape[0] < raw.shape[1]:
+        raw = raw.T  # [4 + C, N] -> [N, 4 + C] (a view)
+    first = 5 if spec.format == "yolov5" else 4
+    if raw.shape[1] <= first:
+        raise ValueError(
+            f"detect: {spec.output} has {raw.shape[1]} values per box, a {spec.format} "
+            f"output has more than {first}"
+        )
+    scores = raw[:, first:]
+    if spec.format == "yolov5":
+        scores = scores * raw[:, 4:5]
+    return raw[:, :4], scores
+
+
+def _to_xyxy(boxes: Array, box_format: str) -> Array:
+    out = np.asarray(boxes, dtype=np.float32)
+    if box_format == "xyxy":
+        return out
+    half = out[:, 2:4] * 0.5
+    return np.concatenate((out[:, 0:2] - half, out[:, 0:2] + half), axis=1)
+
+
+def nms(boxes: Array, scores: Array, iou_threshold: float, limit: int) -> Array:
+    """Greedy NMS: indices of the boxes kept, best first (boxes suppressed by a better one
+    overlapping them with IoU above `iou_threshold`); `boxes` xyxy, `scores` any order."""
+    order = np.argsort(-scores, kind="stable")
+    x1, y1, x2, y2 = boxes[:, 0], boxes[:, 1], boxes[:, 2], boxes[:, 3]
+    areas = (x2 - x1) * (y2 - y1)
+    keep: list[int] = []
+    while order.size and len(keep) < limit:
+        best, rest = order[0], order[1:]
+        keep.append(int(best))
+        width = np.minimum(x2[best], x2[rest]) - np.maximum(x1[best], x1[rest])
+        height = np.minimum(y2[best], y2[rest]) - np.maximum(y1[best], y1[rest])
+        inter = np.maximum(width, 0.0) * np.maximum(height, 0.0)  # np.clip: 3x the call cost
+        union = areas[best] + areas[rest] - inter
+        iou = np.divide(inter, union, out=np.zeros_like(inter), where=union > 0)
+        order = rest[iou <= iou_threshold]
+    return np.asarray(keep, dtype=np.int64)
+
+
+def decode_detections(
+    spec: DetectSpec, outputs: dict[str, Any], geometry: Geometry | None
+) -> dict[str, Any]:
+    """`outputs` with the detector's output(s) replaced by `boxes` (xyxy, float32, in the
+    source image's pixels where `geometry` is known, else the input's), `scores`, `classes`
+    (int64) and, with labels, `labels` (a string tensor)."""
+    boxes, scores = _candidates(spec, outputs)
+    classes = np.argmax(scores, axis=1)
+    best = np.take_along_axis(scores, classes[:, None], axis=1)[:, 0].astype(np.float32)
+    chosen = np.flatnonzero(best > spec.score_threshold)
+    if chosen.size > MAX_CANDIDATES:
+        chosen = chosen[np.argsort(-best[chosen], kind="stable")[:MAX_CANDIDATES]]
+    xyxy = _to_xyxy(boxes[chosen], spec.box_format)
+    kept_classes = classes[chosen].astype(np.int64)
+    shifted = xyxy + (kept_classes.astype(np.float32) * _CLASS_OFFSET)[:, None]
+    keep = nms(shifted, best[chosen], spec.iou_threshold, spec.max_detections)
+    result = {k: v for k, v in outputs.items() if k not in (spec.output, spec.scores)}
+    kept = xyxy[keep].reshape(-1, 4)
+    result["boxes"] = to_source_boxes(kept, geometry) if geometry is not None else kept
+    result["scores"] = best[chosen][keep]
+    result["classes"] = kept_classes[keep]
+    if spec.labels is not None:
+        names = spec.labels
+        result["labels"] = np.array(
+            [names[c] if c < len(names) else str(c) for c in result["classes"]], dtype=object
+        )
+    return result

@@ -1,0 +1,247 @@
+"""A model's `[[postprocess]]`: ops on its outputs, in order, before they are sent.
+
+Each op works on one output (``output = NAME``)::
+
+    [[postprocess]]
+    output = "logits"
+    op = "softmax"             # softmax | sigmoid (axis = -1)
+    [[postprocess]]
+    output = "logits"
+    op = "topk"                # NAME: values, NAME_indices, NAME_labels (with labels)
+    k = 5
+    labels = "labels.txt"      # one label per line, in the version folder
+    [[postprocess]]
+    output = "output0"
+    op = "detect"              # boxes, scores, classes, labels (agent.models.detect)
+    format = "yolov8"          # yolov8 (also YOLO11) | yolov5 | boxes_scores (+ scores = NAME)
+    score_threshold = 0.25
+    iou_threshold = 0.45
+    max_detections = 300
+
+and ``argmax`` (axis, keepdims; int64 in place), ``threshold`` (value; a uint8 0/1 mask in
+place: ``x > value``), ``cast`` (dtype), ``drop``. The ops run in numpy on every request's
+and every source frame's outputs, after the outputs a request or source asked for were
+chosen: an op whose output is not among them is skipped. An op naming an output that neither
+the model nor an earlier op makes, or a labels file that cannot be read, fails the version
+at load (:func:`build_postprocess` raises :class:`ModelLoadError`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from agent.models.backends.base import ModelLoadError
+from agent.models.detect import DetectSpec, decode_detections
+from agent.models.resize import Geometry
+
+__all__ = ["PostprocessOp", "Postprocessor", "build_postprocess"]
+
+Array = npt.NDArray[Any]
+Outputs = dict[str, Any]
+
+MAX_LABELS_BYTES = 1 << 20
+CastDtype = Literal["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8"]
+# The keys each op takes besides `output` and `op`.
+_OP_KEYS: dict[str, frozenset[str]] = {
+    "softmax": frozenset({"axis"}),
+    "sigmoid": frozenset(),
+    "argmax": frozenset({"axis", "keepdims"}),
+    "topk": frozenset({"k", "axis", "labels"}),
+    "threshold": frozenset({"value"}),
+    "cast": frozenset({"dtype"}),
+    "drop": frozenset(),
+    "detect": frozenset(
+        {"format", "scores", "box_format", "score_threshold", "iou_threshold"}
+        | {"max_detections", "labels"}
+    ),
+}
+
+
+class PostprocessOp(BaseModel):
+    """One `[[postprocess]]` entry (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    output: str = Field(min_length=1)
+    op: Literal["softmax", "sigmoid", "argmax", "topk", "threshold", "cast", "drop", "detect"]
+    axis: int = -1
+    keepdims: bool = False
+    k: int = Field(default=1, ge=1, le=65536)
+    labels: str | None = None
+    value: float = 0.5
+    dtype: CastDtype | None = None
+    format: Literal["yolov8", "yolov5", "boxes_scores"] = "yolov8"
+    scores: str | None = None
+    box_format: Literal["xywh", "xyxy"] | None = None
+    score_threshold: float = Field(default=0.25, ge=0, le=1)
+    iou_threshold: float = Field(default=0.45, ge=0, le=1)
+    max_detections: int = Field(default=300, ge=1, le=10000)
+
+    @model_validator(mode="after")
+    def _keys_of_op(self) -> PostprocessOp:
+        foreign = sorted(self.model_fields_set - _OP_KEYS[self.op] - {"output", "op"})
+        if foreign:
+            raise ValueError(f'op = "{self.op}" takes no {", ".join(foreign)}')
+        if self.op == "cast" and self.dtype is None:
+            raise ValueError('op = "cast" needs dtype')
+        if self.op == "detect" and (self.format == "boxes_scores") != (self.scores is not None):
+            raise ValueError('format = "boxes_scores" and scores = NAME go together')
+        name = self.labels
+        if name is not None and (not name or "/" in name or "\\" in name):
+            raise ValueError("labels must be a file name in the version folder (no folders)")
+        return self
+
+
+def read_labels(folder: Path, name: str) -> tuple[str, ...]:
+    """One label per line of `folder/name` (blank lines at the end ignored)."""
+    path = folder / name
+    try:
+        if path.stat().st_size > MAX_LABELS_BYTES:
+            raise ModelLoadError(f"postprocess: {name} is over {MAX_LABELS_BYTES} bytes")
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ModelLoadError(f"postprocess: cannot read labels {name}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ModelLoadError(f"postprocess: labels {name} is not UTF-8 text") from None
+    return tuple(line.strip() for line in text.rstrip("\n").split("\n"))
+
+
+Step = Callable[[Outputs, Geometry | None], Outputs]
+
+
+class Postprocessor:
+    """A version's ops, checked and bound (labels read): `apply(outputs, geometry)`."""
+
+    def __init__(self, steps: Sequence[tuple[str, Step]]) -> None:
+        self._steps = tuple(steps)
+
+    def apply(self, outputs: Outputs, geometry: Geometry | None = None) -> Outputs:
+        """The ops in order on `outputs` (a new dict; ops on absent outputs skipped)."""
+        result = dict(outputs)
+        for name, step in self._steps:
+            if name in result:
+                result = step(result, geometry)
+        return result
+
+
+def build_postprocess(
+    ops: Sequence[PostprocessOp], output_names: Sequence[str], folder: Path
+) -> Postprocessor | None:
+    """The version's ops checked against its outputs (ModelLoadError names the first
+    problem); None without ops."""
+    if not ops:
+        return None
+    available = set(output_names)
+    steps: list[tuple[str, Step]] = []
+    for position, op in enumerate(ops, 1):
+        where = f"postprocess #{position} ({op.op} of {op.output!r})"
+        missing = [n for n in (op.output, op.scores) if n is not None and n not in available]
+        if missing:
+            raise ModelLoadError(
+                f"{where}: no output {missing[0]!r} (there are {', '.join(sorted(available))})"
+            )
+        labels = read_labels(folder, op.labels) if op.labels is not None else None
+        steps.append((op.output, _step(op, labels)))
+        available |= _made(op)
+        available -= _removed(op)
+    return Postprocessor(steps)
+
+
+def _made(op: PostprocessOp) -> set[str]:
+    if op.op == "topk":
+        return {op.output, f"{op.output}_indices", f"{op.output}_labels"}
+    if op.op == "detect":
+        return {"boxes", "scores", "classes", "labels"}
+    return set() if op.op == "drop" else {op.output}
+
+
+def _removed(op: PostprocessOp) -> set[str]:
+    if op.op == "drop":
+        return {op.output}
+    if op.op == "detect":
+        return {op.output, *([op.scores] if op.scores else [])} - {"boxes", "scores"}
+    return set()
+
+
+def _step(op: PostprocessOp, labels: tuple[str, ...] | None) -> Step:
+    name = op.output
+    if op.op == "detect":
+        spec = DetectSpec(
+            output=name,
+            format=op.format,
+            scores=op.scores,
+            box_format=op.box_format or ("xyxy" if op.format == "boxes_scores" else "xywh"),
+            score_threshold=op.score_threshold,
+            iou_threshold=op.iou_threshold,
+            max_detections=op.max_detections,
+            labels=labels,
+        )
+        return lambda outputs, geometry: decode_detections(spec, outputs, geometry)
+    if op.op == "topk":
+        return lambda outputs, _: _topk(outputs, name, op.k, op.axis, labels)
+    if op.op == "drop":
+        return lambda outputs, _: {k: v for k, v in outputs.items() if k != name}
+    transform = _elementwise(op)
+    return lambda outputs, _: {**outputs, name: transform(_numeric(outputs[name], op))}
+
+
+def _numeric(value: Any, op: PostprocessOp) -> Array:
+    array = np.asarray(value)
+    if array.dtype.kind not in "uifb":
+        raise ValueError(f"postprocess {op.op}: {op.output} is {array.dtype}, not a number tensor")
+    return array
+
+
+def _elementwise(op: PostprocessOp) -> Callable[[Array], Array]:
+    if op.op == "softmax":
+        return lambda x: _softmax(x, op.axis)
+    if op.op == "sigmoid":
+        return _sigmoid
+    if op.op == "argmax":
+        return lambda x: np.argmax(x, axis=op.axis, keepdims=op.keepdims).astype(np.int64)
+    if op.op == "threshold":
+        return lambda x: (x > op.value).astype(np.uint8)
+    dtype = np.dtype(op.dtype)
+    return lambda x: x.astype(dtype, copy=False)
+
+
+def _float(x: Array) -> Array:
+    return x if x.dtype.kind == "f" else x.astype(np.float32)
+
+
+def _softmax(x: Array, axis: int) -> Array:
+    x = _float(x)
+    shifted = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    result: Array = shifted / np.sum(shifted, axis=axis, keepdims=True)
+    return result
+
+
+def _sigmoid(x: Array) -> Array:
+    x = _float(x)
+    result: Array = 0.5 * (np.tanh(x * 0.5) + 1.0)  # no overflow for large |x|
+    return result.astype(x.dtype, copy=False)
+
+
+def _topk(
+    outputs: Outputs, name: str, k: int, axis: int, labels: tuple[str, ...] | None
+) -> Outputs:
+    x = np.asarray(outputs[name])
+    size = x.shape[axis]
+    k = min(k, size)
+    part = np.argpartition(-x, k - 1, axis=axis) if k < size else np.argsort(-x, axis=axis)
+    top = np.take(part, np.arange(k), axis=axis)
+    values = np.take_along_axis(x, top, axis=axis)
+    order = np.argsort(-values, axis=axis, kind="stable")
+    indices = np.take_along_axis(top, order, axis=axis).astype(np.int64)
+    result = {**outputs, name: np.take_along_axis(values, order, axis=axis)}
+    result[f"{name}_indices"] = indices
+    if labels is not None:
+        table = np.array([*labels, ""], dtype=object)  # an index past the labels: ""
+        result[f"{name}_labels"] = table[np.minimum(indices, len(labels))]
+    return result

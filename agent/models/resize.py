@@ -1,0 +1,148 @@
+"""The resize step of `[preprocess]`: where an image's pixels land in the model input.
+
+Three modes (`resize_mode`):
+
+- ``stretch``: to ``resize = [h, w]`` exactly, the aspect ratio not kept (the default);
+- ``letterbox``: scaled by one factor to fit inside ``resize``, the rest padded with
+  ``pad_value`` on both sides (centred, as Ultralytics' ``LetterBox`` does: the same
+  rounding, so a model exported by it sees the pixels it was validated on);
+- ``limit_side``: PaddleOCR's rule: with ``limit_type = "max"`` an image whose longer side
+  exceeds ``limit_side`` is scaled down so it is ``limit_side`` (smaller ones are kept);
+  with ``"min"`` one whose shorter side is under ``limit_side`` is scaled up to it.
+
+``multiple_of = N`` then rounds each side to a multiple of N: ``stretch`` and
+``limit_side`` round the resized size to the nearest multiple (at least N, as PaddleOCR's
+detector does), ``letterbox`` rounds the padded canvas up.
+
+Every resize is described by a :class:`Geometry`, which requests and sources send with each
+chunk, and which maps a point of the model input back to the source image:
+``source = (input - pad) / scale``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["Geometry", "ResizePlan", "plan_resize", "to_source_boxes"]
+
+Array = npt.NDArray[Any]
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """How the source image maps onto the model input (all in pixels, `[y, x]` order)."""
+
+    source: tuple[int, int]  # the image as it came: [h, w]
+    input: tuple[int, int]  # the model input: [h, w]
+    scale: tuple[float, float]  # [sy, sx]: input pixels per source pixel
+    pad: tuple[int, int]  # [top, left]: input pixels before the image starts
+
+    def as_wire(self) -> dict[str, list[int] | list[float]]:
+        """The `geometry` map of a chunk (docs/protocol.md)."""
+        return {
+            "source": list(self.source),
+            "input": list(self.input),
+            "scale": [float(self.scale[0]), float(self.scale[1])],
+            "pad": list(self.pad),
+        }
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> Geometry:
+        """The inverse of :meth:`as_wire`."""
+        source, size, scale, pad = (wire[k] for k in ("source", "input", "scale", "pad"))
+        return cls(
+            (int(source[0]), int(source[1])),
+            (int(size[0]), int(size[1])),
+            (float(scale[0]), float(scale[1])),
+            (int(pad[0]), int(pad[1])),
+        )
+
+
+@dataclass(frozen=True)
+class ResizePlan:
+    """The image resized to `(height, width)`, then placed at `(top, left)` on a canvas of
+    `canvas` (equal to the resized size where nothing is padded)."""
+
+    height: int
+    width: int
+    canvas: tuple[int, int]
+    top: int
+    left: int
+
+    def geometry(self, source_height: int, source_width: int) -> Geometry:
+        return Geometry(
+            (source_height, source_width),
+            self.canvas,
+            (self.height / source_height, self.width / source_width),
+            (self.top, self.left),
+        )
+
+    @property
+    def padded(self) -> bool:
+        return self.canvas != (self.height, self.width)
+
+
+def _round_to(size: int, multiple: int | None) -> int:
+    if not multiple:
+        return size
+    return max(round(size / multiple) * multiple, multiple)
+
+
+def _ceil_to(size: int, multiple: int | None) -> int:
+    if not multiple:
+        return size
+    return -(-size // multiple) * multiple
+
+
+def plan_resize(
+    height: int,
+    width: int,
+    *,
+    mode: str,
+    resize: tuple[int, int] | None,
+    limit_side: int | None = None,
+    limit_type: str = "max",
+    multiple_of: int | None = None,
+) -> ResizePlan:
+    """Where an image of `height` x `width` goes (see the module docstring for the modes)."""
+    if mode == "letterbox" and resize is not None:
+        target_h, target_w = resize
+        ratio = min(target_h / height, target_w / width)
+        new_h, new_w = round(height * ratio), round(width * ratio)
+        canvas_h, canvas_w = _ceil_to(target_h, multiple_of), _ceil_to(target_w, multiple_of)
+        # Ultralytics' LetterBox: half the padding on each side, the odd pixel after.
+        top = round((canvas_h - new_h) / 2 - 0.1)
+        left = round((canvas_w - new_w) / 2 - 0.1)
+        return ResizePlan(new_h, new_w, (canvas_h, canvas_w), top, left)
+    if mode == "limit_side" and limit_side is not None:
+        ratio = 1.0
+        if limit_type == "max" and max(height, width) > limit_side:
+            ratio = limit_side / max(height, width)
+        elif limit_type == "min" and min(height, width) < limit_side:
+            ratio = limit_side / min(height, width)
+        new_h, new_w = int(height * ratio), int(width * ratio)
+    elif resize is not None:
+        new_h, new_w = resize
+    else:
+        new_h, new_w = height, width
+    new_h, new_w = _round_to(new_h, multiple_of), _round_to(new_w, multiple_of)
+    return ResizePlan(new_h, new_w, (new_h, new_w), 0, 0)
+
+
+def to_source_boxes(boxes: Array, geometry: Geometry) -> Array:
+    """`[n, 4]` xyxy boxes in model-input pixels as source-image pixels, clipped to it."""
+    sy, sx = geometry.scale
+    top, left = geometry.pad
+    height, width = geometry.source
+    out = np.empty(boxes.shape, dtype=np.float32)
+    np.subtract(boxes[:, 0::2], left, out=out[:, 0::2])
+    np.subtract(boxes[:, 1::2], top, out=out[:, 1::2])
+    out[:, 0::2] /= sx
+    out[:, 1::2] /= sy
+    np.clip(out[:, 0::2], 0, width, out=out[:, 0::2])
+    np.clip(out[:, 1::2], 0, height, out=out[:, 1::2])
+    return out

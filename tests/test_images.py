@@ -1,0 +1,242 @@
+"""Encoded images in, decoded detections out: a real Ultralytics YOLO export and a torch
+classifier behind `[preprocess]` and `[[postprocess]]`, asked with JPEG and PNG bytes.
+
+Fixtures from `scripts/make_vision_models.py`: the references are Ultralytics' own pipeline
+(LetterBox, the torch model, `non_max_suppression`, `scale_boxes`) and `torch.topk`.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import resource
+import shutil
+import struct
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from agent.client import AgentClient, AgentError
+from agent.demo.broker import EmbeddedBroker
+from agent.service.agent import Agent
+
+cv2 = pytest.importorskip("cv2")
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "real"
+YOLO = FIXTURES / "yolo"
+CLASSIFIER = FIXTURES / "classifier"
+META = json.loads((YOLO / "reference.json").read_text())
+
+YOLO_CONFIG = f"""
+[preprocess]
+resize = [160, 160]
+resize_mode = "letterbox"
+pad_value = 114
+scale = "1/255"
+
+[[postprocess]]
+output = "output0"
+op = "detect"
+format = "yolov8"
+score_threshold = {META["score_threshold"]}
+iou_threshold = {META["iou_threshold"]}
+max_detections = {META["max_detections"]}
+labels = "labels.txt"
+"""
+CLASSIFIER_CONFIG = """
+[preprocess]
+resize = [32, 32]
+scale = "1/255"
+
+[[postprocess]]
+output = "logits"
+op = "softmax"
+
+[[postprocess]]
+output = "logits"
+op = "topk"
+k = 3
+labels = "labels.txt"
+"""
+# limit_side with multiple_of on the same classifier graph would need dynamic input: the
+# detector is fixed at 160, so limit_side is checked on geometry alone (test_postprocess).
+
+
+def install(root: Path, name: str, source: Path, config: str) -> None:
+    (root / name / "1").mkdir(parents=True)
+    (root / name / "config.toml").write_text(config)
+    for file in ("model.onnx", "labels.txt"):
+        shutil.copy(source / file, root / name / "1" / file)
+
+
+@pytest.fixture(scope="module")
+def vision_agent(
+    broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Agent, AgentClient]]:
+    from tests.conftest import agent_config
+
+    tmp = tmp_path_factory.mktemp("vision")
+    root = tmp / "models"
+    install(root, "yolo", YOLO, YOLO_CONFIG)
+    install(root, "classifier", CLASSIFIER, CLASSIFIER_CONFIG)
+    agent = Agent(agent_config(tmp, broker, root))
+    agent.start()
+    client = AgentClient(broker.host, broker.port, device_id=agent.config.device_id).connect()
+    try:
+        assert agent.wait_ready(10)
+        yield agent, client
+    finally:
+        client.close()
+        agent.stop()
+
+
+def image_bytes(kind: str, folder: Path = YOLO) -> bytes:
+    return (folder / ("image.jpg" if kind == "jpeg" else "image.png")).read_bytes()
+
+
+@pytest.mark.parametrize("kind", ["jpeg", "png"])
+def test_detections_match_ultralytics(vision_agent: tuple[Agent, AgentClient], kind: str) -> None:
+    _, client = vision_agent
+    reply = client.request("yolo", {"images": image_bytes(kind)}, stream=False)
+    got = reply.collect()
+    with np.load(YOLO / "reference.npz") as ref:
+        boxes, scores = ref[f"{kind}.boxes"], ref[f"{kind}.scores"]
+        classes = ref[f"{kind}.classes"]
+    assert len(boxes) > 10  # enough boxes to say something
+    assert got["boxes"].shape == boxes.shape and got["boxes"].dtype == np.float32
+    np.testing.assert_array_equal(got["classes"], classes)
+    np.testing.assert_allclose(got["scores"], scores, rtol=1e-4, atol=1e-5)
+    # Ultralytics maps back with one gain and a rounded pad; the agent with the exact
+    # resized size: the same pixels to within a fraction of one.
+    np.testing.assert_allclose(got["boxes"], boxes, atol=1.0)
+    assert list(got["labels"]) == [META["labels"][c] for c in classes]
+    assert reply.geometry == {
+        "source": [240, 320],
+        "input": [160, 160],
+        "scale": [0.5, 0.5],
+        "pad": [20, 0],
+    }
+    assert reply.timing is not None
+    assert reply.timing["decode_ms"] > 0 and "preprocess_ms" in reply.timing
+
+
+def test_uint8_image_tensor_and_streamed_geometry(vision_agent: tuple[Agent, AgentClient]) -> None:
+    """An H x W x 3 uint8 RGB image (as sources send frames) gives the PNG's detections;
+    streamed chunks carry the geometry too."""
+    _, client = vision_agent
+    rgb = np.ascontiguousarray(cv2.imread(str(YOLO / "image.png"))[:, :, ::-1])
+    chunks = list(client.request("yolo", {"images": rgb}))
+    with np.load(YOLO / "reference.npz") as ref:
+        np.testing.assert_array_equal(chunks[0].outputs["classes"], ref["png.classes"])
+    assert chunks[0].geometry is not None and chunks[0].geometry["pad"] == [20, 0]
+
+
+@pytest.mark.parametrize("kind", ["jpeg", "png"])
+def test_topk_labels_match_torch(vision_agent: tuple[Agent, AgentClient], kind: str) -> None:
+    _, client = vision_agent
+    got = client.infer("classifier", {"image": image_bytes(kind, CLASSIFIER)}, stream=False)
+    with np.load(CLASSIFIER / "reference.npz") as ref:
+        values, indices = ref[f"{kind}.values"], ref[f"{kind}.indices"]
+    np.testing.assert_array_equal(got["logits_indices"], indices)
+    np.testing.assert_allclose(got["logits"], values, rtol=1e-4, atol=1e-6)
+    labels = (CLASSIFIER / "labels.txt").read_text().split()
+    assert got["logits_labels"].tolist() == [[labels[i] for i in indices[0]]]
+
+
+def test_compressed_request_and_reply(vision_agent: tuple[Agent, AgentClient]) -> None:
+    _, client = vision_agent
+    plain = client.infer("classifier", {"image": image_bytes("png", CLASSIFIER)}, stream=False)
+    packed = client.infer(
+        "classifier",
+        {"image": image_bytes("png", CLASSIFIER)},
+        stream=False,
+        compress=True,
+        params={"reply_compression": "zstd"},
+    )
+    for name, value in plain.items():
+        np.testing.assert_array_equal(packed[name], value)
+    streamed = list(
+        client.request(
+            "yolo", {"images": image_bytes("jpeg")}, params={"reply_compression": "zstd"}
+        )
+    )
+    with np.load(YOLO / "reference.npz") as ref:
+        np.testing.assert_array_equal(streamed[0].outputs["classes"], ref["jpeg.classes"])
+    with pytest.raises(AgentError) as refused:
+        client.infer("classifier", {"image": image_bytes("png")}, params={"reply_compression": 1})
+    assert refused.value.code == "bad_request"
+
+
+def png_declaring(height: int, width: int) -> bytes:
+    """A PNG whose IHDR declares `height` x `width` (a bomb: its data is a few bytes)."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = struct.pack(">I", zlib.crc32(kind + data))
+        return struct.pack(">I", len(data)) + kind + data + crc
+
+    idat = zlib.compress(b"\x00" * 64)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def refusal(client: AgentClient, data: bytes) -> AgentError:
+    with pytest.raises(AgentError) as refused:
+        client.infer("yolo", {"images": data}, stream=False)
+    return refused.value
+
+
+def test_bad_images_are_refused_cleanly(vision_agent: tuple[Agent, AgentClient]) -> None:
+    _, client = vision_agent
+    jpeg = image_bytes("jpeg")
+    client.infer("yolo", {"images": jpeg}, stream=False)  # warm: allocations settled
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    corrupt = refusal(client, b"not an image at all")
+    assert corrupt.code == "bad_request" and "JPEG or a PNG" in corrupt.message
+    bomb = refusal(client, png_declaring(50000, 50000))
+    assert bomb.code == "too_large" and "max_image_pixels" in bomb.message
+    truncated = refusal(client, jpeg[: len(jpeg) // 2])
+    assert truncated.code == "bad_request" and "truncated JPEG" in truncated.message
+    broken = bytearray(jpeg)
+    broken[len(broken) // 2 : len(broken) // 2 + 2000] = b"\xff" * 2000  # scan data destroyed
+    garbled = refusal(client, bytes(broken[:200]) + b"\xff\xd9")
+    assert garbled.code == "bad_request"
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # A 50000 x 50000 decode would be 7.5 GB: the peak did not move (KiB; 16 MiB of noise).
+    assert after - before < 16 * 1024
+    assert client.infer("yolo", {"images": jpeg}, stream=False)["boxes"].shape[1] == 4
+
+
+def test_a_folder_source_feeding_the_detector_publishes_boxes(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    from tests.conftest import agent_config
+
+    root = tmp_path / "models"
+    install(root, "yolo", YOLO, YOLO_CONFIG)
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    shutil.copy(YOLO / "image.png", inbox / "photo.png")
+    toml = f'[[sources]]\nname = "door"\nkind = "folder"\nmodel = "yolo"\npath = "{inbox}"\n'
+    config = agent_config(tmp_path, broker, root, toml)
+    got: queue.Queue[dict[str, Any]] = queue.Queue()
+    client = AgentClient(broker.host, broker.port, device_id=config.device_id).connect()
+    client.listen(f"{config.root_topic}/stream/door", lambda _t, m, _r: m and got.put(m))
+    agent = Agent(config)
+    agent.start()
+    try:
+        message = got.get(timeout=30)
+    finally:
+        agent.stop()
+        client.close()
+    from agent.client import decode_outputs
+
+    outputs = decode_outputs(message["outputs"])
+    with np.load(YOLO / "reference.npz") as ref:
+        np.testing.assert_array_equal(outputs["classes"], ref["png.classes"])
+        np.testing.assert_allclose(outputs["boxes"], ref["png.boxes"], atol=1.0)
+    assert message["geometry"]["source"] == [240, 320]
+    assert message["file"] == "photo.png"

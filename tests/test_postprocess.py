@@ -1,0 +1,185 @@
+"""Resize geometry, image headers and `[[postprocess]]` ops, checked without a broker."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agent.models.backends.base import ModelLoadError
+from agent.models.detect import nms
+from agent.models.model_config import ModelConfigError, parse_model_config
+from agent.models.postprocess import build_postprocess
+from agent.models.preprocess import PreprocessConfig, preprocess_image
+from agent.models.resize import Geometry, plan_resize
+from agent.protocol.errors import Limits, WireError
+from agent.protocol.images import encoded_image, read_image_header
+
+YOLO = Path(__file__).resolve().parent / "fixtures" / "real" / "yolo"
+
+
+def geometry(height: int, width: int, **options: object) -> dict[str, object]:
+    config = PreprocessConfig.model_validate(options)
+    frame = np.zeros((height, width, 3), dtype=np.uint8)
+    image, geo = preprocess_image(frame, config)
+    assert image.shape[2:] == tuple(geo.input)  # NCHW
+    return geo.as_wire()
+
+
+def test_letterbox_geometry_by_hand() -> None:
+    # 720 x 1280 into 640 x 640: ratio 0.5, 360 x 640, 140 rows above and below.
+    assert geometry(720, 1280, resize=[640, 640], resize_mode="letterbox") == {
+        "source": [720, 1280],
+        "input": [640, 640],
+        "scale": [0.5, 0.5],
+        "pad": [140, 0],
+    }
+    # 100 x 50 into 64 x 64: ratio 0.64, 64 x 32, 16 columns left (Ultralytics' rounding).
+    assert geometry(100, 50, resize=[64, 64], resize_mode="letterbox")["pad"] == [0, 16]
+
+
+def test_letterbox_pads_with_pad_value() -> None:
+    config = PreprocessConfig(resize=[8, 8], resize_mode="letterbox", pad_value=114, dtype="uint8")
+    image, geo = preprocess_image(np.full((4, 8, 3), 7, dtype=np.uint8), config)
+    assert geo.pad == (2, 0)
+    assert (image[0, :, :2] == 114).all() and (image[0, :, 6:] == 114).all()
+    assert (image[0, :, 2:6] == 7).all()
+
+
+def test_limit_side_geometry_by_hand() -> None:
+    # PaddleOCR's max rule: 1280 x 736 -> longer side 960: 552 x 960, then multiples of 32.
+    wire = geometry(736, 1280, resize_mode="limit_side", limit_side=960, multiple_of=32)
+    assert wire["input"] == [544, 960]  # round(552 / 32) * 32 = 544
+    assert wire["scale"] == [544 / 736, 960 / 1280]
+    # Small images stay (max rule); the min rule scales the shorter side up to the limit.
+    assert geometry(100, 200, resize_mode="limit_side", limit_side=960)["input"] == [100, 200]
+    wire = geometry(100, 200, resize_mode="limit_side", limit_side=320, limit_type="min")
+    assert wire["input"] == [320, 640] and wire["pad"] == [0, 0]
+
+
+def test_multiple_of_rounds_stretch() -> None:
+    assert plan_resize(50, 70, mode="stretch", resize=None, multiple_of=32).canvas == (64, 64)
+    assert plan_resize(10, 10, mode="stretch", resize=None, multiple_of=32).canvas == (32, 32)
+
+
+@pytest.mark.parametrize(
+    ("options", "problem"),
+    [
+        ({"resize_mode": "letterbox"}, "needs resize"),
+        ({"resize_mode": "limit_side"}, "go together"),
+        ({"limit_side": 32}, "go together"),
+        ({"resize_mode": "limit_side", "limit_side": 32, "resize": [8, 8]}, "drop resize"),
+    ],
+)
+def test_bad_resize_options(options: dict[str, object], problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        PreprocessConfig.model_validate(options)
+
+
+def test_image_headers() -> None:
+    jpeg, png = (YOLO / "image.jpg").read_bytes(), (YOLO / "image.png").read_bytes()
+    assert read_image_header(jpeg) == ("jpeg", 240, 320)
+    assert read_image_header(png) == ("png", 240, 320)
+    assert "truncated PNG" in str(read_image_header(png[:-20]))
+    assert "truncated JPEG" in str(read_image_header(jpeg[:1000]))
+    image = encoded_image(jpeg, Limits(), "x", "r1")
+    assert image.header.height == 240 and image.dtype == np.uint8 and len(image) == len(jpeg)
+    with pytest.raises(WireError) as refused:
+        encoded_image(jpeg, Limits(max_image_pixels=320 * 240 - 1), "x", "r1")
+    assert refused.value.code == "too_large" and refused.value.request_id == "r1"
+
+
+def test_nms_is_greedy_and_class_aware() -> None:
+    boxes = np.array([[0, 0, 10, 10], [1, 1, 11, 11], [20, 20, 30, 30]], dtype=np.float32)
+    scores = np.array([0.9, 0.8, 0.7], dtype=np.float32)
+    assert nms(boxes, scores, 0.5, 100).tolist() == [0, 2]
+    assert nms(boxes, scores, 0.9, 100).tolist() == [0, 1, 2]
+    assert nms(boxes, scores, 0.5, 1).tolist() == [0]
+
+
+def test_detect_on_the_raw_output_matches_ultralytics(tmp_path: Path) -> None:
+    meta = json.loads((YOLO / "reference.json").read_text())
+    config = parse_model_config(
+        f'[[postprocess]]\noutput = "output0"\nop = "detect"\n'
+        f"score_threshold = {meta['score_threshold']}\niou_threshold = {meta['iou_threshold']}\n",
+        "config.toml",
+    )
+    post = build_postprocess(config.postprocess, ["output0"], tmp_path)
+    assert post is not None
+    geo = Geometry((240, 320), (160, 160), (0.5, 0.5), (20, 0))
+    with np.load(YOLO / "reference.npz") as ref:
+        got = post.apply({"output0": ref["jpeg.raw"]}, geo)
+        np.testing.assert_array_equal(got["classes"], ref["jpeg.classes"])
+        np.testing.assert_allclose(got["boxes"], ref["jpeg.boxes"], atol=1e-3)
+        np.testing.assert_allclose(got["scores"], ref["jpeg.scores"], rtol=1e-6)
+    assert "output0" not in got and "labels" not in got
+
+
+def test_yolov5_and_boxes_scores_layouts(tmp_path: Path) -> None:
+    raw = np.zeros((1, 3, 5 + 2), dtype=np.float32)  # [1, N, 5 + C]
+    raw[0, :, :4] = [[10, 10, 4, 4], [11, 10, 4, 4], [50, 50, 8, 8]]
+    raw[0, :, 4] = [0.9, 0.9, 0.5]
+    raw[0, :, 5:] = [[0.9, 0.1], [0.8, 0.1], [0.1, 0.9]]
+    config = parse_model_config(
+        '[[postprocess]]\noutput = "out"\nop = "detect"\nformat = "yolov5"\n', "c"
+    )
+    post = build_postprocess(config.postprocess, ["out"], tmp_path)
+    assert post is not None
+    got = post.apply({"out": raw})
+    assert got["classes"].tolist() == [0, 1]
+    np.testing.assert_allclose(got["scores"], [0.81, 0.45], rtol=1e-6)
+    np.testing.assert_allclose(got["boxes"][1], [46, 46, 54, 54])
+    pairs = parse_model_config(
+        '[[postprocess]]\noutput = "b"\nop = "detect"\nformat = "boxes_scores"\nscores = "s"\n',
+        "c",
+    )
+    post = build_postprocess(pairs.postprocess, ["b", "s"], tmp_path)
+    assert post is not None
+    got = post.apply({"b": np.array([[0, 0, 4, 4]], np.float32), "s": np.array([[0.1, 0.7]])})
+    assert got["classes"].tolist() == [1] and set(got) == {"boxes", "scores", "classes"}
+
+
+def test_elementwise_ops(tmp_path: Path) -> None:
+    (tmp_path / "labels.txt").write_text("a\nb\nc\n")
+    config = parse_model_config(
+        '[[postprocess]]\noutput = "x"\nop = "sigmoid"\n'
+        '[[postprocess]]\noutput = "x"\nop = "threshold"\nvalue = 0.5\n'
+        '[[postprocess]]\noutput = "y"\nop = "topk"\nk = 2\nlabels = "labels.txt"\n'
+        '[[postprocess]]\noutput = "z"\nop = "argmax"\n'
+        '[[postprocess]]\noutput = "w"\nop = "cast"\ndtype = "float16"\n'
+        '[[postprocess]]\noutput = "v"\nop = "drop"\n',
+        "c",
+    )
+    post = build_postprocess(config.postprocess, ["x", "y", "z", "w", "v"], tmp_path)
+    assert post is not None
+    got = post.apply(
+        {
+            "x": np.array([-3.0, 0.0, 3.0], np.float32),
+            "y": np.array([[0.1, 0.7, 0.2]], np.float32),
+            "z": np.array([[1, 5, 2]]),
+            "w": np.ones(2),
+            "v": np.ones(1),
+        }
+    )
+    assert got["x"].tolist() == [0, 0, 1] and got["x"].dtype == np.uint8
+    assert got["y"].tolist() == [[np.float32(0.7), np.float32(0.2)]]
+    assert got["y_indices"].tolist() == [[1, 2]] and got["y_labels"].tolist() == [["b", "c"]]
+    assert got["z"].tolist() == [1] and got["w"].dtype == np.float16 and "v" not in got
+    assert post.apply({"w": np.ones(1)}).keys() == {"w"}  # ops on absent outputs: skipped
+
+
+def test_bad_postprocess_configs(tmp_path: Path) -> None:
+    with pytest.raises(ModelConfigError, match="takes no k"):
+        parse_model_config('[[postprocess]]\noutput = "x"\nop = "softmax"\nk = 2\n', "c")
+    with pytest.raises(ModelConfigError, match=r"postprocess\.0\.op"):
+        parse_model_config('[[postprocess]]\noutput = "x"\nop = "nms"\n', "c")
+    config = parse_model_config('[[postprocess]]\noutput = "nope"\nop = "softmax"\n', "c")
+    with pytest.raises(ModelLoadError, match="no output 'nope'"):
+        build_postprocess(config.postprocess, ["logits"], tmp_path)
+    config = parse_model_config(
+        '[[postprocess]]\noutput = "x"\nop = "topk"\nlabels = "missing.txt"\n', "c"
+    )
+    with pytest.raises(ModelLoadError, match="cannot read labels"):
+        build_postprocess(config.postprocess, ["x"], tmp_path)
