@@ -38,12 +38,14 @@ sys.path.insert(0, str(REPO))
 
 from agent.client import AgentClient  # noqa: E402
 from agent.demo.broker import EmbeddedBroker  # noqa: E402
-from benchmarks import delivery, hot_swap, resend, scan, speed  # noqa: E402
+from benchmarks import delivery, generate, hot_swap, one_stream, resend, scan, speed  # noqa: E402
+from benchmarks import images as image_bench  # noqa: E402
 from benchmarks import sources as local_sources  # noqa: E402
 from benchmarks.harness import AgentProcess, machine, versions, wait_online  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
-SECTIONS = ("speed", "hot-swap", "resend", "drain", "sources", "scan")
+SECTIONS = ("speed", "one-stream", "hot-swap", "resend", "drain", "sources", "scan", "generate",
+            "images")  # fmt: skip
 PLOT = "benchmarks-speed.png"
 HISTORY_DOC = "benchmarks-history.md"  # written beside the report
 WIDTH = 100  # prose lines of the reports
@@ -51,6 +53,10 @@ WIDTH = 100  # prose lines of the reports
 
 def run_speed(broker: EmbeddedBroker, workdir: Path, quick: bool) -> dict[str, Any]:
     return speed.to_json(speed.measure(broker, workdir, quick))
+
+
+def run_one_stream(broker: EmbeddedBroker, workdir: Path, quick: bool) -> dict[str, Any]:
+    return one_stream.to_json(one_stream.measure(broker, workdir, quick))
 
 
 def run_hot_swap(broker: EmbeddedBroker, workdir: Path, quick: bool) -> dict[str, Any]:
@@ -103,13 +109,24 @@ def run_scan(broker: EmbeddedBroker, workdir: Path, quick: bool) -> dict[str, An
     return scan.to_json(scan.measure(broker, workdir, quick))
 
 
+def run_generate(broker: EmbeddedBroker, workdir: Path, quick: bool) -> dict[str, Any]:
+    return generate.to_json(generate.measure(broker, workdir, quick))
+
+
+def run_images(broker: EmbeddedBroker, workdir: Path, quick: bool) -> dict[str, Any]:
+    return image_bench.to_json(image_bench.measure(broker, workdir, quick))
+
+
 RUNNERS = {
     "speed": run_speed,
+    "one-stream": run_one_stream,
     "hot-swap": run_hot_swap,
     "resend": run_resend,
     "drain": run_drain,
     "sources": run_sources,
     "scan": run_scan,
+    "generate": run_generate,
+    "images": run_images,
 }
 
 
@@ -228,6 +245,8 @@ def section_lines(name: str, record: dict[str, Any], docs: Path, plot: bool = Tr
         result = speed.from_json(data)
         plotted = (plot and speed.plot(result, docs / PLOT)) or (docs / PLOT).exists()
         lines = speed.section(result, PLOT if plotted else None)
+    elif name == "one-stream":
+        lines = one_stream.section(one_stream.from_json(data))
     elif name == "hot-swap":
         lines = hot_swap.section(
             hot_swap.SwapResult(**data["swap"]), hot_swap.MemoryResult(**data["memory"])
@@ -238,6 +257,10 @@ def section_lines(name: str, record: dict[str, Any], docs: Path, plot: bool = Tr
         lines = delivery.section(delivery.DrainResult(**data))
     elif name == "scan":
         lines = scan.section(scan.from_json(data))
+    elif name == "generate":
+        lines = generate.section(generate.from_json(data))
+    elif name == "images":
+        lines = image_bench.section(image_bench.from_json(data))
     else:
         lines = local_sources.section(local_sources.from_json(data))
     return [lines[0], "", _measured(record), *lines[1:]]
@@ -295,6 +318,8 @@ def met(name: str, data: dict[str, Any]) -> bool:
     if name == "speed":
         figures = speed.from_json(data).figures()
         return all(speed.meets(k, v) is not False for k, v in figures.items())
+    if name == "one-stream":
+        return one_stream.met(one_stream.from_json(data))
     if name == "hot-swap":
         swap = hot_swap.SwapResult(**data["swap"])
         memory = hot_swap.MemoryResult(**data["memory"])
@@ -305,6 +330,10 @@ def met(name: str, data: dict[str, Any]) -> bool:
         return delivery.DrainResult(**data).ratio >= 0.5
     if name == "scan":
         return scan.met(scan.from_json(data))
+    if name == "generate":
+        return generate.met(generate.from_json(data))
+    if name == "images":
+        return image_bench.met(image_bench.from_json(data))
     return local_sources.met(local_sources.from_json(data))
 
 

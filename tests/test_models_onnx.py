@@ -315,14 +315,15 @@ def test_warm_up_runs_synthetic_inputs_with_a_batch_of_one(tmp_path: Path) -> No
 
 def test_example_repository_loads_and_runs() -> None:
     repo = scan_repository(REPO_ROOT / "models")
-    assert set(repo) == {"classifier", "decoder", "mlp"}
+    assert set(repo) == {"classifier", "decoder", "mlp", "writer"}
     assert repo["decoder"].config is not None and repo["decoder"].config.stream.mode == "steps"
+    assert repo["writer"].config is not None and repo["writer"].config.stream.mode == "generate"
     assert repo["mlp"].config is not None and repo["mlp"].config.stream.micro_batch == 4
     for model in repo.values():
         assert model.config_error is None
         version = model.versions[1]
         assert version.problem is None and version.model_file is not None
         assert verify_checksum(version) is None
-        assert version.model_file.stat().st_size < 100_000
+        assert version.model_file.stat().st_size < 1_000_000
         warm_up(get_backend(str(version.backend)).load(version.model_file, CPU))
     assert repo["mlp"].versions[1].sha256_expected is not None

@@ -166,4 +166,6 @@ def test_batch_mode_needs_one_leading_axis(tmp_path: Path) -> None:
 
 
 def test_every_mode_is_a_strategy_of_the_one_run() -> None:
-    assert set(modes.STRATEGIES) == {"whole", "batch", "steps", "scan"}
+    import agent.inference.generate  # noqa: F401  (registers itself, as the runner imports it)
+
+    assert set(modes.STRATEGIES) == {"whole", "batch", "steps", "scan", "generate"}

@@ -182,6 +182,8 @@ class LimitsConfig(_Section):
     max_rank: int = Field(default=8, ge=1)
     max_tensors: int = Field(default=32, ge=1)
     max_items: int = Field(default=65536, ge=16)  # CBOR items in one payload (arrays, maps, ...)
+    # Pixels of a JPEG/PNG request input, read from its header before it is decoded.
+    max_image_pixels: int = Field(default=40_000_000, ge=1)
     # Every reply message stays under 128 KB, the AWS IoT Core limit, with room for headers.
     max_chunk_bytes: int = Field(default=120 * 1024, ge=1024, le=256 * 1024 * 1024)
     # Payload bytes of one request's chunk/result messages; past it the stream ends with

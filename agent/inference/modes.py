@@ -12,6 +12,8 @@ member's `last`. The modes:
 * `steps`: the model is one decode step; outputs are fed back as inputs (`feed`, `state`)
   and each step's `emit` outputs are a piece. Members decode in lock step and leave the run
   when their stop condition holds for their rows or they reached their own `max_steps`.
+* `generate`: a decoder, prefill then a token a run (`agent.inference.generate`, which
+  registers itself here).
 * `scan`: the member's `[scan] input` is cut into windows (`agent.inference.windows`), the
   model runs once per window with the other inputs whole and the `state` outputs fed to the
   next window; a piece per `windows_per_chunk` windows (`index` = its first window's
@@ -57,6 +59,7 @@ class Member:
     cursor: ScanCursor | None = None  # scan: where its recording stands (a session's)
     session: str | None = None  # scan: its `params.session`
     final: bool = True  # scan: the recording's last piece (its tail is flushed)
+    generation: Any = None  # generate: its `agent.inference.generate.GenerateAsk`
 
     @property
     def rows(self) -> int:
@@ -72,6 +75,8 @@ class Piece:
     outputs: Arrays
     last: bool  # the member's final piece
     offset: int | None = None  # scan: the chunk's `offset` (its first window's first sample)
+    extra: dict[str, Any] | None = None  # more keys of its chunk (generate: `text`)
+    chunk: bool = True  # False: no chunk, only the end (a cancelled generate, nothing new)
 
 
 class Run:
@@ -116,8 +121,9 @@ class Run:
         for position in positions:
             if position in failed:
                 continue
-            if self.members[position].cancelled.is_set():
-                self.failed[position] = Cancelled()
+            flag = self.members[position].cancelled
+            if flag.is_set():
+                self.failed[position] = Cancelled(by_request=flag.by_request)
             else:
                 kept.append(position)
         return kept

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import cbor2
+import zstandard
 
 from agent.delivery.outbox import Outbox, OutMessage
 from agent.ops.counters import Counters
@@ -57,6 +58,15 @@ _RESULT_KEYS = 9  # v, id, seq, type, model, version, ts, timing, outputs
 # A reply envelope's bytes after its map head, up to the id's value.
 _V_AND_ID_KEY = b"".join(cbor2.dumps(x) for x in ("v", PROTOCOL_VERSION, "id"))
 _RESULT_HEAD = bytes((0xA0 + _RESULT_KEYS,)) + _V_AND_ID_KEY
+_ZSTD = threading.local()  # a compressor per thread: zstandard's are not thread-safe
+
+
+def _zstd(data: bytes) -> bytes:
+    compressor = getattr(_ZSTD, "compressor", None)
+    if compressor is None:
+        compressor = _ZSTD.compressor = zstandard.ZstdCompressor(level=3)
+    packed: bytes = compressor.compress(data)
+    return packed
 
 
 class ReplyRefused(WireError):
@@ -143,6 +153,33 @@ class ReplyStream:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     # The constant bytes of this stream's chunk messages, for the version they were made for.
     _prefix: tuple[int, bytes, bytes] | None = field(default=None, repr=False)
+    # More keys of every chunk and result (a preprocessed image's `geometry`), and
+    # `compression = "zstd"` (`params.reply_compression`): each chunk's encoded outputs
+    # travel as one zstd byte string, flagged by the key `compression` (docs/protocol.md).
+    extra: dict[str, Any] | None = None
+    compression: str | None = None
+
+    def _extra_fields(self) -> dict[str, Any]:
+        fields = dict(self.extra) if self.extra else {}
+        if self.compression is not None:
+            fields["compression"] = self.compression
+        return fields
+
+    def _extra_cbor(self) -> tuple[int, bytes]:
+        """The extra keys as CBOR pairs, and how many there are."""
+        fields = self._extra_fields()
+        if not fields:
+            return 0, b""
+        return len(fields), b"".join(cbor2.dumps(k) + cbor2.dumps(v) for k, v in fields.items())
+
+    def _outputs(self, outputs: Mapping[str, Any]) -> tuple[list[Any], int]:
+        """The outputs' CBOR pieces (compressed into one byte string where asked)."""
+        pieces, size = _encoded(outputs)
+        if self.compression is None:
+            return pieces, size
+        packed = _zstd(b"".join(pieces))
+        pieces = [cbor2.dumps(packed)]
+        return pieces, len(pieces[0])
 
     def _fields(self, type_: str, **extra: Any) -> dict[str, Any]:
         fields = reply_envelope(
@@ -183,7 +220,7 @@ class ReplyStream:
         """One `chunk` (or its parts); ReplyTooLarge, with nothing made, past the budget;
         OutputNotEncodable, with nothing made, for an output with no wire form. `offset`
         (a scan's first new sample) is one more key after `index`; None: no key."""
-        pieces, size = _encoded(outputs)
+        pieces, size = self._outputs(outputs)
         if size + PART_OVERHEAD <= self.max_chunk_bytes:
             payload = self._chunk_payload(pieces, index, offset)
             total = self.reply_bytes + len(payload)
@@ -228,6 +265,10 @@ class ReplyStream:
         if offset is not None:  # one more key: the map's head counts it
             head = bytes((head[0] + 1,)) + head[1:]
             extra = (_OFFSET_KEY, cbor_uint(offset))
+        count, pairs = self._extra_cbor()
+        if count:
+            head = bytes((head[0] + count,)) + head[1:]
+            extra = (*extra, pairs)
         return b"".join(
             (
                 head,
@@ -252,6 +293,7 @@ class ReplyStream:
         pieces = split_parts(outputs_cbor, room)
         for k, data in enumerate(pieces):
             where = {"index": index} if offset is None else {"index": index, "offset": offset}
+            where.update(self._extra_fields())
             fields = self._fields("chunk", **where, part=[k, len(pieces)], data=data)
             payload = encode_payload(fields)
             self.reply_bytes += len(payload)
@@ -266,13 +308,14 @@ class ReplyStream:
         self._emit(encode_payload(payload_fields), terminal=True)
         return True
 
-    def end(self, timing: Mapping[str, float]) -> bool:
-        return self._terminal(self._fields("end", chunks=self.chunks, timing=dict(timing)))
+    def end(self, timing: Mapping[str, float], **more: Any) -> bool:
+        """The `end`; `more`: its further keys (a generation's `finish_reason`, `usage`)."""
+        return self._terminal(self._fields("end", chunks=self.chunks, timing=dict(timing), **more))
 
     def result(self, outputs: Mapping[str, Any], timing: Mapping[str, float]) -> bool:
         """The `result` (or parts and `end`); ReplyTooLarge, with nothing made, past the
         budget; OutputNotEncodable, with nothing made, for an output with no wire form."""
-        pieces, size = _encoded(outputs)
+        pieces, size = self._outputs(outputs)
         if size + PART_OVERHEAD > self.max_chunk_bytes:
             # One message cannot hold it: stream the parts, then close with `end`.
             self._parts(b"".join(pieces), 0)
@@ -292,9 +335,11 @@ class ReplyStream:
         part after the id is kept per model version, shared by every request's result."""
         seq = self.seq
         self.seq = seq + 1
+        count, pairs = self._extra_cbor()
+        head = _RESULT_HEAD if not count else bytes((_RESULT_HEAD[0] + count,)) + _RESULT_HEAD[1:]
         payload = b"".join(
             (
-                _RESULT_HEAD,
+                head,
                 cbor2.dumps(self.request_id),
                 _SEQ_KEY,
                 cbor_uint(seq),
@@ -302,6 +347,7 @@ class ReplyStream:
                 cbor_uint(time.time_ns()),
                 _TIMING_KEY,
                 cbor2.dumps(dict(timing)),
+                pairs,
                 _OUTPUTS_KEY,
                 *outputs,
             )
@@ -342,12 +388,18 @@ class ReplySender:
         self._metrics = metrics
         self._counters = counters
 
-    def send(self, messages: Sequence[OutMessage]) -> None:
-        """Raises OutboxClosed once the outbox closed (the agent is stopping)."""
+    def send(self, messages: Sequence[OutMessage], *, kick: bool = True) -> None:
+        """Raises OutboxClosed once the outbox closed (the agent is stopping). `kick=False`:
+        queued, published by the next `kick()` (or anyone's publishing round before it)."""
         if not messages:
             return
         self._outbox.put_many(messages)
         self._metrics.reply_sent(sum(len(m.payload) for m in messages), len(messages))
+        if kick:
+            self._outbox.kick()
+
+    def kick(self) -> None:
+        """Publish what `send(..., kick=False)` queued."""
         self._outbox.kick()
 
     def has_room(self, messages: int, size: int) -> bool:

@@ -26,12 +26,13 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from agent.delivery.outbox import OutboxClosed
-from agent.inference import batching, modes
+from agent.inference import batching, generate, images, modes
 from agent.inference.job import Cancelled, Job
 from agent.inference.modes import Arrays, Member, Piece, Run
 from agent.inference.reply_stream import ReplyRefused, ReplySender
 from agent.inference.scan import ScanCursor, session_params
 from agent.inference.scan_sessions import ScanSessions
+from agent.inference.send_hold import SendHold
 from agent.inference.short_runs import ShortRuns
 from agent.models.backends.base import InferenceError, TensorSpec
 from agent.models.defaults import default_arrays, with_defaults
@@ -134,6 +135,9 @@ class Runner:
         request, config, scan = job.request, loaded.config.stream, loaded.config.scan
         job.reply.version = loaded.version
         try:
+            if loaded.generation is not None:  # mode = "generate": its own inputs and params
+                ask = generate.ask_of(request.inputs, request.params, loaded.generation)
+                return Member({}, 1, job.cancelled, generation=ask)
             inputs = _checked_inputs(job, loaded)
             if loaded.config.defaults:
                 defaults = default_arrays(loaded.config.defaults, loaded.session.inputs)
@@ -193,11 +197,12 @@ class Runner:
             self._metrics.batch_run(loaded.model, len(members))
         collected: dict[int, list[tuple[int, Arrays]]] = {}
         failure: tuple[str, str] | None = None
+        hold = SendHold(self._sender.kick)  # a fast step's messages join the next's write
         try:
             for pieces in run.pieces():
                 ended = self._emit_all(pieces, jobs, run, collected)
                 finished.update(ended)
-                self._publish(loaded, jobs, [jobs[i] for i in ended], run.infer_s)
+                self._publish(loaded, jobs, [jobs[i] for i in ended], run.infer_s, hold)
             left = [i for i in range(len(jobs)) if i not in finished and i not in run.failed]
             for index in left:  # members the mode gave no last piece (an empty batch input)
                 self._finish(jobs[index], run, collected.pop(index, []))
@@ -212,9 +217,14 @@ class Runner:
         except Exception as e:
             log.exception("run of %d request(s) to %s failed", len(members), loaded.model)
             failure = ("model_error", f"{type(e).__name__}: {e}")
+        hold.release()
         for index, (job, _) in enumerate(jobs):
             if index in run.failed:
-                if isinstance(run.failed[index], Cancelled):  # else answered when it left
+                why = run.failed[index]
+                if isinstance(why, Cancelled) and why.by_request:  # ROOT/cancel
+                    self._counters.add("requests_cancelled")
+                    job.reply.end(_timing(job, _, run.infer_s), finish_reason="cancelled")
+                elif isinstance(why, Cancelled):  # else answered when it left
                     self._fail(job, "shutting_down", STOPPED_MESSAGE)
             elif index not in finished and failure is not None:
                 self._fail(job, *failure)
@@ -241,6 +251,9 @@ class Runner:
         ended = []
         for piece in pieces:
             try:
+                post = jobs[piece.member][0].post
+                if post is not None:
+                    piece.outputs = post(piece.outputs)
                 if self._emit(piece, jobs, run, collected):
                     ended.append(piece.member)
             except ReplyRefused as e:
@@ -259,12 +272,19 @@ class Runner:
         """The emit rule for one piece; True when it finished its request."""
         job, queued = jobs[piece.member]
         reply = job.reply
+        ask = run.members[piece.member].generation
         if job.request.stream:
-            reply.chunk(piece.outputs, piece.index, piece.offset)
-            if piece.index == 0:
-                self._metrics.first_chunk_after(job.request.model, time.monotonic() - job.received)
+            if piece.chunk:
+                if piece.extra is not None:
+                    reply.extra = piece.extra
+                reply.chunk(piece.outputs, piece.index, piece.offset)
+                if piece.index == 0:
+                    self._metrics.first_chunk_after(
+                        job.request.model, time.monotonic() - job.received
+                    )
             if piece.last:
-                reply.end(_timing(job, queued, run.infer_s))
+                ending = ask.ending() if ask is not None else {}
+                reply.end(_timing(job, queued, run.infer_s, ask), **ending)
         elif run.config.mode == "whole":
             reply.result(piece.outputs, _timing(job, queued, run.infer_s))
         else:
@@ -279,7 +299,14 @@ class Runner:
         """The terminal message of a request whose pieces are all out (or collected)."""
         job, queued = entry
         timing = _timing(job, queued, run.infer_s)
-        if job.request.stream:
+        ask = next((m.generation for m in run.members if m.cancelled is job.cancelled), None)
+        if isinstance(ask, generate.GenerateAsk):  # stream false: tokens, text, finish reason
+            extra = ask.ending()
+            if ask.text is not None:
+                extra["text"] = ask.text.sent
+            job.reply.extra = extra
+            job.reply.result(generate.merged_result(pieces), _timing(job, queued, run.infer_s, ask))
+        elif job.request.stream:
             job.reply.end(timing)
         else:
             per_chunk = run.scan.windows_per_chunk if run.scan is not None else 1
@@ -294,13 +321,16 @@ class Runner:
         jobs: list[tuple[Job, float]],
         done: list[tuple[Job, float]],
         infer_s: float,
+        hold: SendHold | None = None,
     ) -> None:
         """After a run: count what it finished (before anyone can see the replies), then send
-        every member's messages together."""
+        every member's messages together (`hold`: maybe with the next step's)."""
         if done:
             self._record_ok(loaded, done, infer_s)
         messages = [m for job, _ in jobs for m in job.reply.drain()]
-        self._sender.send(messages)
+        self._sender.send(messages, kick=hold is None)
+        if hold is not None:
+            hold.sent(len(messages), bool(done))
 
     def _send_quietly(self, jobs: Sequence[Job]) -> None:
         """Send what the jobs' streams still hold (errors); a closed outbox drops them."""
@@ -341,10 +371,13 @@ def _checked_inputs(job: Job, loaded: LoadedVersion) -> dict[str, Any]:
     the version checked there)."""
     request = job.request
     if job.checked is not None and job.checked[0] == loaded.version:
+        images.bind_outputs(job, loaded, None)
         return job.checked[1]
+    given, geometry = images.prepared_inputs(job, loaded)  # a JPEG/PNG decoded, preprocessed
+    images.bind_outputs(job, loaded, geometry)
     optional = (*loaded.config.stream.state, *loaded.config.defaults)
-    specs = required_inputs(loaded.session.inputs, optional, request.inputs)
-    return validate_inputs(request.id, request.inputs, specs)
+    specs = required_inputs(loaded.session.inputs, optional, given)
+    return validate_inputs(request.id, given, specs)
 
 
 def required_inputs(
@@ -355,13 +388,19 @@ def required_inputs(
     return [s for s in specs if s.name not in optional or s.name in given]
 
 
-def _timing(job: Job, queued_s: float, infer_s: float) -> dict[str, float]:
+def _timing(
+    job: Job, queued_s: float, infer_s: float, ask: generate.GenerateAsk | None = None
+) -> dict[str, float]:
     total = time.monotonic() - job.received
-    return {
+    timing = {
         "queue_ms": round(queued_s * 1000, 3),
         "infer_ms": round(infer_s * 1000, 3),
         "total_ms": round(total * 1000, 3),
+        **job.timing,
     }
+    if ask is not None and ask.first_token_at is not None:  # generate: time to first token
+        timing["ttft_ms"] = round((ask.first_token_at - job.received) * 1000, 3)
+    return timing
 
 
 def _log_ok(job: Job, total_s: float) -> None:

@@ -10,9 +10,13 @@ one stays.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from agent.models.backends.base import BackendOptions, ModelLoadError, Session
 from agent.models.backends.registry import get_backend
+from agent.models.decoder_layout import Generation, open_generation
 from agent.models.defaults import default_arrays
+from agent.models.postprocess import Postprocessor, build_postprocess
 from agent.models.records import ModelRecord
 from agent.models.repository import VersionInfo, verify_checksum
 from agent.models.signature import check_signature, incompatibilities
@@ -29,10 +33,15 @@ def open_version(
     *,
     warmup: bool,
     trust: TrustPolicy | None = None,
-) -> tuple[Session, str, dict[str, str] | None]:
+    engine: Path | None = None,
+) -> tuple[Session, str, dict[str, str] | None, Postprocessor | None, Generation | None]:
     """A checked, warmed-up session of ``version`` (``options``: the agent-wide ones), how
-    the warm-up went (the inventory's ``warmup``: ``ok``, ``off`` or ``skipped: ...``) and,
-    with ``trust``, who signed it (the inventory's ``signed``)."""
+    the warm-up went (the inventory's ``warmup``: ``ok``, ``off`` or ``skipped: ...``),
+    with ``trust`` who signed it (the inventory's ``signed``), and its ``[[postprocess]]``
+    checked against its outputs (labels read from the version folder), and for
+    `mode = "generate"` its decoder layout (agent.models.decoder_layout). ``engine``: a plan
+    the agent built from the version's ONNX file (agent.models.engine_builds), loaded
+    instead of it once the version's own files passed."""
     if version.problem is not None:
         raise ModelLoadError(version.problem)
     if version.model_file is None or version.backend is None:
@@ -43,7 +52,8 @@ def open_version(
     if problem is not None:
         raise ModelLoadError(problem)
     backend = get_backend(version.backend)
-    session = backend.load(version.model_file, record.config.backend_options.apply(options))
+    model_file = engine if engine is not None else version.model_file
+    session = backend.load(model_file, record.config.backend_options.apply(options))
     try:
         problems = check_signature(record.config, session)
         serving = record.serving
@@ -51,6 +61,14 @@ def open_version(
             problems += incompatibilities(serving.session, session, serving.version)
         if problems:
             raise ModelLoadError("; ".join(problems))
+        post = build_postprocess(
+            record.config.postprocess,
+            [spec.name for spec in session.outputs],
+            version.model_file.parent,
+        )
+        generation = None
+        if record.config.stream.mode == "generate":
+            generation = open_generation(record.config.generate, session, version.model_file.parent)
         warmed = run_warm_up(
             session,
             record.config.warmup,
@@ -63,4 +81,4 @@ def open_version(
         if isinstance(e, ModelLoadError):
             raise
         raise ModelLoadError(f"warm-up failed: {e}") from e
-    return session, warmed, signed
+    return session, warmed, signed, post, generation

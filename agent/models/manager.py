@@ -27,6 +27,7 @@ from typing import Any
 
 from agent.config import ModelsConfig
 from agent.models.backends.base import BackendOptions, ModelLoadError, TensorSpec
+from agent.models.engine_builds import EngineBuilds, needs_engine
 from agent.models.loading import open_version
 from agent.models.model_config import ModelConfig
 from agent.models.records import (
@@ -38,6 +39,7 @@ from agent.models.records import (
     Serving,
     VersionRecord,
     inventory_of,
+    loaded_versions,
     summarize,
 )
 from agent.models.repository import ModelInfo, VersionInfo, scan_repository
@@ -82,6 +84,9 @@ class ModelManager:
         self._drain_timeout_s = drain_timeout_s
         self._settling = SettleTracker(settle_s)
         self._trust = trust  # None: versions need no signature
+        self._builds = EngineBuilds(  # TensorRT engines built from ONNX versions, off the sync
+            on_event=on_event, on_inventory=on_inventory, on_done=self.sync, trust=trust
+        )
 
     @classmethod
     def for_config(
@@ -160,14 +165,7 @@ class ModelManager:
         cached = self._serving.get(model)
         if cached is not None and cached[0] is loaded and cached[1] is record.config:
             return cached[2]
-        batching = record.config.batching
-        info = Serving(
-            loaded.version,
-            loaded.session.inputs,
-            record.config.stream,
-            batching if batching.enabled else None,
-            tuple(record.config.defaults),
-        )
+        info = Serving.of(loaded, record.config)
         self._serving[model] = (loaded, record.config, info)
         return info
 
@@ -236,13 +234,8 @@ class ModelManager:
 
     def _choose_and_load(self, record: ModelRecord, info: ModelInfo, config: ModelConfig) -> bool:
         """Bring the serving version to the policy's choice. True when anything changed."""
-        policy = config.policy
-        if policy.version_policy == "pinned" and policy.pinned is not None:
-            candidates = [policy.pinned] if policy.pinned in info.versions else []
-        else:
-            candidates = sorted(info.versions, reverse=True)
         changed = False
-        for number in candidates:
+        for number in config.policy.candidates(info.versions):
             entry = record.versions[number]
             if entry.state == "ready" and entry.loaded is not None:
                 if record.serving is not entry.loaded:
@@ -257,7 +250,11 @@ class ModelManager:
                 continue  # retired, still held by a request: not a candidate
             if not self._settling.settled(version, fingerprint):
                 continue  # still being written: a lower ready version keeps serving meanwhile
-            loaded = self._load(record, version, fingerprint)
+            engine = self._engine(record, version, fingerprint) if needs_engine(version) else None
+            if needs_engine(version) and engine is None:
+                changed = True  # being built, or its build failed: a lower version serves
+                continue
+            loaded = self._load(record, version, fingerprint, engine)
             changed = True
             if loaded is not None:
                 self._swap(record, loaded)
@@ -265,8 +262,31 @@ class ModelManager:
         changed |= self._trim(record, config.policy.keep_loaded)
         return changed
 
-    def _load(
+    def _engine(
         self, record: ModelRecord, version: VersionInfo, fingerprint: Fingerprint | None
+    ) -> Path | None:
+        """The plan built from an ONNX version (agent.models.engine_builds); None while it is
+        built (the version is `building`, with its progress) or when that failed (`failed`)."""
+        options = record.config.backend_options.apply(self._options)
+        try:
+            found = self._builds.engine(record.name, version, fingerprint, options)
+        except ModelLoadError as e:
+            self._mark_failed(record, version, str(e))
+            return None
+        if isinstance(found, Path):
+            return found
+        with self._lock:
+            entry = record.versions[version.version]
+            entry.state, entry.error, entry.fingerprint = "building", None, fingerprint
+            entry.progress = found
+        return None
+
+    def _load(
+        self,
+        record: ModelRecord,
+        version: VersionInfo,
+        fingerprint: Fingerprint | None,
+        engine: Path | None = None,
     ) -> LoadedVersion | None:
         entry = record.versions[version.version]
         with self._lock:
@@ -275,8 +295,13 @@ class ModelManager:
         self._on_inventory()
         started = time.monotonic()
         try:
-            session, warmed, signed = open_version(
-                record, version, self._options, warmup=self._warmup, trust=self._trust
+            session, warmed, signed, post, generation = open_version(
+                record,
+                version,
+                self._options,
+                warmup=self._warmup,
+                trust=self._trust,
+                engine=engine,
             )
         except ModelLoadError as e:
             self._mark_failed(record, version, str(e))
@@ -284,6 +309,8 @@ class ModelManager:
         loaded = LoadedVersion(
             record.name, version.version, session, record.config, version.backend or "?"
         )
+        loaded.postprocess = post
+        loaded.generation = generation
         with self._lock:
             entry.state, entry.loaded, entry.backend = "ready", loaded, loaded.backend
             entry.warmup, entry.signed = warmed, signed
@@ -425,13 +452,11 @@ class ModelManager:
         now = time.monotonic()
         with self._lock:
             overdue = [
-                e.loaded
-                for r in self._models.values()
-                for e in r.versions.values()
-                if e.loaded is not None
-                and e.loaded.retired
-                and not e.loaded.closed
-                and now - e.loaded.retired_at >= self._drain_timeout_s
+                loaded
+                for loaded in loaded_versions(self._models)
+                if loaded.retired
+                and not loaded.closed
+                and now - loaded.retired_at >= self._drain_timeout_s
             ]
             for loaded in overdue:
                 loaded.closed = True
@@ -449,25 +474,17 @@ class ModelManager:
 
     def close(self, drain_timeout: float = 10.0) -> None:
         """Retire everything, wait for leases up to `drain_timeout`, then close all sessions."""
+        self._builds.close()  # first: its thread's sync after a build takes the sync lock
         with self._sync_lock:
             self._closed = True
             deadline = time.monotonic() + drain_timeout
             with self._lock:
-                while any(
-                    e.loaded and e.loaded.leases
-                    for r in self._models.values()
-                    for e in r.versions.values()
-                ):
+                while any(v.leases for v in loaded_versions(self._models)):
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         break
                     self._idle.wait(remaining)
-                loaded = [
-                    e.loaded
-                    for r in self._models.values()
-                    for e in r.versions.values()
-                    if e.loaded is not None and not e.loaded.closed
-                ]
+                loaded = [v for v in loaded_versions(self._models) if not v.closed]
                 for item in loaded:
                     item.closed = item.retired = True
                 for record in self._models.values():

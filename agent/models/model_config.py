@@ -12,13 +12,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agent.models.backends.base import BackendOptions
+from agent.models.generate_config import GenerateConfig
+from agent.models.postprocess import PostprocessOp
 from agent.models.preprocess import PreprocessConfig
 from agent.models.scan_config import ScanConfig, check_default_values
 
@@ -83,7 +85,7 @@ class StopCondition(_Strict):
 class StreamConfig(_Strict):
     """How one request's output is cut into chunks."""
 
-    mode: Literal["whole", "batch", "steps", "scan"] = "whole"
+    mode: Literal["whole", "batch", "steps", "scan", "generate"] = "whole"
     micro_batch: int = Field(default=1, ge=1)
     max_steps: int = Field(default=32, ge=1, le=100_000)
     feed: dict[str, str] = {}
@@ -180,6 +182,12 @@ class PolicyConfig(_Strict):
             raise ValueError('pinned is set but version_policy is "latest"')
         return self
 
+    def candidates(self, versions: Collection[int]) -> list[int]:
+        """The versions to try for serving, in order: the pinned one, else newest first."""
+        if self.version_policy == "pinned" and self.pinned is not None:
+            return [self.pinned] if self.pinned in versions else []
+        return sorted(versions, reverse=True)
+
 
 class BackendOptionsConfig(_Strict):
     """Per-model overrides of the agent-wide backend options."""
@@ -259,10 +267,12 @@ class ModelConfig(_Strict):
     outputs: dict[str, TensorDecl] = {}
     policy: PolicyConfig = PolicyConfig()
     backend_options: BackendOptionsConfig = BackendOptionsConfig()
-    preprocess: PreprocessConfig | None = None  # how local sources prepare frames for it
+    preprocess: PreprocessConfig | None = None  # how local sources and image inputs are prepared
+    postprocess: list[PostprocessOp] = []  # ops on the outputs (agent.models.postprocess)
     batching: BatchingConfig = BatchingConfig()
     warmup: WarmupConfig = WarmupConfig()
     scan: ScanConfig | None = None  # mode = "scan": the windows
+    generate: GenerateConfig | None = None  # mode = "generate": overrides of the layout
     # An input's value when a request leaves it out (`sr = 16000`); checked against the
     # model's signature at load (agent.models.defaults).
     defaults: dict[str, Any] = {}
@@ -281,6 +291,10 @@ class ModelConfig(_Strict):
             )
         if (self.stream.mode == "scan") != (self.scan is not None):
             raise ValueError('mode = "scan" and a [scan] section go together')
+        if self.generate is not None and self.stream.mode != "generate":
+            raise ValueError('a [generate] section needs mode = "generate"')
+        if self.batching.enabled and self.stream.mode == "generate":
+            raise ValueError('batching does not apply to mode = "generate" (members interleave)')
         return self
 
 

@@ -17,7 +17,10 @@ from typing import Any, Literal
 import cbor2
 
 from agent.models.backends.base import Dim, Session, TensorSpec, session_metadata
+from agent.models.decoder_layout import Generation
 from agent.models.model_config import BatchingConfig, ModelConfig, StreamConfig
+from agent.models.postprocess import Postprocessor
+from agent.models.preprocess import image_input
 
 __all__ = [
     "INVENTORY_DETAIL_BYTES",
@@ -33,10 +36,11 @@ __all__ = [
     "VersionRecord",
     "format_inventory",
     "inventory_of",
+    "loaded_versions",
     "summarize",
 ]
 
-State = Literal["loading", "ready", "failed", "draining", "unloaded"]
+State = Literal["building", "loading", "ready", "failed", "draining", "unloaded"]
 Fingerprint = tuple[int, int]
 Event = dict[str, Any]
 
@@ -56,6 +60,8 @@ class LoadedVersion:
     closed: bool = False
     # Its signature and metadata for the inventory, sized once (by `inventory_of`, lazily).
     details: VersionDetails | None = field(default=None, repr=False, compare=False)
+    postprocess: Postprocessor | None = field(default=None, repr=False, compare=False)
+    generation: Generation | None = field(default=None, repr=False, compare=False)  # generate
 
 
 @dataclass
@@ -70,6 +76,8 @@ class VersionRecord:
     removed: bool = False  # the folder is gone: forget the entry once it is closed
     warmup: str | None = None  # "ok", "off" or "skipped: <reason>" (the inventory's `warmup`)
     signed: dict[str, str] | None = None  # {"by": key or identity}: model.sig verified
+    # While `building`: its TensorRT engine build's progress (agent.models.engine_builds).
+    progress: Callable[[], dict[str, Any]] | None = None
 
 
 @dataclass
@@ -92,6 +100,20 @@ class Serving:
     stream: StreamConfig
     batching: BatchingConfig | None  # None: off
     defaults: tuple[str, ...] = ()  # inputs `[defaults]` gives: a request may leave them out
+    image_input: str | None = None  # the `[preprocess]` input: may come as a JPEG/PNG
+
+    @classmethod
+    def of(cls, loaded: LoadedVersion, config: ModelConfig) -> Serving:
+        """What ingress needs of `loaded`, served under `config`."""
+        batching = config.batching
+        return cls(
+            loaded.version,
+            loaded.session.inputs,
+            config.stream,
+            batching if batching.enabled else None,
+            tuple(config.defaults),
+            image_input(config.preprocess, loaded.session.inputs),
+        )
 
 
 class Lease:
@@ -224,6 +246,11 @@ def _details(loaded: LoadedVersion) -> VersionDetails:
     return loaded.details
 
 
+def loaded_versions(models: Mapping[str, ModelRecord]) -> list[LoadedVersion]:
+    """Every version of every model that holds a session (call with the manager's lock)."""
+    return [e.loaded for r in models.values() for e in r.versions.values() if e.loaded is not None]
+
+
 def inventory_of(
     models: Mapping[str, ModelRecord], *, detail_bytes: int = INVENTORY_DETAIL_BYTES
 ) -> dict[str, Any]:
@@ -251,6 +278,8 @@ def inventory_of(
                 item["warmup"] = entry.warmup
             if entry.signed is not None:
                 item["signed"] = entry.signed
+            if entry.state == "building" and entry.progress is not None:
+                item["progress"] = entry.progress()
             if entry.loaded is not None and entry.state == "ready":
                 item["providers"] = list(entry.loaded.session.providers)
                 item.update(_details(entry.loaded).within(share))
@@ -301,6 +330,9 @@ def _version_lines(number: str, version: Mapping[str, Any]) -> list[str]:
     lines = ["  " + "  ".join(head)]
     if version.get("error"):
         lines.append(f"    error: {_safe(version['error'])}")
+    progress = version.get("progress")
+    if isinstance(progress, Mapping):
+        lines.append(f"    progress: {_progress_text(progress)}")
     if isinstance(version.get("signed"), Mapping):
         lines.append(f"    signed by: {_safe(version['signed'].get('by'))}")
     signature = version.get("signature") or {}
@@ -314,6 +346,21 @@ def _version_lines(number: str, version: Mapping[str, Any]) -> list[str]:
     if isinstance(version.get("metadata"), Mapping):
         lines.extend(_metadata_lines(version["metadata"]))
     return lines
+
+
+def _progress_text(progress: Mapping[str, Any]) -> str:
+    """An engine build's progress: `42 % (Tactic selection), 12.0 s of about 95.0 s`."""
+    if progress.get("queued"):
+        return "queued behind another engine build"
+    parts = []
+    if isinstance(progress.get("fraction"), int | float):
+        phases = progress.get("phases") or []
+        where = f" ({_safe(phases[-1].get('name'))})" if phases else ""
+        parts.append(f"{progress['fraction'] * 100:.0f} %{where}")
+    estimate = progress.get("estimate_s")
+    about = f" of about {estimate:.1f} s" if isinstance(estimate, int | float) else ""
+    parts.append(f"{progress.get('elapsed_s', 0):.1f} s{about}")
+    return ", ".join(parts)
 
 
 def _tensor_lines(tensors: Mapping[str, Any]) -> list[str]:

@@ -7,6 +7,7 @@ one):
 
 - `errors`: `WireError` and the contract's error codes, `Limits`, the id pattern and the
   protocol's constants, the helpers that keep messages one bounded line;
+- `images`: JPEG/PNG byte-string inputs, their header read and bounded before decoding;
 - `tensors`: RFC 8746 tensors to and from CBOR tags, and the hand-built CBOR of reply outputs
   (`outputs_pieces`, `encode_outputs`, `cbor_uint`, `cbor_text`: the reply hot path);
 - `values`: every other ONNX value (string tensors, `seq`, `map`) to and from CBOR, the

@@ -82,6 +82,7 @@ class Limits:
     max_rank: int = 8
     max_tensors: int = 32
     max_items: int = 65536  # CBOR data items in one payload
+    max_image_pixels: int = 40_000_000  # an encoded image input, from its header
 
     def __post_init__(self) -> None:
         for f in fields(self):

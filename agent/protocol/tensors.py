@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from agent.protocol.errors import Limits, WireError, is_cbor_int, kind_of, show_value
+from agent.protocol.images import encoded_image
 
 __all__ = [
     "TENSOR_TAG",
@@ -150,6 +151,12 @@ def decode_request_tensor(obj: Any, limits: Limits, name: str, request_id: str |
     """:func:`decode_tensor` for an input of a request: its errors carry the request's id."""
     # Errors are built by a module function, not a closure made on every call: on the
     # network thread's path this function runs once per input of every request.
+    if type(obj) is bytes:  # a JPEG or PNG (for an input with [preprocess])
+        return encoded_image(obj, limits, name, request_id)
+    if type(obj) is str:  # a bare text (a generate model's `prompt`): a string tensor [1]
+        text = np.empty((1,), dtype=object)
+        text[0] = obj
+        return text
     if not isinstance(obj, cbor2.CBORTag):
         raise tensor_error(
             name,

@@ -224,6 +224,7 @@ class Agent:
             subscriptions=[
                 (f"{self.root}/infer/+", config.mqtt.qos.request_subscription),
                 *([(f"{self.root}/resend", 1)] if self.resender is not None else []),
+                (f"{self.root}/cancel", 1),
             ],
             will=lambda epoch: self.announcer.status_message("offline", epoch),
             on_connected=self._on_connected,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,7 @@ from agent.delivery.resend import Resender, parse_resend
 from agent.delivery.spool import Spool
 from agent.delivery.spool_items import AfterWrite, StoreRequest, request_key
 from agent.delivery.spool_writer import SpoolWriter
-from agent.inference import batching, short_runs
+from agent.inference import batching, images, short_runs
 from agent.inference.job import Job
 from agent.inference.reply_stream import ReplySender, ReplyStream
 from agent.inference.runner import required_inputs
@@ -136,8 +137,12 @@ class RequestReader:
             else:
                 message = f"model '{request.model}' has no ready version"
             raise WireError("unknown_model", message, request.id)
-        if request.version is not None:
-            return serving, None  # a pinned version is checked when it is leased
+        if request.version is not None or serving.stream.mode == "generate":
+            # A pinned version is checked when it is leased; a prompt on a worker.
+            return serving, None
+        image = serving.image_input
+        if image is not None and images.is_image(request.inputs.get(image), serving.inputs, image):
+            return serving, None  # decoded and checked on a worker (agent.inference.images)
         optional = (*serving.stream.state, *serving.defaults)
         specs = required_inputs(serving.inputs, optional, request.inputs)
         return serving, (serving.version, validate_inputs(request.id, request.inputs, specs))
@@ -231,6 +236,9 @@ class Ingress:
         root = reader.config.root_topic
         self._infer_prefix = f"{root}/infer/"  # every request's topic starts with it
         self._resend_topic = f"{root}/resend"
+        self._cancel_topic = f"{root}/cancel"
+        # Admitted requests by id, for ROOT/cancel; a job leaves once nothing holds it.
+        self._jobs: weakref.WeakValueDictionary[str, Job] = weakref.WeakValueDictionary()
         self._retained_seen: set[str] = set()  # topics of retained messages already logged
 
     def on_message(self, incoming: Incoming, replay: bool = False) -> None:
@@ -242,6 +250,8 @@ class Ingress:
             self.on_request(incoming.topic[len(prefix) :], incoming, replay)
         elif incoming.topic == self._resend_topic and self._resender is not None:
             self._on_resend(incoming)
+        elif incoming.topic == self._cancel_topic:
+            self._on_cancel(incoming)
 
     def on_request(self, model: str, incoming: Incoming, replay: bool = False) -> None:
         self._counters.add("requests_received")
@@ -261,6 +271,7 @@ class Ingress:
                     self._refuse_id_in_use(job)
                 return
             job.reply.request_key = key
+        self._jobs[request.id] = job
         deadline = None if request.deadline_ms is None else request.deadline_ms / 1000.0
         batch = batching.batch_spec(request, outcome.serving)
         short = batch is None and not replay and self._short(job, outcome.serving)
@@ -316,7 +327,7 @@ class Ingress:
         request = job.request
         version = serving.version if request.version is None else request.version
         return (
-            serving.stream.mode != "steps"
+            serving.stream.mode not in ("steps", "generate")
             and self._short_runs.is_short(request.model, version, job.payload_bytes)
             and self._outbox_has_room(
                 short_runs.MAX_MESSAGES,
@@ -374,6 +385,23 @@ class Ingress:
             self._sender.send_now(job.reply.drain())
         ack()
 
+    def _on_cancel(self, incoming: Incoming) -> None:
+        """`ROOT/cancel` `{id}`: the request ends at its next run of the model (a queued one
+        when a worker takes it, without running), with `end` `finish_reason: "cancelled"`.
+        Unknown or finished ids are ignored; a malformed message is only counted."""
+        self._counters.add("cancel_received")
+        try:
+            payload = decode_payload(incoming.payload, self.reader.limits)
+            request_id = read_request_id(payload) if isinstance(payload, dict) else None
+            if request_id is None or set(payload) != {"id"}:
+                raise WireError("bad_request", "a cancel is {id} with a request's id")
+        except WireError as e:
+            self._announcer.note_bad_request(f"cancel: {e.message}")
+            return
+        job = self._jobs.get(request_id)
+        if job is not None:
+            job.cancelled.set(by_request=True)
+
     def _on_resend(self, incoming: Incoming) -> None:
         """Validated and rate-limited like any outside input; bad ones are only counted."""
         assert self._resender is not None
@@ -404,4 +432,5 @@ def limits_of(config: AgentConfig) -> Limits:
         max_rank=lim.max_rank,
         max_tensors=lim.max_tensors,
         max_items=lim.max_items,
+        max_image_pixels=lim.max_image_pixels,
     )

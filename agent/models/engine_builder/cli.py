@@ -46,6 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-batch", type=int, default=8, help="batch maximum of the default profile (default 8)"
     )
     parser.add_argument(
+        "--context",
+        type=int,
+        metavar="TOKENS",
+        help="a decoder's context length: its default profile covers past 0..TOKENS-1 "
+        "(default: config.json beside the ONNX file)",
+    )
+    parser.add_argument(
         "--cache-dir", type=Path, help=f"engine cache (default {default_cache_dir()})"
     )
     parser.add_argument(
@@ -85,6 +92,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             timing_cache=args.timing_cache,
             force=args.force,
             device=args.device,
+            context=args.context,
             progress=None
             if args.quiet
             else (lambda line: print(line, file=sys.stderr, flush=True)),

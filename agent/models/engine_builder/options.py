@@ -64,7 +64,9 @@ class BuildOptions:
 
     ``profiles``: one mapping per optimization profile, input name -> ShapeRange. Empty:
     one profile where a dynamic leading (batch) dim runs 1..``max_batch`` (opt 1); any
-    other dynamic dim needs an explicit profile. ``workspace_bytes``: builder workspace
+    other dynamic dim needs an explicit profile, except a decoder's, whose default profiles
+    cover past length 0 up to ``context`` (None: from ``config.json`` beside the ONNX file;
+    :mod:`.decoder_profile`). ``workspace_bytes``: builder workspace
     limit (None: TensorRT's default, all device memory). ``cache_dir``, ``timing_cache``,
     ``force`` and ``progress`` are not part of the key.
     """
@@ -79,16 +81,20 @@ class BuildOptions:
     force: bool = False
     progress: Callable[[str], None] | None = field(default=None, compare=False)
     device: int = 0
+    context: int | None = None  # a decoder's context length (None: config.json's)
 
     def __post_init__(self) -> None:
         if self.workspace_bytes is not None and self.workspace_bytes <= 0:
             raise ValueError(f"workspace_bytes must be > 0, got {self.workspace_bytes}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.context is not None and self.context < 1:
+            raise ValueError(f"context must be >= 1, got {self.context}")
 
     def key_fields(self) -> dict[str, Any]:
-        """What of these options changes the plan (goes into the cache key and build.json)."""
-        return {
+        """What of these options changes the plan (goes into the cache key and build.json).
+        ``context`` only where given: keys of builds that do not give it stay as they were."""
+        fields: dict[str, Any] = {
             "fp16": self.fp16,
             "int8": self.int8,
             "workspace_bytes": self.workspace_bytes,
@@ -97,6 +103,9 @@ class BuildOptions:
                 {name: r.describe() for name, r in sorted(p.items())} for p in self.profiles
             ],
         }
+        if self.context is not None:
+            fields["context"] = self.context
+        return fields
 
 
 def parse_profile(spec: str) -> dict[str, ShapeRange]:

@@ -1,9 +1,9 @@
 """TensorRT's part of a build: parse the ONNX file, set the profiles and flags, build the plan.
 
 The network's inputs decide the profiles (the given ones checked against it, or a default
-that runs a dynamic batch dim 1..``max_batch``); a timing cache file is loaded before and
-saved after, so rebuilds of the same layers are much faster. Every failure is an
-:class:`EngineBuildError` carrying what TensorRT logged.
+that runs a dynamic batch dim 1..``max_batch``, or a decoder's prefill and steps profiles); a
+timing cache file is loaded before and saved after, so rebuilds of the same layers are much
+faster. Every failure is an :class:`EngineBuildError` carrying what TensorRT logged.
 """
 
 from __future__ import annotations
@@ -17,6 +17,11 @@ from typing import Any
 from agent.models.backends import cuda
 from agent.models.backends.onnxruntime import external_data_problem
 from agent.models.backends.tensorrt import process_logger, tensorrt_version
+from agent.models.engine_builder.decoder_profile import (
+    decoder_context,
+    decoder_profiles,
+    is_decoder,
+)
 from agent.models.engine_builder.options import BuildOptions, EngineBuildError, Shape, ShapeRange
 from agent.models.engine_builder.progress import Progress, progress_monitor
 from agent.models.engine_builder.publish import write_atomic
@@ -35,9 +40,10 @@ def _network_inputs(network: Any) -> dict[str, Shape]:
 
 
 def _resolve_profiles(
-    inputs: Mapping[str, Shape], options: BuildOptions
+    inputs: Mapping[str, Shape], options: BuildOptions, onnx_path: Path
 ) -> list[dict[str, ShapeRange]]:
-    """The profiles to build: the given ones checked against the network, or the default."""
+    """The profiles to build: the given ones checked against the network, or the default
+    (a decoder's: :mod:`.decoder_profile`)."""
     dynamic = {name: shape for name, shape in inputs.items() if any(d < 0 for d in shape)}
     if options.profiles:
         profiles = [dict(p) for p in options.profiles]
@@ -59,6 +65,8 @@ def _resolve_profiles(
         return profiles
     if not dynamic:
         return []
+    if is_decoder(inputs):
+        return decoder_profiles(inputs, decoder_context(onnx_path, options.context))
     default: dict[str, ShapeRange] = {}
     for name, shape in dynamic.items():
         if any(d < 0 for d in shape[1:]):
@@ -159,7 +167,7 @@ def _build_plan(
         )
     trt_config = builder.create_builder_config()
     _configure(trt, builder, trt_config, options, progress.phase)
-    for profile in _resolve_profiles(_network_inputs(network), options):
+    for profile in _resolve_profiles(_network_inputs(network), options, onnx_path):
         trt_profile = builder.create_optimization_profile()
         for name, r in profile.items():
             trt_profile.set_shape(name, r.min, r.opt, r.max)

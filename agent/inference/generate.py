@@ -1,0 +1,307 @@
+"""`mode = "generate"`: token streaming from an exported decoder (the strategy of the runner).
+
+A request is checked into a :class:`GenerateAsk` (prompt ids, limits, sampling, stop strings)
+by :func:`ask_of`; the strategy :func:`generate` (registered in
+`agent.inference.modes.STRATEGIES`) then runs each member as Hugging Face's `generate` does:
+a prefill of the whole prompt with an empty past (past length 0), then one run per new token
+with the past taken from `present.*`, the attention mask and positions grown by one. The token
+is chosen outside the graph (`agent.inference.sampling`); the generation ends at an eos token
+(`eos`), at `max_new_tokens` (`length`), at a stop string (`stop`) or when `ROOT/cancel` asked
+(`cancelled`). Every `tokens_per_chunk` tokens are one piece, `outputs: {tokens: int64 [k]}`
+and, with a tokenizer, the piece's `text` (`agent.inference.text_stream`).
+
+Members of one run (only ever one: generate models take no `[batching]`) interleave, a token
+each in turn. The cache stays whatever the session returns (numpy on the CPU, fed back as it is,
+without a copy; ONNX Runtime's `OrtValue`s through `run_with_ort_values` measured slower on the
+CPU, the wrapping of each small input costing more than they save). A step allocates nothing
+of its own but the token list: the mask is a view, the token and its position are written into
+arrays made once, greedy takes the arg max of the logits row as it is.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from agent.inference import modes
+from agent.inference.job import Cancelled
+from agent.inference.modes import Arrays, Piece, Run
+from agent.inference.sampling import Sampler, SamplingParams
+from agent.inference.text_stream import TextStream
+from agent.models.backends.base import InferenceError
+from agent.models.decoder_layout import Generation
+from agent.protocol.errors import WireError
+
+__all__ = ["GenerateAsk", "ask_of", "generate"]
+
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+MAX_TOKENS_PER_CHUNK = 4096
+_USE_CACHE = np.ones((1,), dtype=np.bool_)  # `use_cache_branch` after the prefill
+
+
+@dataclass
+class GenerateAsk:
+    """One request's generation: what it asked, and (filled by the strategy) how it went."""
+
+    setup: Generation
+    prompt: list[int]
+    max_new_tokens: int
+    sampler: Sampler
+    tokens_per_chunk: int = 1
+    text: TextStream | None = None
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    first_token_at: float | None = None  # monotonic
+
+    @property
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": len(self.prompt), "completion_tokens": len(self.tokens)}
+
+    def ending(self) -> dict[str, Any]:
+        """The keys of the stream's terminal message."""
+        return {"finish_reason": self.finish_reason, "usage": self.usage}
+
+
+def ask_of(inputs: Mapping[str, Any], params: Mapping[str, Any], setup: Generation) -> GenerateAsk:
+    """A request's inputs and params checked against a generate version (`bad_request`)."""
+    tokenizer = setup.tokenizer
+    prompt = _prompt_ids(inputs, setup)
+    room = setup.max_new_tokens
+    if setup.context is not None:
+        if len(prompt) >= setup.context:
+            raise WireError(
+                "bad_request",
+                f"the prompt is {len(prompt)} tokens: the model's context is {setup.context}, "
+                "with room for at least one new token",
+            )
+        room = min(room, setup.context - len(prompt))
+    asked = params.get("max_new_tokens", room)
+    if isinstance(asked, bool) or not isinstance(asked, int) or asked < 1:
+        raise WireError("bad_request", "params.max_new_tokens must be a positive integer")
+    per_chunk = params.get("tokens_per_chunk", 1)
+    if isinstance(per_chunk, bool) or not isinstance(per_chunk, int):
+        per_chunk = 0
+    if not 1 <= per_chunk <= MAX_TOKENS_PER_CHUNK:
+        raise WireError(
+            "bad_request",
+            f"params.tokens_per_chunk must be an integer from 1 to {MAX_TOKENS_PER_CHUNK}",
+        )
+    stops = _stops(params)
+    if stops and tokenizer is None:
+        raise WireError("bad_request", "params.stop needs a model with a tokenizer.json")
+    text = TextStream(tokenizer, stops) if tokenizer is not None else None
+    sampler = Sampler(SamplingParams.parse(params))
+    return GenerateAsk(setup, prompt, min(asked, room), sampler, per_chunk, text)
+
+
+def _prompt_ids(inputs: Mapping[str, Any], setup: Generation) -> list[int]:
+    names = sorted(inputs)
+    if names == ["prompt"]:
+        if setup.tokenizer is None:
+            raise WireError("bad_request", "inputs.prompt needs a model with a tokenizer.json")
+        value = inputs["prompt"]
+        if not (isinstance(value, np.ndarray) and value.size == 1 and value.dtype.kind in "OU"):
+            raise WireError("bad_request", "inputs.prompt must be one text")
+        text = value.reshape(()).item()
+        if not isinstance(text, str):
+            raise WireError("bad_request", "inputs.prompt must be one text")
+        ids = setup.tokenizer.encode(text)
+    elif names == ["input_ids"]:
+        value = inputs["input_ids"]
+        if not (isinstance(value, np.ndarray) and value.dtype.kind in "iu"):
+            raise WireError("bad_request", "inputs.input_ids must be an integer tensor")
+        if value.ndim == 2 and value.shape[0] == 1:
+            value = value[0]
+        if value.ndim != 1:
+            raise WireError("bad_request", "inputs.input_ids must be [T] or [1, T]")
+        ids = [int(t) for t in value]
+    else:
+        takes = (
+            "inputs.prompt (text) or inputs.input_ids" if setup.tokenizer else "inputs.input_ids"
+        )
+        raise WireError("bad_request", f"a generate request takes {takes}, nothing else")
+    if not ids:
+        raise WireError("bad_request", "the prompt is empty")
+    vocab = setup.vocab
+    if vocab is not None and not all(0 <= t < vocab for t in ids):
+        raise WireError("bad_request", f"input_ids must be token ids from 0 to {vocab - 1}")
+    return ids
+
+
+def _stops(params: Mapping[str, Any]) -> list[str]:
+    stops = params.get("stop", [])
+    if (
+        not isinstance(stops, list)
+        or len(stops) > MAX_STOPS
+        or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)
+    ):
+        raise WireError(
+            "bad_request",
+            f"params.stop must be an array of at most {MAX_STOPS} texts of 1 to "
+            f"{MAX_STOP_CHARS} characters",
+        )
+    return list(stops)
+
+
+# -- the strategy -----------------------------------------------------------------------------
+
+
+class _Decoding:
+    """One member's loop state: the next run's inputs, the tokens and text not yet sent, and
+    the step inputs made once (the mask a view of one row of ones as long as the generation
+    can grow; the new token and its position written in place before each run)."""
+
+    def __init__(self, ask: GenerateAsk) -> None:
+        self.ask = ask
+        self.inputs = _prefill_inputs(ask)
+        self.pending: list[int] = []
+        self.pending_text = ""
+        self.sent = 0  # tokens already in pieces
+        self.left = False  # left the run without a last piece (shutdown, refused reply)
+        layout = ask.setup.layout
+        self.token = np.zeros((1, 1), dtype=layout.int_dtypes[layout.input_ids])
+        self.position: np.ndarray[Any, Any] | None = None
+        self.mask: np.ndarray[Any, Any] | None = None
+        if layout.position_ids is not None:
+            self.position = np.zeros((1, 1), dtype=layout.int_dtypes[layout.position_ids])
+        if layout.attention_mask is not None:
+            longest = len(ask.prompt) + ask.max_new_tokens
+            self.mask = np.ones((1, longest), dtype=layout.int_dtypes[layout.attention_mask])
+        ask.sampler.see(ask.prompt)
+
+
+def generate(run: Run) -> Iterator[list[Piece]]:
+    states = {p: _Decoding(_ask(run, p)) for p in range(len(run.members))}
+    while states:
+        pieces = []
+        for position in list(states):
+            state = states[position]
+            piece = _advance(run, position, state)
+            if state.left or (piece is not None and piece.last):
+                del states[position]
+            if piece is not None:
+                pieces.append(piece)
+        if pieces:
+            yield pieces
+
+
+def _ask(run: Run, position: int) -> GenerateAsk:
+    ask = run.members[position].generation
+    assert isinstance(ask, GenerateAsk)  # the runner made it (agent.inference.runner)
+    return ask
+
+
+def _advance(run: Run, position: int, state: _Decoding) -> Piece | None:
+    """One new token of one member; its piece where one is due."""
+    member, ask = run.members[position], state.ask
+    if position in run.failed:
+        state.left = True
+        return None
+    if member.cancelled.is_set():
+        if not member.cancelled.by_request:
+            run.failed[position] = Cancelled()
+            state.left = True
+            return None
+        ask.finish_reason = "cancelled"
+        return _piece(position, state)
+    outputs = run.model(state.inputs)
+    token = ask.sampler.choose(_last_logits(outputs, ask))
+    ask.sampler.see((token,))
+    if ask.first_token_at is None:
+        ask.first_token_at = time.monotonic()
+    ask.tokens.append(token)
+    state.pending.append(token)
+    if ask.text is not None:
+        state.pending_text += ask.text.push([token])
+    ask.finish_reason = _finished(ask, token)
+    if ask.finish_reason is None:
+        state.inputs = _next_inputs(state, outputs, token)
+        if len(state.pending) < ask.tokens_per_chunk:
+            return None
+    return _piece(position, state)
+
+
+def _finished(ask: GenerateAsk, token: int) -> str | None:
+    if token in ask.setup.eos:
+        return "eos"
+    if ask.text is not None and ask.text.stopped:
+        return "stop"
+    if len(ask.tokens) >= ask.max_new_tokens:
+        return "length"
+    return None
+
+
+def _piece(position: int, state: _Decoding) -> Piece:
+    """The member's pending tokens (and their text) as a piece; its last where it finished."""
+    ask = state.ask
+    last = ask.finish_reason is not None
+    if last and ask.text is not None:
+        state.pending_text += ask.text.finish()
+    tokens = np.array(state.pending, dtype=np.int64)
+    extra = None if ask.text is None else {"text": state.pending_text}
+    piece = Piece(position, state.sent, {"tokens": tokens}, last, extra=extra)
+    piece.chunk = bool(state.pending) or bool(state.pending_text)
+    state.sent += len(state.pending)
+    state.pending, state.pending_text = [], ""
+    return piece
+
+
+def _last_logits(outputs: Arrays, ask: GenerateAsk) -> np.ndarray[Any, Any]:
+    logits = outputs[ask.setup.layout.logits]
+    if logits.ndim != 3 or logits.shape[0] != 1:
+        raise InferenceError(f"logits {list(logits.shape)}: expected [1, sequence, vocab]")
+    row: np.ndarray[Any, Any] = logits[0, -1]
+    return row
+
+
+def _prefill_inputs(ask: GenerateAsk) -> Arrays:
+    """The prompt whole, with an empty past."""
+    layout = ask.setup.layout
+    length = len(ask.prompt)
+    inputs: Arrays = {
+        layout.input_ids: np.array([ask.prompt], dtype=layout.int_dtypes[layout.input_ids])
+    }
+    if layout.attention_mask is not None:
+        dtype = layout.int_dtypes[layout.attention_mask]
+        inputs[layout.attention_mask] = np.ones((1, length), dtype=dtype)
+    if layout.position_ids is not None:
+        dtype = layout.int_dtypes[layout.position_ids]
+        inputs[layout.position_ids] = np.arange(length, dtype=dtype)[None, :]
+    if layout.cache_branch is not None:
+        inputs[layout.cache_branch] = np.zeros((1,), dtype=np.bool_)
+    for slot in layout.cache:
+        inputs[slot.input] = slot.empty(1)
+    return inputs
+
+
+def _next_inputs(state: _Decoding, outputs: Arrays, token: int) -> Arrays:
+    """One new token, the past from `present.*`, the mask and the positions one longer."""
+    ask = state.ask
+    layout = ask.setup.layout
+    past = len(ask.prompt) + len(ask.tokens) - 1  # tokens the cache holds after this run
+    state.token[0, 0] = token
+    nxt: Arrays = {layout.input_ids: state.token}
+    if state.mask is not None and layout.attention_mask is not None:
+        nxt[layout.attention_mask] = state.mask[:, : past + 1]
+    if state.position is not None and layout.position_ids is not None:
+        state.position[0, 0] = past
+        nxt[layout.position_ids] = state.position
+    if layout.cache_branch is not None:
+        nxt[layout.cache_branch] = _USE_CACHE
+    for slot in layout.cache:
+        nxt[slot.input] = outputs[slot.output]
+    return nxt
+
+
+def merged_result(pieces: list[tuple[int, Arrays]]) -> Arrays:
+    """`stream: false`: the tokens of every piece, in one tensor."""
+    parts = [outputs["tokens"] for _, outputs in pieces if "tokens" in outputs]
+    return {"tokens": np.concatenate(parts) if parts else np.zeros((0,), dtype=np.int64)}
+
+
+modes.STRATEGIES["generate"] = generate

@@ -1,0 +1,126 @@
+"""Choosing the next token from a decoder's logits, outside the graph.
+
+Greedy (the arg max, Hugging Face's `do_sample=False`) unless `params.temperature` > 0; then
+the logits are divided by the temperature, cut to the `top_k` best and to the smallest set
+whose probability reaches `top_p`, and a token is drawn from what is left with numpy's
+generator seeded by `params.seed` (the same seed gives the same tokens; no seed: a fresh one).
+`repetition_penalty` (CTRL's, as `transformers` applies it) divides the positive logits of
+tokens already in the prompt or the output by the penalty and multiplies the negative ones,
+before either rule. Hand-written: a few numpy lines, where a library would add a framework.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from agent.protocol.errors import WireError
+
+__all__ = ["Sampler", "SamplingParams"]
+
+MAX_TOP_K = 1 << 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The sampling params of one request, checked."""
+
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+
+    @classmethod
+    def parse(cls, params: Mapping[str, Any]) -> SamplingParams:
+        temperature = _number(params, "temperature", 0.0, low=0.0, high=100.0)
+        top_p = _number(params, "top_p", 1.0, low=0.0, high=1.0, open_low=True)
+        penalty = _number(params, "repetition_penalty", 1.0, low=0.0, high=100.0, open_low=True)
+        top_k = _integer(params, "top_k", 0, high=MAX_TOP_K)
+        seed = params.get("seed")
+        if seed is not None:
+            seed = _integer(params, "seed", 0, high=2**63 - 1)
+        return cls(temperature, top_k, top_p, seed, penalty)
+
+
+class Sampler:
+    """One request's token choice (its own random generator, the tokens it has seen)."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self._rng = np.random.default_rng(params.seed) if params.temperature > 0 else None
+        self._penalised = params.repetition_penalty != 1.0
+        self._seen: dict[int, None] = {}  # the tokens so far, once each (penalty only)
+        self._seen_ids = np.zeros((0,), dtype=np.int64)
+
+    def see(self, tokens: Iterable[int]) -> None:
+        """Note tokens of the prompt or the output (what `repetition_penalty` lowers)."""
+        if not self._penalised:
+            return
+        grown = len(self._seen)
+        self._seen.update(dict.fromkeys(tokens))
+        if len(self._seen) != grown:
+            self._seen_ids = np.fromiter(self._seen, dtype=np.int64, count=len(self._seen))
+
+    def choose(self, logits: np.ndarray[Any, Any], history: Iterable[int] = ()) -> int:
+        """The next token from one row of logits (`[vocab]`); `history`: tokens not yet seen
+        (`see`) that the penalty should count. Greedy without a penalty reads the row as it
+        is: no copy, no float64."""
+        params = self.params
+        self.see(history)
+        if not self._penalised and self._rng is None:
+            return int(logits.argmax())
+        scores = logits.astype(np.float64, copy=True)
+        if self._penalised and self._seen:
+            seen = self._seen_ids[(self._seen_ids >= 0) & (self._seen_ids < scores.shape[0])]
+            picked = scores[seen]
+            scores[seen] = np.where(
+                picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty
+            )
+        if self._rng is None:
+            return int(np.argmax(scores))
+        return self._draw(scores / params.temperature)
+
+    def _draw(self, scores: np.ndarray[Any, Any]) -> int:
+        assert self._rng is not None
+        params = self.params
+        order = np.argsort(-scores, kind="stable")
+        if params.top_k:
+            order = order[: params.top_k]
+        kept = scores[order]
+        probs = np.exp(kept - kept[0])
+        probs /= probs.sum()
+        if params.top_p < 1.0:
+            reach = int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1
+            order, probs = order[:reach], probs[:reach] / probs[:reach].sum()
+        return int(order[self._rng.choice(len(order), p=probs)])
+
+
+def _number(
+    params: Mapping[str, Any],
+    key: str,
+    default: float,
+    *,
+    low: float,
+    high: float,
+    open_low: bool = False,
+) -> float:
+    value = params.get(key, default)
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if ok:
+        value = float(value)
+        ok = (value > low if open_low else value >= low) and value <= high
+    if not ok:
+        side = ">" if open_low else ">="
+        raise WireError("bad_request", f"params.{key} must be a number {side} {low} and <= {high}")
+    return float(value)
+
+
+def _integer(params: Mapping[str, Any], key: str, default: int, *, high: int) -> int:
+    value = params.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
+        raise WireError("bad_request", f"params.{key} must be an integer from 0 to {high}")
+    return value

@@ -1,0 +1,232 @@
+"""Generate: one token stream of the bundled GPT-2-like decoder through the agent against a
+bare ONNX Runtime greedy loop over the same file.
+
+The agent side is one `mode = "generate"` request (`max_new_tokens` tokens, one chunk each);
+its rate comes from the chunks' emit times (`ts`, first to last), its time to first token from
+the `end`'s `timing.ttft_ms` (request read to first token chosen). "Bare" is
+`InferenceSession.run` in this process, with the session options the agent gives its sessions
+(same threads, sequential, all graph optimisations): the prefill, then one run per token with
+the cache fed back, the arg max taken with numpy; the figure is the agent's rate against it,
+and its time to first token against the bare prefill alone. A third rate, "generate loop", is
+the agent's own generate strategy (`agent.inference.generate`, text decoding included) driving
+a session in this process with no MQTT: what generation costs on top of the model, apart from
+what delivering a chunk costs.
+
+    python benchmarks/generate.py [--quick]     # this section alone, printed
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from agent.demo.broker import EmbeddedBroker  # noqa: E402
+
+FIXTURE = REPO / "tests" / "fixtures" / "real" / "decoders" / "gpt2"
+TARGET_RATIO, TARGET_TTFT_MS = 0.9, 2.0
+PROMPT = "The little robot"
+
+
+@dataclass
+class GenerateResult:
+    tokens: int
+    agent_tokens_s: float
+    bare_tokens_s: float
+    agent_ttft_ms: float
+    bare_prefill_ms: float
+    loop_tokens_s: float = 0.0  # the generate strategy alone (no MQTT); 0: not measured
+
+    @property
+    def ratio(self) -> float:
+        return self.agent_tokens_s / self.bare_tokens_s
+
+    @property
+    def ttft_over_ms(self) -> float:
+        return self.agent_ttft_ms - self.bare_prefill_ms
+
+
+def bare_session(threads: int) -> Any:
+    """An ONNX Runtime session of the fixture with the options the agent's backend sets
+    (`agent.models.backends.onnxruntime`)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return ort.InferenceSession(
+        str(FIXTURE / "model.onnx"), opts, providers=["CPUExecutionProvider"]
+    )
+
+
+def bare_loop(session: Any, tokens: int, prompt: list[int]) -> tuple[float, float]:
+    """(tokens/s of the one-token runs, prefill ms) of a plain greedy loop."""
+    names = [a.name for a in session.get_inputs()]
+    outs = [o.name for o in session.get_outputs()]
+    pasts = [n for n in names if n.startswith("past_key_values.")]
+    positions = "position_ids" in names
+    feed: dict[str, Any] = {"input_ids": np.array([prompt], np.int64)}
+    feed["attention_mask"] = np.ones((1, len(prompt)), np.int64)
+    if positions:
+        feed["position_ids"] = np.arange(len(prompt), dtype=np.int64)[None]
+    for name in pasts:
+        feed[name] = np.zeros((1, 4, 0, 16), np.float32)
+    started = time.perf_counter()
+    result = dict(zip(outs, session.run(None, feed), strict=True))
+    prefill = time.perf_counter() - started
+    steps_started = time.perf_counter()
+    past = len(prompt)
+    for _ in range(tokens - 1):
+        token = int(np.argmax(result["logits"][0, -1]))
+        feed = {"input_ids": np.array([[token]], np.int64)}
+        feed["attention_mask"] = np.ones((1, past + 1), np.int64)
+        if positions:
+            feed["position_ids"] = np.array([[past]], np.int64)
+        for name in pasts:
+            feed[name] = result[name.replace("past_key_values", "present")]
+        result = dict(zip(outs, session.run(None, feed), strict=True))
+        past += 1
+    return (tokens - 1) / (time.perf_counter() - steps_started), prefill * 1000
+
+
+def generate_loop(threads: int, tokens: int) -> Callable[[], float]:
+    """A function giving the tokens/s of the one-token steps of the agent's generate strategy
+    over a session of the fixture, no MQTT (the pieces are made and dropped)."""
+    from agent.inference import generate
+    from agent.inference.modes import Member, Run
+    from agent.models.backends.base import BackendOptions
+    from agent.models.backends.onnxruntime import OnnxRuntimeBackend
+    from agent.models.decoder_layout import open_generation
+    from agent.models.model_config import StreamConfig
+
+    session = OnnxRuntimeBackend().load(FIXTURE / "model.onnx", BackendOptions(threads))
+    setup = open_generation(None, session, FIXTURE)
+    prompt = np.array(PROMPT, dtype=object)
+
+    def rate() -> float:
+        ask = generate.ask_of({"prompt": prompt}, {"max_new_tokens": tokens}, setup)
+        steps = generate.generate(
+            Run(session, StreamConfig(mode="generate"), [Member({}, 1, generation=ask)])
+        )
+        next(steps)  # the prefill and the first token
+        started = time.perf_counter()
+        made = sum(1 for _ in steps)
+        return made / (time.perf_counter() - started)
+
+    return rate
+
+
+def measure(broker: EmbeddedBroker, workdir: Path, quick: bool) -> GenerateResult:
+    from agent.client import AgentClient
+    from agent.service.agent import Agent, intra_op_threads
+    from tests.conftest import agent_config
+
+    tokens = 64 if quick else 100
+    root = workdir / "models"
+    shutil.copytree(FIXTURE, root / "writer" / "1")
+    (root / "writer" / "config.toml").write_text('[stream]\nmode = "generate"\n')
+    agent = Agent(agent_config(workdir, broker, root))
+    agent.start()
+    client = AgentClient(broker.host, broker.port, device_id=agent.config.device_id).connect()
+    rates, ttfts, bare_rates, prefills, loop_rates = [], [], [], [], []
+    threads = intra_op_threads(agent.config)
+    session, loop = bare_session(threads), generate_loop(threads, tokens)
+    try:
+        assert agent.wait_ready(20)
+        prompt_ids = None
+        for _ in range(3 if quick else 10):
+            reply = client.request(
+                "writer", {"prompt": PROMPT}, params={"max_new_tokens": tokens}, timeout=30
+            )
+            chunks = list(reply)
+            assert reply.end is not None and len(chunks) == tokens
+            rates.append((tokens - 1) / ((chunks[-1].ts - chunks[0].ts) / 1e9))
+            ttfts.append(float(reply.end.timing["ttft_ms"]))
+            with agent.models.lease("writer", None) as lease:
+                generation = lease.loaded.generation
+                assert generation is not None and generation.tokenizer is not None
+                prompt_ids = generation.tokenizer.encode(PROMPT)
+            rate, prefill = bare_loop(session, tokens, prompt_ids)
+            bare_rates.append(rate)
+            prefills.append(prefill)
+            loop_rates.append(loop())
+    finally:
+        client.close()
+        agent.stop()
+    med = statistics.median
+    return GenerateResult(
+        tokens, med(rates), med(bare_rates), med(ttfts), med(prefills), med(loop_rates)
+    )
+
+
+def to_json(result: GenerateResult) -> dict[str, Any]:
+    return asdict(result)
+
+
+def from_json(data: dict[str, Any]) -> GenerateResult:
+    return GenerateResult(**data)
+
+
+def met(result: GenerateResult) -> bool:
+    return result.ratio >= TARGET_RATIO and result.ttft_over_ms <= TARGET_TTFT_MS
+
+
+def _us(rate: float) -> float:
+    return 1e6 / rate if rate > 0 else float("nan")
+
+
+def section(result: GenerateResult) -> list[str]:
+    lines = [
+        "## Generate: token streaming against a bare ONNX Runtime greedy loop",
+        "",
+        f"One stream of {result.tokens} tokens of the bundled GPT-2-like decoder "
+        "(tests/fixtures/real/decoders/gpt2, also models/writer), one chunk a token, median of "
+        "the runs, CPU provider; the bare loop runs a session with the agent's session options.",
+        "",
+        "| | agent | bare loop | figure | target |",
+        "|---|---|---|---|---|",
+        f"| tokens/s | {result.agent_tokens_s:.0f} | {result.bare_tokens_s:.0f} | "
+        f"x{result.ratio:.2f} | >= {TARGET_RATIO} |",
+        f"| time to first token vs prefill (ms) | {result.agent_ttft_ms:.2f} | "
+        f"{result.bare_prefill_ms:.2f} | +{result.ttft_over_ms:.2f} ms | <= {TARGET_TTFT_MS} ms |",
+    ]
+    if result.loop_tokens_s > 0:
+        loop = result.loop_tokens_s
+        lines += [
+            f"| generate loop alone, no MQTT (tokens/s) | {loop:.0f} | "
+            f"{result.bare_tokens_s:.0f} | x{loop / result.bare_tokens_s:.2f} | |",
+            "",
+            f"Per token: the model's run and a bare loop's numpy {_us(result.bare_tokens_s):.0f} "
+            f"µs; the generate loop (token choice, cache and mask handling, text decoding) "
+            f"{_us(loop) - _us(result.bare_tokens_s):+.0f} µs on top; making, spooling and "
+            f"publishing the chunk {_us(result.agent_tokens_s) - _us(loop):+.0f} µs more.",
+        ]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    with EmbeddedBroker() as broker, tempfile.TemporaryDirectory() as tmp:
+        result = measure(broker, Path(tmp), args.quick)
+    print("\n".join(section(result)))
+
+
+if __name__ == "__main__":
+    main()

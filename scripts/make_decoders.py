@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Dev-only: regenerate ``tests/fixtures/real/decoders/`` (the `mode = "generate"` fixtures).
+
+Not run by CI. Needs the export stack of ``scripts/make_real_models.py`` (torch,
+transformers, optimum-onnx, tokenizers) in ``.venv-export``::
+
+    .venv-export/bin/python scripts/make_decoders.py [--out tests/fixtures/real/decoders]
+
+It writes
+
+- ``tokenizer.json``: a byte-level BPE trained with `tokenizers` on the text below (special
+  token ``<|endoftext|>``, the eos);
+- ``gpt2/`` and ``llama/``: a seeded random GPT-2-like decoder and a Llama-like one (grouped-
+  query attention, rotary positions), each exported with optimum's
+  ``text-generation-with-past`` (``model.onnx``), with the ``config.json`` and
+  ``generation_config.json`` that ``save_pretrained`` wrote and a copy of ``tokenizer.json``;
+- ``models/writer/1/``: the GPT-2-like one again, the README's bundled example model
+  (with ``--out`` elsewhere, left alone);
+- ``reference.json``: per model and prompt, the prompt's token ids, Hugging Face's greedy
+  ``generate(do_sample=False)`` tokens and their decoded text, and the smallest gap between
+  the best and second-best logit on that path (a tie would make greedy ill-defined).
+
+Everything is seeded (torch.manual_seed, a fixed corpus), so a rerun with the same pins
+writes the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "real" / "decoders"
+BUNDLED = REPO_ROOT / "models" / "writer" / "1"  # the README's example (config.toml kept)
+BUNDLED_FILES = ("model.onnx", "tokenizer.json", "config.json", "generation_config.json")
+EOS = "<|endoftext|>"
+VOCAB = 384
+NEW_TOKENS = 24
+PROMPTS = ["The little robot", "Edge boxes stream tokens", "日本語 café 🙂"]
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+CORPUS = """\
+The little robot woke up in the morning and looked at the sky. It was blue and bright.
+Edge boxes stream tokens to their backends over MQTT, one chunk at a time, and keep a spool.
+A model runs once for the prompt and then once for every new token; the cache grows by one.
+Café au lait, naïve façade, jalapeño, Zürich, São Paulo, Kraków, Ελληνικά, русский язык.
+日本語の文章も少し入れておく。東京と大阪。絵文字も 🙂 🚀 ✨ ありがとう。
+The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.
+Once upon a time there was a tiny model that could only say a few words, but it tried.
+"""
+
+
+def train_tokenizer(path: Path) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS.splitlines() * 4, trainer=trainer)
+    tokenizer.save(str(path))
+    return tokenizer
+
+
+def build(name: str, vocab: int, eos: int) -> Any:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    common = {"vocab_size": vocab, "bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos}
+    if name == "gpt2":
+        config = GPT2Config(
+            n_layer=2, n_head=4, n_embd=64, n_positions=128, initializer_range=0.2, **common
+        )
+        return GPT2LMHeadModel(config).eval()
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        **common,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def greedy(model: Any, ids: list[int]) -> tuple[list[int], float]:
+    """HF's greedy tokens, and the smallest top-1/top-2 logit gap along the path."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(ids) :].tolist()
+    gaps = [float((s[0].topk(2).values[0] - s[0].topk(2).values[1]).item()) for s in out.scores]
+    return tokens, min(gaps)
+
+
+def export(model: Any, dst: Path) -> None:
+    from optimum.exporters.onnx import main_export
+
+    with tempfile.TemporaryDirectory(prefix="decoder-export-") as tmp:
+        src, onnx_dir = Path(tmp) / "hf", Path(tmp) / "onnx"
+        model.save_pretrained(src)
+        main_export(str(src), output=str(onnx_dir), task="text-generation-with-past", device="cpu")
+        dst.mkdir(parents=True, exist_ok=True)
+        shutil.copy(onnx_dir / "model.onnx", dst / "model.onnx")
+        for extra in ("config.json", "generation_config.json"):
+            shutil.copy(src / extra, dst / extra)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    out: Path = parser.parse_args().out
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(out / "tokenizer.json")
+    vocab, eos = tokenizer.get_vocab_size(), tokenizer.token_to_id(EOS)
+    reference: dict[str, Any] = {"eos": eos, "vocab": vocab, "models": {}}
+    for name in ("gpt2", "llama"):
+        model = build(name, vocab, eos)
+        export(model, out / name)
+        shutil.copy(out / "tokenizer.json", out / name / "tokenizer.json")
+        cases = []
+        for prompt in PROMPTS:
+            ids = tokenizer.encode(prompt).ids
+            tokens, gap = greedy(model, ids)
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            cases.append({"prompt": prompt, "ids": ids, "greedy": tokens, "text": text, "gap": gap})
+            print(f"{name}: {prompt!r} -> {tokens} (min gap {gap:.3f})")
+        reference["models"][name] = cases
+    (out / "reference.json").write_text(json.dumps(reference, indent=1, ensure_ascii=False) + "\n")
+    (out / "tokenizer.json").unlink()  # each model folder has its copy
+    if out.resolve() == DEFAULT_OUT.resolve():
+        BUNDLED.mkdir(parents=True, exist_ok=True)
+        for name in BUNDLED_FILES:
+            shutil.copy(out / "gpt2" / name, BUNDLED / name)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""`ROOT/cancel` for every mode: a running generate stream and a running `steps` stream end
+within a step with `end` `finish_reason: "cancelled"`; a queued request ends without running;
+unknown ids and malformed cancels change nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agent.client import AgentClient
+from agent.demo.broker import EmbeddedBroker
+from agent.service.agent import Agent
+from tests.conftest import agent_config, write_long_decoder
+from tests.generate_helpers import REFERENCE, write_decoder
+
+LONG = "[generate]\ncontext = 4096\nmax_new_tokens = 4000\n"  # rotary: any length runs
+
+
+@pytest.fixture(scope="module")
+def one_worker(
+    broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Agent, AgentClient]]:
+    tmp = tmp_path_factory.mktemp("cancel")
+    root = write_long_decoder(tmp / "models")
+    write_decoder(root, "llama", "llama", LONG)
+    agent = Agent(agent_config(tmp, broker, root, SCHEDULER__WORKERS="1"))
+    agent.start()
+    client = AgentClient(broker.host, broker.port, device_id=agent.config.device_id).connect()
+    try:
+        assert agent.wait_ready(20)
+        yield agent, client
+    finally:
+        client.close()
+        agent.stop()
+
+
+def test_a_running_generation_is_cancelled(one_worker: tuple[Agent, AgentClient]) -> None:
+    _, client = one_worker
+    ref = REFERENCE["models"]["llama"][0]
+    reply = client.request("llama", {"prompt": ref["prompt"]}, request_id="gen-c1", timeout=60)
+    tokens: list[int] = []
+    for chunk in reply:
+        if not tokens:
+            client.cancel("gen-c1")
+        tokens.extend(int(t) for t in chunk.outputs["tokens"])
+    assert reply.end is not None and reply.end.finish_reason == "cancelled"
+    assert 1 <= len(tokens) < 4000
+    assert tokens[:24] == ref["greedy"][: len(tokens[:24])]
+    assert reply.end.usage == {"prompt_tokens": len(ref["ids"]), "completion_tokens": len(tokens)}
+
+
+def test_a_running_steps_stream_is_cancelled(one_worker: tuple[Agent, AgentClient]) -> None:
+    _, client = one_worker
+    reply = client.request(
+        "decoder", {"token": np.array([[1]], np.int64)}, request_id="steps-c1", timeout=60
+    )
+    count = 0
+    for _ in reply:
+        if count == 0:
+            client.cancel("steps-c1")
+        count += 1
+    assert reply.end is not None and reply.end.finish_reason == "cancelled"
+    assert 1 <= count < 5000 and reply.end.chunks == count
+
+
+def test_a_queued_request_ends_without_running(one_worker: tuple[Agent, AgentClient]) -> None:
+    _, client = one_worker
+    running = client.request(
+        "decoder", {"token": np.array([[1]], np.int64)}, request_id="steps-c2", timeout=60
+    )
+    stream = iter(running)  # one iterator: a dropped one closes the reply
+    next(stream)  # the only worker is busy with it
+    queued = client.request("llama", {"prompt": "queued"}, request_id="gen-c2", timeout=60)
+    client.cancel("gen-c2")
+    client.cancel("steps-c2")
+    list(stream)
+    assert running.end is not None and running.end.finish_reason == "cancelled"
+    assert list(queued) == []  # it could only start once the other one ended
+    assert queued.end is not None and queued.end.finish_reason == "cancelled"
+    assert queued.end.chunks == 0
+
+
+def test_unknown_and_malformed_cancels_change_nothing(
+    one_worker: tuple[Agent, AgentClient], tmp_path: Path
+) -> None:
+    _agent, client = one_worker
+    client.cancel("no-such-request")
+    client.publish_raw(f"{client.root}/cancel", b"\xa1\x62id\x01", 1)  # {id: 1}
+    ref = REFERENCE["models"]["llama"][2]
+    reply = client.request("llama", {"prompt": ref["prompt"]}, params={"max_new_tokens": 5})
+    assert [int(t) for c in reply for t in c.outputs["tokens"]] == ref["greedy"][:5]
+    assert reply.end is not None and reply.end.finish_reason == "length"

@@ -1,0 +1,145 @@
+"""TensorRT engines of decoders: the default optimization profile covers past length 0 up to
+the context, so the generate loop runs on the engine from the prefill to the context's end.
+
+Runs against the tensorrt/pycuda test doubles (tests/fakes), which check every run's shapes
+against the engine's profile as TensorRT does; not on a GPU.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from agent.inference import generate
+from agent.inference.modes import Member, Run
+from agent.models.backends.base import BackendOptions, InferenceError
+from agent.models.backends.tensorrt import TensorRTBackend
+from agent.models.decoder_layout import open_generation
+from agent.models.engine_builder import BuildOptions, EngineBuildError, ShapeRange, build_engine
+from agent.models.engine_builds import build_options
+from agent.models.model_config import StreamConfig
+from tests import fakes
+from tests.fakes import FakeGPU
+from tests.generate_helpers import DECODERS, REFERENCE
+
+fake_gpu = fakes.fake_gpu  # the fixture: fresh fakes in sys.modules per test
+
+CONTEXT = 128  # both fixtures' config.json (n_positions, max_position_embeddings)
+
+
+def decoder_version(tmp_path: Path, arch: str, *, config: bool = True) -> Path:
+    """models/writer/1/ holding the fixture's model.onnx (and its config.json)."""
+    folder = tmp_path / "models" / "writer" / "1"
+    folder.mkdir(parents=True)
+    shutil.copy(DECODERS / arch / "model.onnx", folder / "model.onnx")
+    if config:
+        shutil.copy(DECODERS / arch / "config.json", folder / "config.json")
+    return folder / "model.onnx"
+
+
+def build(tmp_path: Path, onnx: Path, **options: Any) -> Path:
+    return build_engine(
+        onnx, onnx.parent.parent, BuildOptions(cache_dir=tmp_path / "cache", **options)
+    )
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_decoders_profiles_cover_past_0_to_the_context(
+    fake_gpu: FakeGPU, tmp_path: Path, arch: str
+) -> None:
+    plan = build(tmp_path, decoder_version(tmp_path, arch))
+    session = TensorRTBackend().load(plan, BackendOptions())
+    try:
+        prefill, steps = session.profiles
+        half = CONTEXT // 2
+        assert prefill["input_ids"] == ((1, 1), (1, half), (1, CONTEXT))
+        assert steps["input_ids"] == ((1, 1), (1, 1), (1, 1))
+        for profile in (prefill, steps):
+            assert profile["attention_mask"][0::2] == ((1, 1), (1, CONTEXT))
+        pasts = [name for name in steps if name.startswith("past_key_values.")]
+        assert pasts
+        for name in pasts:
+            for profile, want in [(prefill, (0, 0, 0)), (steps, (0, half, CONTEXT - 1))]:
+                low, opt, high = profile[name]
+                assert (low[2], opt[2], high[2]) == want
+                assert low[:2] == high[:2] and low[3:] == high[3:]  # heads, head dim fixed
+    finally:
+        session.close()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_the_generate_loop_runs_on_the_engine_to_the_end_of_the_context(
+    fake_gpu: FakeGPU, tmp_path: Path, arch: str
+) -> None:
+    onnx = decoder_version(tmp_path, arch)
+    plan = build(tmp_path, onnx)
+    session = TensorRTBackend().load(plan, BackendOptions())
+    try:
+        setup = open_generation(None, session, onnx.parent)
+        case = REFERENCE["models"][arch][0]
+        room = CONTEXT - len(case["ids"])
+        ask = generate.ask_of({"input_ids": np.array(case["ids"])}, {}, setup)
+        assert ask.max_new_tokens == room
+        run = Run(session, StreamConfig(mode="generate"), [Member({}, 1, generation=ask)])
+        for _ in generate.generate(run):
+            pass
+        assert ask.tokens[: len(case["greedy"])] == case["greedy"]  # the HF reference
+        assert ask.finish_reason == "length" or ask.tokens[-1] == REFERENCE["eos"]
+        if ask.finish_reason == "length":
+            assert len(ask.tokens) == room  # past CONTEXT - 1 in the last run: in the profile
+        too_long: dict[str, Any] = {  # a past of the whole context: outside the profile
+            slot.input: np.zeros(
+                [
+                    CONTEXT if axis == slot.past_axis else d or 1
+                    for axis, d in enumerate(slot.shape)
+                ],
+                slot.dtype,
+            )
+            for slot in setup.layout.cache
+        }
+        too_long["input_ids"] = np.zeros((1, 1), np.int64)
+        too_long["attention_mask"] = np.ones((1, CONTEXT + 1), np.int64)
+        if setup.layout.position_ids is not None:
+            too_long["position_ids"] = np.full((1, 1), CONTEXT, np.int64)
+        with pytest.raises(InferenceError):
+            session.run(too_long)
+    finally:
+        session.close()
+
+
+def test_the_context_comes_from_the_options_where_config_json_is_missing(
+    fake_gpu: FakeGPU, tmp_path: Path
+) -> None:
+    onnx = decoder_version(tmp_path, "gpt2", config=False)
+    with pytest.raises(EngineBuildError, match="--context"):
+        build(tmp_path, onnx)
+    plan = build(tmp_path, onnx, context=32)
+    session = TensorRTBackend().load(plan, BackendOptions())
+    try:
+        prefill, steps = session.profiles
+        assert prefill["input_ids"][2] == (1, 32)
+        assert steps["past_key_values.0.key"][2][2] == 31
+    finally:
+        session.close()
+    assert BuildOptions(context=32).key_fields()["context"] == 32
+    assert "context" not in BuildOptions().key_fields()  # other builds keep their keys
+
+
+def test_explicit_profiles_still_win_over_the_decoders_default(
+    fake_gpu: FakeGPU, tmp_path: Path
+) -> None:
+    onnx = decoder_version(tmp_path, "gpt2")
+    cache = {"past_key_values.0.key": ShapeRange((1, 4, 0, 16), (1, 4, 8, 16), (1, 4, 15, 16))}
+    with pytest.raises(EngineBuildError, match="no shapes for dynamic input"):
+        build(tmp_path, onnx, profiles=(cache,))
+
+
+def test_the_agents_build_options_take_a_context() -> None:
+    extra = {"tensorrt": {"build": {"context": 64}}}
+    assert build_options(BackendOptions(extra=extra)).context == 64
+    with pytest.raises(Exception, match="context"):
+        build_options(BackendOptions(extra={"tensorrt": {"build": {"context": 0}}}))

@@ -1,0 +1,213 @@
+"""`mode = "generate"` with real optimum exports (a GPT-2-like and a Llama-like decoder with
+grouped-query attention and rotary positions): greedy tokens equal to Hugging Face's
+`generate(do_sample=False)`, text equal to the tokenizer's decode, finish reasons and usage,
+stop strings, max_new_tokens, context overflow refused, `stream: false`, tokens_per_chunk."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from agent.client import AgentClient, AgentError
+from agent.demo.broker import EmbeddedBroker
+from agent.service.agent import Agent
+from tests.generate_helpers import EOS, REFERENCE, serve
+
+CASES = [(arch, k) for arch in ("gpt2", "llama") for k in range(3)]
+N = 24
+
+
+@pytest.fixture(scope="module")
+def agent_client(
+    broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Agent, AgentClient]]:
+    eos_at = REFERENCE["models"]["gpt2"][0]["greedy"][5]  # an eos the greedy path reaches
+    models = {
+        "gpt2": ("gpt2", ""),
+        "llama": ("llama", ""),
+        "gpt2_ids": ("gpt2", ""),
+        "gpt2_eos": ("gpt2", f"[generate]\neos = [{eos_at}]\n"),
+        "gpt2_short": ("gpt2", "[generate]\ncontext = 12\nmax_new_tokens = 8\n"),
+    }
+    yield from serve(broker, tmp_path_factory.mktemp("generate"), models)
+
+
+def generate(client: AgentClient, model: str, inputs: dict[str, Any], **params: Any) -> Any:
+    reply = client.request(model, inputs, params=params or None, timeout=30)
+    chunks = list(reply)
+    return reply, chunks
+
+
+def tokens_of(chunks: list[Any]) -> list[int]:
+    return [int(t) for c in chunks for t in c.outputs["tokens"]]
+
+
+def test_versions_load(agent_client: tuple[Agent, AgentClient]) -> None:
+    agent, _ = agent_client
+    for name, entry in agent.models.inventory()["models"].items():
+        assert entry["versions"]["1"]["state"] == "ready", (name, entry)
+
+
+@pytest.mark.parametrize(("arch", "case"), CASES)
+def test_greedy_tokens_and_text_equal_hugging_face(
+    agent_client: tuple[Agent, AgentClient], arch: str, case: int
+) -> None:
+    _, client = agent_client
+    ref = REFERENCE["models"][arch][case]
+    reply, chunks = generate(client, arch, {"prompt": ref["prompt"]}, max_new_tokens=N)
+    assert tokens_of(chunks) == ref["greedy"]
+    assert [c.index for c in chunks] == list(range(N))
+    assert "".join(c.text for c in chunks) == ref["text"]
+    assert reply.end.finish_reason == "length"
+    assert reply.end.usage == {"prompt_tokens": len(ref["ids"]), "completion_tokens": N}
+    assert reply.end.timing["ttft_ms"] <= reply.end.timing["total_ms"]
+
+
+def test_input_ids_without_a_tokenizer(agent_client: tuple[Agent, AgentClient]) -> None:
+    _, client = agent_client
+    ref = REFERENCE["models"]["gpt2"][1]
+    ids = np.array([ref["ids"]], dtype=np.int64)
+    _reply, chunks = generate(client, "gpt2_ids", {"input_ids": ids}, max_new_tokens=N)
+    assert tokens_of(chunks) == ref["greedy"]
+    assert all(c.text is None for c in chunks)
+    with pytest.raises(AgentError, match="tokenizer"):
+        generate(client, "gpt2_ids", {"prompt": "hello"})
+
+
+def test_tokens_per_chunk(agent_client: tuple[Agent, AgentClient]) -> None:
+    _, client = agent_client
+    ref = REFERENCE["models"]["llama"][2]
+    reply, chunks = generate(
+        client, "llama", {"prompt": ref["prompt"]}, max_new_tokens=10, tokens_per_chunk=4
+    )
+    assert [len(c.outputs["tokens"]) for c in chunks] == [4, 4, 2]
+    assert [c.index for c in chunks] == [0, 4, 8]
+    assert tokens_of(chunks) == ref["greedy"][:10]
+    assert reply.end.chunks == 3
+
+
+def test_stream_false_gives_tokens_and_text(agent_client: tuple[Agent, AgentClient]) -> None:
+    _, client = agent_client
+    ref = REFERENCE["models"]["gpt2"][2]
+    reply = client.request(
+        "gpt2", {"prompt": ref["prompt"]}, stream=False, params={"max_new_tokens": N}
+    )
+    outputs = reply.collect()
+    assert outputs["tokens"].tolist() == ref["greedy"]
+    assert reply.text == ref["text"]
+    assert reply.finish_reason == "length"
+    assert reply.usage == {"prompt_tokens": len(ref["ids"]), "completion_tokens": N}
+
+
+def test_eos_ends_the_stream(agent_client: tuple[Agent, AgentClient]) -> None:
+    _, client = agent_client
+    ref = REFERENCE["models"]["gpt2"][0]
+    reply, chunks = generate(client, "gpt2_eos", {"prompt": ref["prompt"]}, max_new_tokens=N)
+    assert tokens_of(chunks) == ref["greedy"][:6]  # the eos token is the last one sent
+    assert reply.end.finish_reason == "eos"
+    assert reply.end.usage["completion_tokens"] == 6
+
+
+def test_the_configured_eos_comes_from_generation_config(
+    agent_client: tuple[Agent, AgentClient],
+) -> None:
+    agent, _ = agent_client
+    with agent.models.lease("gpt2", None) as lease:
+        generation = lease.loaded.generation
+    assert generation is not None
+    assert generation.eos == frozenset({EOS})
+    assert generation.context == 128
+
+
+def test_a_stop_string_ends_the_text_before_it(agent_client: tuple[Agent, AgentClient]) -> None:
+    _, client = agent_client
+    ref = REFERENCE["models"]["llama"][0]
+    full = ref["text"]
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    assert stop and stop.strip()
+    reply, chunks = generate(
+        client, "llama", {"prompt": ref["prompt"]}, max_new_tokens=N, stop=[stop]
+    )
+    text = "".join(c.text for c in chunks)
+    assert text == full[: full.find(stop)]
+    assert reply.end.finish_reason == "stop"
+    assert tokens_of(chunks) == ref["greedy"][: len(tokens_of(chunks))]
+
+
+def test_max_new_tokens_and_the_context(agent_client: tuple[Agent, AgentClient]) -> None:
+    _, client = agent_client
+    ids = REFERENCE["models"]["gpt2"][1]["ids"]  # 8 or so tokens of a context of 12
+    reply, chunks = generate(client, "gpt2_short", {"input_ids": np.array(ids, np.int64)})
+    assert len(tokens_of(chunks)) == 12 - len(ids)  # capped by the context
+    assert reply.end.finish_reason == "length"
+    reply, chunks = generate(
+        client, "gpt2", {"input_ids": np.array(ids, np.int64)}, max_new_tokens=3
+    )
+    assert len(tokens_of(chunks)) == 3
+    with pytest.raises(AgentError, match="context") as raised:
+        generate(client, "gpt2_short", {"input_ids": np.arange(12, dtype=np.int64)})
+    assert raised.value.code == "bad_request"
+
+
+@pytest.mark.parametrize(
+    ("inputs", "params", "match"),
+    [
+        ({"prompt": "hi", "input_ids": np.array([1], np.int64)}, {}, "takes"),
+        ({"input_ids": np.array([1.0], np.float32)}, {}, "integer"),
+        ({"input_ids": np.array([999], np.int64)}, {}, "token ids"),
+        ({"prompt": ""}, {}, "empty"),
+        ({"prompt": "hi"}, {"max_new_tokens": 0}, "max_new_tokens"),
+        ({"prompt": "hi"}, {"tokens_per_chunk": 0}, "tokens_per_chunk"),
+        ({"prompt": "hi"}, {"stop": "x"}, "stop"),
+        ({"prompt": "hi"}, {"temperature": -1}, "temperature"),
+        ({"prompt": "hi"}, {"top_p": 0}, "top_p"),
+        ({"prompt": "hi"}, {"top_k": -2}, "top_k"),
+    ],
+)
+def test_bad_requests_are_refused(
+    agent_client: tuple[Agent, AgentClient], inputs: Any, params: Any, match: str
+) -> None:
+    _, client = agent_client
+    with pytest.raises(AgentError, match=match) as raised:
+        generate(client, "gpt2", inputs, **params)
+    assert raised.value.code == "bad_request"
+
+
+def test_three_concurrent_requests_get_their_own_tokens(
+    agent_client: tuple[Agent, AgentClient],
+) -> None:
+    _, client = agent_client
+    cases = [("gpt2", 0), ("llama", 1), ("gpt2", 2)]
+    replies = [
+        client.request(
+            arch,
+            {"prompt": REFERENCE["models"][arch][k]["prompt"]},
+            params={"max_new_tokens": N},
+            timeout=30,
+        )
+        for arch, k in cases
+    ]
+    for (arch, k), reply in zip(cases, replies, strict=True):
+        assert tokens_of(list(reply)) == REFERENCE["models"][arch][k]["greedy"]
+
+
+def test_a_finished_generate_stream_is_resent(agent_client: tuple[Agent, AgentClient]) -> None:
+    _, client = agent_client
+    ref = REFERENCE["models"]["llama"][1]
+    reply = client.request(
+        "llama",
+        {"prompt": ref["prompt"]},
+        request_id="gen-resend-1",
+        params={"max_new_tokens": 8, "tokens_per_chunk": 3},
+        timeout=30,
+    )
+    first = list(reply)
+    again = client.replay("llama", "gen-resend-1", timeout=30)
+    second = list(again)
+    assert [c.seq for c in second] == [c.seq for c in first]
+    assert tokens_of(second) == ref["greedy"][:8]
+    assert [c.text for c in second] == [c.text for c in first]
+    assert again.end is not None and again.end.finish_reason == "length"

@@ -1,0 +1,141 @@
+"""The pieces of `mode = "generate"` on their own: the streamed text across split multi-byte
+characters and stop strings, sampling (seeded, top_k = 1 is greedy, repetition penalty), the
+decoder layout read from real exports' signatures, and `[generate]` in config.toml."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from agent.inference.sampling import Sampler, SamplingParams
+from agent.inference.text_stream import TextStream
+from agent.models.backends.base import ModelLoadError, TensorSpec
+from agent.models.decoder_layout import recognise
+from agent.models.generate_config import GenerateConfig
+from agent.models.model_config import ModelConfigError, parse_model_config
+from agent.models.tokenizer import open_tokenizer
+from agent.protocol.errors import WireError
+from tests.generate_helpers import DECODERS
+
+TEXT = "日本語 café 🙂 naïve"
+
+
+@pytest.fixture(scope="module")
+def codec():  # type: ignore[no-untyped-def]
+    found = open_tokenizer(DECODERS / "gpt2")
+    assert found is not None
+    return found
+
+
+def test_text_across_split_characters_equals_the_decode(codec) -> None:  # type: ignore[no-untyped-def]
+    ids = codec.encode(TEXT)
+    assert len(ids) > len(TEXT.split())  # byte-level: characters cut between tokens
+    stream = TextStream(codec)
+    pieces = [stream.push([t]) for t in ids] + [stream.finish()]
+    assert "".join(pieces) == codec.decode(ids) == TEXT
+    assert all("\ufffd" not in p for p in pieces)
+
+
+@pytest.mark.parametrize("per_chunk", [1, 3])
+def test_random_tokens_stream_to_their_decode(codec, per_chunk: int) -> None:  # type: ignore[no-untyped-def]
+    """Any ids (bytes that never make a character included), in chunks of any size."""
+    for seed in range(20):
+        ids = [int(t) for t in np.random.default_rng(seed).integers(0, codec.vocab_size, 40)]
+        stream = TextStream(codec)
+        chunks = [ids[i : i + per_chunk] for i in range(0, len(ids), per_chunk)]
+        pieces = [stream.push(c) for c in chunks] + [stream.finish()]
+        assert "".join(pieces) == stream.sent == codec.decode(ids)
+
+
+def test_a_stop_string_split_between_chunks_is_not_sent(codec) -> None:  # type: ignore[no-untyped-def]
+    ids = codec.encode("café au lait, café noir")
+    stream = TextStream(codec, ["é n", "zzz"])
+    pieces = [stream.push([t]) for t in ids]
+    assert stream.stopped
+    assert "".join(pieces) == stream.sent == "café au lait, caf"
+
+
+def test_a_stop_string_is_held_back_and_not_sent(codec) -> None:  # type: ignore[no-untyped-def]
+    ids = codec.encode("The little robot woke up")
+    stream = TextStream(codec, ["robot w"])
+    sent = ""
+    for t in ids:
+        sent += stream.push([t])
+        if stream.stopped:
+            break
+    assert stream.stopped
+    assert sent == "The little "
+    assert stream.finish() == ""
+
+
+def test_seeded_sampling_repeats_and_top_k_1_is_greedy() -> None:
+    logits = np.random.default_rng(1).standard_normal((20, 50)).astype(np.float32)
+
+    def draw(**params: object) -> list[int]:
+        sampler = Sampler(SamplingParams.parse(params))
+        return [sampler.choose(row, []) for row in logits]
+
+    greedy = [int(np.argmax(row)) for row in logits]
+    assert draw() == greedy
+    assert draw(temperature=1.0, seed=7) == draw(temperature=1.0, seed=7)
+    assert draw(temperature=1.0, seed=7) != draw(temperature=1.0, seed=8)
+    assert draw(temperature=1.5, top_k=1, seed=3) == greedy
+    assert draw(temperature=0.7, top_p=1e-9, seed=3) == greedy
+    assert all(
+        t in np.argsort(-row)[:5]
+        for t, row in zip(draw(temperature=2.0, top_k=5, seed=1), logits, strict=True)
+    )
+
+
+def test_repetition_penalty_lowers_seen_tokens() -> None:
+    row = np.array([1.0, 0.9, -0.5], dtype=np.float32)
+    sampler = Sampler(SamplingParams.parse({"repetition_penalty": 2.0}))
+    assert sampler.choose(row, [0]) == 1
+
+
+@pytest.mark.parametrize("params", [{"seed": -1}, {"top_k": 1.5}, {"temperature": True}])
+def test_bad_sampling_params(params: dict[str, object]) -> None:
+    with pytest.raises(WireError):
+        SamplingParams.parse(params)
+
+
+def _specs(args: list[ort.NodeArg]) -> list[TensorSpec]:
+    dtypes = {"tensor(int64)": np.int64, "tensor(float)": np.float32}
+    return [TensorSpec(a.name, np.dtype(dtypes[a.type]), tuple(a.shape)) for a in args]
+
+
+@pytest.mark.parametrize(("arch", "heads"), [("gpt2", 4), ("llama", 2)])
+def test_layouts_of_real_exports(arch: str, heads: int) -> None:
+    session = ort.InferenceSession(str(DECODERS / arch / "model.onnx"))
+    layout = recognise(
+        _specs(session.get_inputs()), _specs(session.get_outputs()), GenerateConfig()
+    )
+    assert layout.attention_mask == "attention_mask"
+    assert layout.position_ids == "position_ids"
+    assert len(layout.cache) == 4 and layout.cache[0].past_axis == 2
+    assert layout.cache[0].empty(1).shape == (1, heads, 0, 16)
+
+
+def test_a_model_that_is_no_decoder_is_refused() -> None:
+    x = TensorSpec("x", np.dtype(np.float32), ("batch", 3))
+    with pytest.raises(ModelLoadError, match="input_ids"):
+        recognise([x], [x], GenerateConfig())
+
+
+def test_generate_config_rules() -> None:
+    config = parse_model_config('[stream]\nmode = "generate"\n[generate]\neos = [2, 3]\n', "c")
+    assert config.generate is not None and config.generate.eos == [2, 3]
+    with pytest.raises(ModelConfigError, match="generate"):
+        parse_model_config("[generate]\ncontext = 5\n", "c")
+    with pytest.raises(ModelConfigError, match="unknown key"):
+        parse_model_config('[stream]\nmode = "generate"\n[generate]\nnope = 1\n', "c")
+
+
+def test_the_bundled_writer_is_the_gpt2_fixture_in_generate_mode() -> None:
+    """models/writer (the README's example) is the fixture the tests check, as a generate model."""
+    bundled = DECODERS.parent.parent.parent.parent / "models" / "writer"
+    for name in ("model.onnx", "tokenizer.json", "config.json", "generation_config.json"):
+        assert (bundled / "1" / name).read_bytes() == (DECODERS / "gpt2" / name).read_bytes()
+    config = parse_model_config((bundled / "config.toml").read_text(), "writer")
+    assert config.stream.mode == "generate"
