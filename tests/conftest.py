@@ -28,6 +28,8 @@ OUR_THREADS = (
     "paho-mqtt-client",
     "model-watcher",
     "metrics-http",
+    "engine-build",  # and engine-build-ticker
+    "source-",
 )
 
 DECODER_CONFIG = """\

@@ -135,7 +135,8 @@ def test_sigterm_under_load_answers_every_request_and_exits_0(
         replies = recorders(broker, f"{root}/result/mlp/+")
         status = recorders(broker, f"{root}/status")
         _wait_online(status)
-        x = np.random.default_rng(0).standard_normal((512, 16)).astype(np.float32)
+        # 40 x 1024 chunks: more than one worker answers in the 1 s drain, however fast it is
+        x = np.random.default_rng(0).standard_normal((4096, 16)).astype(np.float32)
         ids = [f"load-{i}" for i in range(40)]
         for request_id in ids:
             body = {"id": request_id, "inputs": {"x": x}}
