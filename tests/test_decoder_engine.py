@@ -143,3 +143,6 @@ def test_the_agents_build_options_take_a_context() -> None:
     assert build_options(BackendOptions(extra=extra)).context == 64
     with pytest.raises(Exception, match="context"):
         build_options(BackendOptions(extra={"tensorrt": {"build": {"context": 0}}}))
+    # a model's [generate] context where tensorrt.build.context is not set; the latter wins
+    assert build_options(BackendOptions(), context=96).context == 96
+    assert build_options(BackendOptions(extra=extra), context=96).context == 64

@@ -85,9 +85,10 @@ def _count(table: Mapping[str, Any], key: str, default: int | None) -> int | Non
     return value
 
 
-def build_options(options: BackendOptions) -> BuildOptions:
+def build_options(options: BackendOptions, *, context: int | None = None) -> BuildOptions:
     """``[backend_options.tensorrt.build]`` (and ``tensorrt.device``) as BuildOptions;
-    ModelLoadError naming the key for a bad value, before anything is built."""
+    ModelLoadError naming the key for a bad value, before anything is built. `context`: the
+    model's ``[generate] context``, used where ``tensorrt.build.context`` is not set."""
     raw = options.extra.get("tensorrt", {})
     if not isinstance(raw, Mapping):
         raise ModelLoadError("backend option 'tensorrt' must be a table")
@@ -113,7 +114,7 @@ def build_options(options: BackendOptions) -> BuildOptions:
             profiles=tuple(parse_profile(spec) for spec in profiles),
             max_batch=_count(table, "max_batch", 8) or 8,
             device=device if isinstance(device, int) and not isinstance(device, bool) else 0,
-            context=_count(table, "context", None),  # a decoder's (agent.models.engine_builder)
+            context=_count(table, "context", context),  # a decoder's (agent.models.engine_builder)
         )
     except ValueError as exc:
         raise ModelLoadError(f"tensorrt.build: {exc}") from None
@@ -195,15 +196,17 @@ class EngineBuilds:
         version: VersionInfo,
         fingerprint: Fingerprint | None,
         options: BackendOptions,
+        *,
+        context: int | None = None,
     ) -> Path | Progress:
         """The cached plan to load for ``version`` (a path), or its progress while it is
         queued or built (a callable). ModelLoadError: bad build options, no TensorRT, or the
-        build failed (the reason, one line)."""
+        build failed (the reason, one line). `context`: the model's ``[generate] context``."""
         ready = self._finished_job(model, version.version, fingerprint)
         if ready is not None:
             return ready
         assert version.model_file is not None  # needs_engine(version)
-        options_ = build_options(options)
+        options_ = build_options(options, context=context)
         looked_up = time.monotonic()
         try:
             entry = cache_entry(version.model_file, options_)

@@ -269,7 +269,9 @@ class ModelManager:
         built (the version is `building`, with its progress) or when that failed (`failed`)."""
         options = record.config.backend_options.apply(self._options)
         try:
-            found = self._builds.engine(record.name, version, fingerprint, options)
+            generate = record.config.generate
+            context = generate.context if generate is not None else None
+            found = self._builds.engine(record.name, version, fingerprint, options, context=context)
         except ModelLoadError as e:
             self._mark_failed(record, version, str(e))
             return None
