@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from agent import __version__
+from agent.cli_values import describe_outputs, parse_inputs, parse_params
 from agent.config import AgentConfig, ConfigError, load_config, masked_dict, to_toml
-from agent.models.backends.base import Array
 from agent.ops import logs
 from agent.ops.logs import JsonFormatter, setup_logging
 
@@ -210,64 +210,17 @@ def _connect(args: argparse.Namespace) -> Any:
         raise SystemExit(1) from None
 
 
-def _describe_outputs(outputs: dict[str, Any], width: int = 60) -> str:
-    parts = []
-    for name, value in outputs.items():
-        if not isinstance(value, np.ndarray):  # a seq or map output: a list or a dict
-            parts.append(f"{name}={str(value)[:width]}")
-            continue
-        text = np.array2string(value.reshape(-1)[:8], precision=4, separator=",")
-        more = "…" if value.size > 8 else ""
-        parts.append(f"{name}{list(value.shape)}={text[:width]}{more}")
-    return " ".join(parts)
-
-
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
-
-
-def _parse_inputs(specs: Sequence[str]) -> dict[str, Array | bytes]:
-    """`NAME=FILE.npy` as the array, `NAME=FILE.jpg|.png` as the file's bytes (an encoded
-    image, for a model with `[preprocess]`)."""
-    inputs: dict[str, Array | bytes] = {}
-    for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep:
-            raise SystemExit(f"error: --input needs NAME=FILE.npy, got {spec!r}")
-        try:
-            if path.lower().endswith(IMAGE_SUFFIXES):
-                with open(path, "rb") as file:
-                    inputs[name] = file.read()
-                continue
-            inputs[name] = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"error: cannot read {path}: {e}") from None
-    return inputs
-
-
-def _parse_params(specs: Sequence[str]) -> dict[str, Any]:
-    params: dict[str, Any] = {}
-    for spec in specs:
-        key, sep, raw = spec.partition("=")
-        if not sep:
-            raise SystemExit(f"error: --param needs KEY=VALUE, got {spec!r}")
-        try:
-            params[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            params[key] = raw
-    return params
-
-
 def cmd_request(args: argparse.Namespace) -> int:
     from agent.client import AgentError
 
-    inputs = _parse_inputs(args.input)
+    inputs = parse_inputs(args.input, args.text)
     client = _connect(args)
     try:
         reply = client.request(
             args.model,
             inputs,
             stream=not args.no_stream,
-            params=_parse_params(args.param),
+            params=parse_params(args.param),
             priority=args.priority,
             version=args.version,
             timeout=args.timeout,
@@ -280,7 +233,8 @@ def cmd_request(args: argparse.Namespace) -> int:
                 first = first if first is not None else ms
                 print(
                     f"{ms:9.2f} ms  chunk seq={chunk.seq} index={chunk.index} v{chunk.version}  "
-                    f"{_describe_outputs(chunk.outputs)}",
+                    f"{describe_outputs(chunk.outputs)}"
+                    + (f"  text={chunk.text!r}" if chunk.text is not None else ""),
                     flush=True,
                 )
         except AgentError as e:
@@ -288,9 +242,13 @@ def cmd_request(args: argparse.Namespace) -> int:
             return 1
         total = (time.perf_counter() - reply.sent_at) * 1000
         if reply.result is not None:
-            print(f"{total:9.2f} ms  result v{reply.version}  {_describe_outputs(reply.result)}")
+            print(f"{total:9.2f} ms  result v{reply.version}  {describe_outputs(reply.result)}")
         elif reply.end is not None:
-            print(f"{total:9.2f} ms  end chunks={reply.end.chunks}")
+            end, why = reply.end, reply.end.finish_reason
+            print(
+                f"{total:9.2f} ms  end chunks={end.chunks}"
+                + (f"  {why} {end.usage}" if why else "")
+            )
         print(
             f"timing (agent): {json.dumps(dict(reply.timing or {}))}"
             + (f"  first chunk {first:.2f} ms, last {total:.2f} ms" if first is not None else "")
@@ -311,7 +269,7 @@ def _summarize_message(topic: str, message: dict[str, Any] | None) -> str:
         from agent.client import decode_outputs
 
         try:
-            keep["outputs"] = _describe_outputs(decode_outputs(message["outputs"]))
+            keep["outputs"] = describe_outputs(decode_outputs(message["outputs"]))
         except Exception as e:
             keep["outputs"] = f"(undecodable: {e})"
     if "data" in message:
@@ -447,6 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     request.add_argument(
         "--input", "-i", action="append", default=[], metavar="NAME=FILE.npy|FILE.jpg|FILE.png"
     )
+    request.add_argument("--text", "-t", action="append", default=[], metavar="NAME=TEXT")
     request.add_argument("--compress", action="store_true", help="send the request as zstd")
     request.add_argument("--param", "-p", action="append", default=[], metavar="KEY=VALUE")
     request.add_argument("--no-stream", action="store_true", help="ask for one result message")

@@ -137,3 +137,21 @@ def test_malloc_arenas_are_capped_unless_the_environment_sets_them(monkeypatch):
     monkeypatch.delenv("MALLOC_ARENA_MAX")
     on_glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
     assert limit_malloc_arenas() == on_glibc
+
+
+def test_request_inputs_take_arrays_images_and_texts(tmp_path: Path):
+    import pytest
+
+    from agent.cli_values import parse_inputs
+
+    np.save(tmp_path / "x.npy", np.arange(3, dtype=np.int64))
+    (tmp_path / "photo.jpg").write_bytes(b"\xff\xd8not-checked-here")
+    inputs = parse_inputs(
+        [f"x={tmp_path / 'x.npy'}", f"image={tmp_path / 'photo.jpg'}"],
+        ["prompt=The little robot = a story"],
+    )
+    assert inputs["prompt"] == "The little robot = a story"  # split at the first "=" only
+    assert inputs["image"] == b"\xff\xd8not-checked-here"
+    assert inputs["x"].tolist() == [0, 1, 2]
+    with pytest.raises(SystemExit, match="--text needs NAME=TEXT"):
+        parse_inputs([], ["no-equals-sign"])

@@ -1,0 +1,66 @@
+"""What `edge-agent request` reads from its arguments and prints of a reply's outputs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["describe_outputs", "parse_inputs", "parse_params", "parse_texts"]
+
+
+def describe_outputs(outputs: dict[str, Any], width: int = 60) -> str:
+    parts = []
+    for name, value in outputs.items():
+        if not isinstance(value, np.ndarray):  # a seq or map output: a list or a dict
+            parts.append(f"{name}={str(value)[:width]}")
+            continue
+        text = np.array2string(value.reshape(-1)[:8], precision=4, separator=",")
+        more = "…" if value.size > 8 else ""
+        parts.append(f"{name}{list(value.shape)}={text[:width]}{more}")
+    return " ".join(parts)
+
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+
+
+def parse_inputs(specs: Sequence[str], texts: Sequence[str] = ()) -> dict[str, Any]:
+    """`NAME=FILE.npy` as the array, `NAME=FILE.jpg|.png` as the file's bytes (an encoded
+    image, for a model with `[preprocess]`); `texts`: `NAME=TEXT` as a text (`parse_texts`)."""
+    inputs: dict[str, Any] = parse_texts(texts)
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            raise SystemExit(f"error: --input needs NAME=FILE.npy, got {spec!r}")
+        try:
+            if path.lower().endswith(IMAGE_SUFFIXES):
+                with open(path, "rb") as file:
+                    inputs[name] = file.read()
+                continue
+            inputs[name] = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"error: cannot read {path}: {e}") from None
+    return inputs
+
+
+def parse_texts(specs: Sequence[str]) -> dict[str, str]:
+    """`NAME=TEXT` as a text input (`prompt` of a generate model with a tokenizer)."""
+    texts = {name: text for name, sep, text in (s.partition("=") for s in specs) if sep}
+    if len(texts) != len(specs):
+        raise SystemExit("error: --text needs NAME=TEXT")
+    return texts
+
+
+def parse_params(specs: Sequence[str]) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    for spec in specs:
+        key, sep, raw = spec.partition("=")
+        if not sep:
+            raise SystemExit(f"error: --param needs KEY=VALUE, got {spec!r}")
+        try:
+            params[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            params[key] = raw
+    return params
