@@ -30,6 +30,7 @@ from agent.models.generate_config import GenerateConfig
 from agent.models.tokenizer import TextCodec, open_tokenizer
 
 __all__ = [
+    "PAST_INPUT",
     "CacheSlot",
     "DecoderLayout",
     "Generation",
@@ -38,7 +39,7 @@ __all__ = [
     "recognise",
 ]
 
-_PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+PAST_INPUT = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")  # a cache input's name
 _CONTEXT_KEYS = ("n_positions", "max_position_embeddings", "n_ctx", "max_sequence_length")
 MAX_JSON_BYTES = 1024 * 1024
 
@@ -123,7 +124,7 @@ def recognise(
             if dtype.kind not in "iu":
                 raise ModelLoadError(f"generate: input '{name}' is {dtype}, not an integer tensor")
             ints[name] = dtype
-    cache = tuple(_cache_slot(spec, outs) for spec in inputs if _PAST.match(spec.name))
+    cache = tuple(_cache_slot(spec, outs) for spec in inputs if PAST_INPUT.match(spec.name))
     known = {input_ids, mask, positions, branch, *(slot.input for slot in cache)}
     unknown = [name for name in ins if name not in known]
     if unknown:
@@ -150,7 +151,7 @@ def _optional(specs: dict[str, TensorSpec], override: str | None, default: str) 
 
 
 def _cache_slot(spec: TensorSpec, outputs: dict[str, TensorSpec]) -> CacheSlot:
-    match = _PAST.match(spec.name)
+    match = PAST_INPUT.match(spec.name)
     assert match is not None
     output = f"present.{match.group(1)}.{match.group(2)}"
     if output not in outputs:

@@ -39,8 +39,9 @@ from agent.models.engine_builder.options import (
 )
 from agent.models.engine_builder.progress import PhaseTracker
 from agent.models.engine_builder.publish import write_atomic
+from agent.models.loading import verify_files
 from agent.models.records import Event, Fingerprint
-from agent.models.repository import VersionInfo, verify_checksum
+from agent.models.repository import VersionInfo
 from agent.models.trust import TrustPolicy
 
 __all__ = [
@@ -243,10 +244,7 @@ class EngineBuilds:
     def _check_files(self, version: VersionInfo) -> None:
         """The version's signature (with ``[models.trust]``) or checksum, before a build:
         the load checks them again, but a tampered file must not cost minutes of building."""
-        signed = self._trust.verify(version.path) if self._trust is not None else None
-        problem = verify_checksum(version) if signed is None else None
-        if problem is not None:
-            raise ModelLoadError(problem)
+        verify_files(version, self._trust)
 
     def _finished_job(
         self, model: str, number: int, fingerprint: Fingerprint | None

@@ -23,7 +23,18 @@ from agent.models.signature import check_signature, incompatibilities
 from agent.models.trust import TrustPolicy
 from agent.models.warmup import run_warm_up
 
-__all__ = ["open_version"]
+__all__ = ["open_version", "verify_files"]
+
+
+def verify_files(version: VersionInfo, trust: TrustPolicy | None) -> dict[str, str] | None:
+    """The version's signature (with ``trust``: who signed it) or else its checksum;
+    ModelLoadError names what does not match."""
+    # A verified signature covers model.sha256 and the model file's bytes: no second read.
+    signed = trust.verify(version.path) if trust is not None else None
+    problem = verify_checksum(version) if signed is None else None
+    if problem is not None:
+        raise ModelLoadError(problem)
+    return signed
 
 
 def open_version(
@@ -46,11 +57,7 @@ def open_version(
         raise ModelLoadError(version.problem)
     if version.model_file is None or version.backend is None:
         raise ModelLoadError("no model file in the version folder")
-    # A verified signature covers model.sha256 and the model file's bytes: no second read.
-    signed = trust.verify(version.path) if trust is not None else None
-    problem = verify_checksum(version) if signed is None else None
-    if problem is not None:
-        raise ModelLoadError(problem)
+    signed = verify_files(version, trust)
     backend = get_backend(version.backend)
     model_file = engine if engine is not None else version.model_file
     session = backend.load(model_file, record.config.backend_options.apply(options))

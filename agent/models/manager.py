@@ -250,10 +250,12 @@ class ModelManager:
                 continue  # retired, still held by a request: not a candidate
             if not self._settling.settled(version, fingerprint):
                 continue  # still being written: a lower ready version keeps serving meanwhile
-            engine = self._engine(record, version, fingerprint) if needs_engine(version) else None
-            if needs_engine(version) and engine is None:
-                changed = True  # being built, or its build failed: a lower version serves
-                continue
+            engine = None
+            if needs_engine(version):
+                engine = self._engine(record, version, fingerprint)
+                if engine is None:
+                    changed = True  # being built, or its build failed: a lower version serves
+                    continue
             loaded = self._load(record, version, fingerprint, engine)
             changed = True
             if loaded is not None:

@@ -184,7 +184,9 @@ def _step(op: PostprocessOp, labels: tuple[str, ...] | None) -> Step:
         )
         return lambda outputs, geometry: decode_detections(spec, outputs, geometry)
     if op.op == "topk":
-        return lambda outputs, _: _topk(outputs, name, op.k, op.axis, labels)
+        # an index past the labels: "" (the table built once, not per request)
+        table = np.array([*labels, ""], dtype=object) if labels is not None else None
+        return lambda outputs, _: _topk(outputs, name, op.k, op.axis, table)
     if op.op == "drop":
         return lambda outputs, _: {k: v for k, v in outputs.items() if k != name}
     transform = _elementwise(op)
@@ -228,9 +230,7 @@ def _sigmoid(x: Array) -> Array:
     return result.astype(x.dtype, copy=False)
 
 
-def _topk(
-    outputs: Outputs, name: str, k: int, axis: int, labels: tuple[str, ...] | None
-) -> Outputs:
+def _topk(outputs: Outputs, name: str, k: int, axis: int, table: Array | None) -> Outputs:
     x = np.asarray(outputs[name])
     size = x.shape[axis]
     k = min(k, size)
@@ -241,7 +241,6 @@ def _topk(
     indices = np.take_along_axis(top, order, axis=axis).astype(np.int64)
     result = {**outputs, name: np.take_along_axis(values, order, axis=axis)}
     result[f"{name}_indices"] = indices
-    if labels is not None:
-        table = np.array([*labels, ""], dtype=object)  # an index past the labels: ""
-        result[f"{name}_labels"] = table[np.minimum(indices, len(labels))]
+    if table is not None:
+        result[f"{name}_labels"] = table[np.minimum(indices, len(table) - 1)]
     return result

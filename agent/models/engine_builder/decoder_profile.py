@@ -26,17 +26,15 @@ size), which the ONNX file's hash already covers.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from pathlib import Path
 
 from agent.models.backends.base import ModelLoadError
-from agent.models.decoder_layout import context_in
+from agent.models.decoder_layout import PAST_INPUT, context_in
 from agent.models.engine_builder.options import EngineBuildError, Shape, ShapeRange
 
 __all__ = ["decoder_context", "decoder_profiles", "is_decoder"]
 
-_PAST = re.compile(r"^past_key_values\.\d+\.(key|value)$")
 _SEQUENCE_INPUTS = ("input_ids", "position_ids")
 _KNOWN = {"input_ids", "attention_mask", "position_ids", "use_cache_branch"}
 
@@ -45,8 +43,8 @@ def is_decoder(inputs: Mapping[str, Shape]) -> bool:
     """Whether the network's inputs are a decoder's with a cache (names as exporters write)."""
     return (
         "input_ids" in inputs
-        and any(_PAST.match(name) for name in inputs)
-        and all(name in _KNOWN or _PAST.match(name) for name in inputs)
+        and any(PAST_INPUT.match(name) for name in inputs)
+        and all(name in _KNOWN or PAST_INPUT.match(name) for name in inputs)
     )
 
 
@@ -95,7 +93,7 @@ def _profile(
             profile[name] = _ranged(name, shape, {1: sequence})
         elif name == "attention_mask":
             profile[name] = _ranged(name, shape, {1: span})
-        elif _PAST.match(name):
+        elif PAST_INPUT.match(name):
             dynamic = [axis for axis, d in enumerate(shape) if d < 0 and axis > 0]
             if len(dynamic) != 1:
                 raise EngineBuildError(

@@ -66,13 +66,11 @@ class PhaseTracker(Progress):
         super().__init__(sink)
         self._phases: dict[str, list[Any]] = {}  # name -> [parent, steps, done], start order
         self._cancelled = threading.Event()
-        self.monitored = False  # True once TensorRT reported a phase
 
     def start(self, phase: str, parent: str | None, steps: int) -> None:
         with self._lock:
             self._phases.pop(phase, None)
             self._phases[phase] = [parent, max(1, int(steps)), 0]
-            self.monitored = True
         super().start(phase, parent, steps)
 
     def step(self, phase: str, step: int) -> None:
