@@ -33,13 +33,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import cbor2
-import zstandard
 
 from agent.delivery.outbox import Outbox, OutMessage
 from agent.ops.counters import Counters
 from agent.ops.metrics import AgentMetrics
 from agent.protocol.errors import PROTOCOL_VERSION, WireError
-from agent.protocol.payload import encode_payload
+from agent.protocol.payload import encode_payload, zstd_frame
 from agent.protocol.replies import reply_envelope, split_parts
 from agent.protocol.tensors import cbor_text, cbor_uint, outputs_pieces
 from agent.protocol.values import value_nbytes
@@ -58,15 +57,6 @@ _RESULT_KEYS = 9  # v, id, seq, type, model, version, ts, timing, outputs
 # A reply envelope's bytes after its map head, up to the id's value.
 _V_AND_ID_KEY = b"".join(cbor2.dumps(x) for x in ("v", PROTOCOL_VERSION, "id"))
 _RESULT_HEAD = bytes((0xA0 + _RESULT_KEYS,)) + _V_AND_ID_KEY
-_ZSTD = threading.local()  # a compressor per thread: zstandard's are not thread-safe
-
-
-def _zstd(data: bytes) -> bytes:
-    compressor = getattr(_ZSTD, "compressor", None)
-    if compressor is None:
-        compressor = _ZSTD.compressor = zstandard.ZstdCompressor(level=3)
-    packed: bytes = compressor.compress(data)
-    return packed
 
 
 class ReplyRefused(WireError):
@@ -167,9 +157,9 @@ class ReplyStream:
 
     def _extra_cbor(self) -> tuple[int, bytes]:
         """The extra keys as CBOR pairs, and how many there are."""
-        fields = self._extra_fields()
-        if not fields:
+        if not self.extra and self.compression is None:  # most streams: no dict made
             return 0, b""
+        fields = self._extra_fields()
         return len(fields), b"".join(cbor2.dumps(k) + cbor2.dumps(v) for k, v in fields.items())
 
     def _outputs(self, outputs: Mapping[str, Any]) -> tuple[list[Any], int]:
@@ -177,7 +167,7 @@ class ReplyStream:
         pieces, size = _encoded(outputs)
         if self.compression is None:
             return pieces, size
-        packed = _zstd(b"".join(pieces))
+        packed = zstd_frame(b"".join(pieces))
         pieces = [cbor2.dumps(packed)]
         return pieces, len(pieces[0])
 
@@ -262,13 +252,14 @@ class ReplyStream:
         self.seq = seq + 1
         head = prefix[1]
         extra: tuple[bytes, ...] = ()
-        if offset is not None:  # one more key: the map's head counts it
-            head = bytes((head[0] + 1,)) + head[1:]
-            extra = (_OFFSET_KEY, cbor_uint(offset))
         count, pairs = self._extra_cbor()
-        if count:
-            head = bytes((head[0] + count,)) + head[1:]
+        if offset is not None:  # one more key
+            count += 1
+            extra = (_OFFSET_KEY, cbor_uint(offset))
+        if pairs:
             extra = (*extra, pairs)
+        if count:  # more keys: the map's head counts them
+            head = bytes((head[0] + count,)) + head[1:]
         return b"".join(
             (
                 head,
@@ -291,9 +282,9 @@ class ReplyStream:
         if self.reply_bytes + len(outputs_cbor) + count * PART_OVERHEAD > self.max_reply_bytes:
             raise ReplyTooLarge(self.max_reply_bytes, self.reply_bytes)
         pieces = split_parts(outputs_cbor, room)
+        where = {"index": index} if offset is None else {"index": index, "offset": offset}
+        where.update(self._extra_fields())
         for k, data in enumerate(pieces):
-            where = {"index": index} if offset is None else {"index": index, "offset": offset}
-            where.update(self._extra_fields())
             fields = self._fields("chunk", **where, part=[k, len(pieces)], data=data)
             payload = encode_payload(fields)
             self.reply_bytes += len(payload)

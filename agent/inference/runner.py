@@ -205,7 +205,7 @@ class Runner:
                 self._publish(loaded, jobs, [jobs[i] for i in ended], run.infer_s, hold)
             left = [i for i in range(len(jobs)) if i not in finished and i not in run.failed]
             for index in left:  # members the mode gave no last piece (an empty batch input)
-                self._finish(jobs[index], run, collected.pop(index, []))
+                self._finish(jobs[index], run, index, collected.pop(index, []))
             finished.update(left)
             self._publish(loaded, jobs, [jobs[i] for i in left], run.infer_s)
         except OutboxClosed:
@@ -218,12 +218,12 @@ class Runner:
             log.exception("run of %d request(s) to %s failed", len(members), loaded.model)
             failure = ("model_error", f"{type(e).__name__}: {e}")
         hold.release()
-        for index, (job, _) in enumerate(jobs):
+        for index, (job, queued) in enumerate(jobs):
             if index in run.failed:
                 why = run.failed[index]
                 if isinstance(why, Cancelled) and why.by_request:  # ROOT/cancel
                     self._counters.add("requests_cancelled")
-                    job.reply.end(_timing(job, _, run.infer_s), finish_reason="cancelled")
+                    job.reply.end(_timing(job, queued, run.infer_s), finish_reason="cancelled")
                 elif isinstance(why, Cancelled):  # else answered when it left
                     self._fail(job, "shutting_down", STOPPED_MESSAGE)
             elif index not in finished and failure is not None:
@@ -291,21 +291,24 @@ class Runner:
             reply.hold(piece.outputs)
             collected.setdefault(piece.member, []).append((piece.index, piece.outputs))
             if piece.last:
-                self._finish(jobs[piece.member], run, collected.pop(piece.member))
+                self._finish(jobs[piece.member], run, piece.member, collected.pop(piece.member))
         return piece.last
 
     @staticmethod
-    def _finish(entry: tuple[Job, float], run: Run, pieces: list[tuple[int, Arrays]]) -> None:
-        """The terminal message of a request whose pieces are all out (or collected)."""
+    def _finish(
+        entry: tuple[Job, float], run: Run, position: int, pieces: list[tuple[int, Arrays]]
+    ) -> None:
+        """The terminal message of the request of member `position`, whose pieces are all
+        out (or collected)."""
         job, queued = entry
-        timing = _timing(job, queued, run.infer_s)
-        ask = next((m.generation for m in run.members if m.cancelled is job.cancelled), None)
-        if isinstance(ask, generate.GenerateAsk):  # stream false: tokens, text, finish reason
+        ask = run.members[position].generation
+        timing = _timing(job, queued, run.infer_s, ask)
+        if ask is not None:  # generate, stream false: tokens, text, finish reason
             extra = ask.ending()
             if ask.text is not None:
                 extra["text"] = ask.text.sent
             job.reply.extra = extra
-            job.reply.result(generate.merged_result(pieces), _timing(job, queued, run.infer_s, ask))
+            job.reply.result(generate.merged_result(pieces), timing)
         elif job.request.stream:
             job.reply.end(timing)
         else:

@@ -40,7 +40,7 @@ class SendHold:
         self._kick = kick
         self._clock = clock
         self._step_started = clock()
-        self._steps = 0
+        self._first = True  # the next `sent` is the run's first step's
         self._held = 0  # messages queued and not kicked
         self._held_since = 0.0
 
@@ -50,8 +50,7 @@ class SendHold:
         now = self._clock()
         step_s = now - self._step_started
         self._step_started = now
-        first = self._steps == 0
-        self._steps += 1
+        first, self._first = self._first, False
         if not messages and not self._held:
             return
         if not self._held:

@@ -35,7 +35,7 @@ from agent.protocol.cbor_scan import STRUCTURAL_TAGS, scan_map
 from agent.protocol.errors import Limits, WireError, show_value
 from agent.protocol.tensors import TENSOR_TAG, encode_tensor
 
-__all__ = ["DECODE_FIRST_BYTES", "ZSTD_MAGIC", "decode_payload", "encode_payload"]
+__all__ = ["DECODE_FIRST_BYTES", "ZSTD_MAGIC", "decode_payload", "encode_payload", "zstd_frame"]
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _SELF_DESCRIBED = b"\xd9\xd9\xf7"  # tag 55799 (RFC 8949 §3.4.6): "this is CBOR", no meaning
@@ -83,6 +83,13 @@ def _compressor() -> zstandard.ZstdCompressor:
     if cctx is None:
         cctx = _local.cctx = zstandard.ZstdCompressor(level=3, write_content_size=True)
     return cctx
+
+
+def zstd_frame(data: bytes) -> bytes:
+    """`data` as one zstd frame (level 3, its content size written), with this thread's
+    compressor: what `encode_payload` and a reply's `params.reply_compression` send."""
+    packed: bytes = _compressor().compress(data)
+    return packed
 
 
 def _decompress(buf: memoryview, limits: Limits) -> bytes:
@@ -309,7 +316,7 @@ def encode_payload(obj: Mapping[str, Any], *, compress_over: int | None = None) 
         raise TypeError(f"a payload is a map, not {type(obj).__name__}")
     data = cbor2.dumps(obj, default=_encode_default)
     if compress_over is not None and len(data) > compress_over:
-        packed = _compressor().compress(data)
+        packed = zstd_frame(data)
         if len(packed) < len(data):
             return packed
     return data

@@ -392,7 +392,7 @@ class Ingress:
         self._counters.add("cancel_received")
         try:
             payload = decode_payload(incoming.payload, self.reader.limits)
-            request_id = read_request_id(payload) if isinstance(payload, dict) else None
+            request_id = read_request_id(payload)
             if request_id is None or set(payload) != {"id"}:
                 raise WireError("bad_request", "a cancel is {id} with a request's id")
         except WireError as e:
