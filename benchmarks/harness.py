@@ -3,18 +3,21 @@ costs next to nothing, paho clients with TCP_NODELAY, and the machine's descript
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import paho.mqtt.client as mqtt
 
@@ -23,6 +26,7 @@ from agent.protocol.errors import Limits, WireError
 from agent.protocol.payload import decode_payload
 
 REPO = Path(__file__).resolve().parent.parent
+Result = TypeVar("Result")
 
 
 def _nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
@@ -276,3 +280,24 @@ def cpu_name() -> str:
 
 def machine() -> str:
     return f"{cpu_name()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
+
+
+def section_main(
+    doc: str | None,
+    prefix: str,
+    measure: Callable[[EmbeddedBroker, Path, bool], Result],
+    section: Callable[[Result], list[str]],
+    met: Callable[[Result], bool],
+    argv: list[str] | None = None,
+) -> int:
+    """A section run alone (`[--quick]`): `measure` in a temporary folder named `prefix...`
+    with a broker of its own, its `section` printed with the time taken; 0 where `met`."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0] if doc else None)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp, EmbeddedBroker() as broker:
+        result = measure(broker, Path(tmp), args.quick)
+    print("\n".join(section(result)))
+    print(f"({time.monotonic() - started:.1f} s)")
+    return 0 if met(result) else 1

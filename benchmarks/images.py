@@ -24,7 +24,6 @@ turn against the mean of the bare turns around it (`benchmarks.sources.paired_ra
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import shutil
@@ -47,7 +46,7 @@ from agent.demo.broker import EmbeddedBroker  # noqa: E402
 from agent.models.detect import DetectSpec, decode_detections  # noqa: E402
 from agent.models.resize import Geometry, plan_resize  # noqa: E402
 from agent.protocol.payload import encode_payload  # noqa: E402
-from benchmarks.harness import AgentProcess, wait_online  # noqa: E402
+from benchmarks.harness import AgentProcess, section_main, wait_online  # noqa: E402
 from benchmarks.sources import paired_ratio, threads  # noqa: E402
 
 Array = npt.NDArray[Any]
@@ -413,17 +412,7 @@ def section(result: ImagesResult) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import tempfile
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args(argv)
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="edge-bench-images-") as tmp, EmbeddedBroker() as b:
-        result = measure(b, Path(tmp), args.quick)
-    print("\n".join(section(result)))
-    print(f"({time.monotonic() - started:.1f} s)")
-    return 0 if met(result) else 1
+    return section_main(__doc__, "edge-bench-images-", measure, section, met, argv)
 
 
 if __name__ == "__main__":

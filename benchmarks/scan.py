@@ -15,7 +15,6 @@ the agent's run; the figure is the agent's rate against their mean.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import shutil
@@ -33,6 +32,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from agent.demo.broker import EmbeddedBroker  # noqa: E402
+from benchmarks.harness import section_main  # noqa: E402
 from benchmarks.sources import StreamRecorder, threads  # noqa: E402
 
 TARGET = 0.9
@@ -224,17 +224,7 @@ def section(results: list[ScanResult]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import tempfile
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args(argv)
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="edge-bench-scan-") as tmp, EmbeddedBroker() as broker:
-        results = measure(broker, Path(tmp), args.quick)
-    print("\n".join(section(results)))
-    print(f"({time.monotonic() - started:.1f} s)")
-    return 0 if met(results) else 1
+    return section_main(__doc__, "edge-bench-scan-", measure, section, met, argv)
 
 
 if __name__ == "__main__":

@@ -120,6 +120,22 @@ def agent_config(
     return load_config(path, environ)
 
 
+def serve_agent(
+    broker: EmbeddedBroker, config: AgentConfig, ready_s: float = 10
+) -> Iterator[tuple[Agent, AgentClient]]:
+    """For a module fixture's `yield from`: an agent started on `config` and a client of it on
+    `broker`, ready within `ready_s`; both closed after."""
+    agent = Agent(config)
+    agent.start()
+    client = AgentClient(broker.host, broker.port, device_id=agent.config.device_id).connect()
+    try:
+        assert agent.wait_ready(ready_s)
+        yield agent, client
+    finally:
+        client.close()
+        agent.stop()
+
+
 @pytest.fixture
 def start_agent() -> Iterator[Callable[[AgentConfig], Agent]]:
     """Start agents on configs made beforehand (so state can be prepared); stopped after."""

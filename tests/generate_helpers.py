@@ -32,17 +32,9 @@ def serve(
     broker: EmbeddedBroker, tmp: Path, models: dict[str, tuple[str, str]], *, text: bool = True
 ) -> Iterator[tuple[Agent, AgentClient]]:
     """An agent serving `models` (name -> (arch, extra config)), and a client."""
-    from tests.conftest import agent_config
+    from tests.conftest import agent_config, serve_agent
 
     root = tmp / "models"
     for name, (arch, extra) in models.items():
         write_decoder(root, name, arch, extra, text=text and not name.endswith("_ids"))
-    agent = Agent(agent_config(tmp, broker, root))
-    agent.start()
-    client = AgentClient(broker.host, broker.port, device_id=agent.config.device_id).connect()
-    try:
-        assert agent.wait_ready(20)
-        yield agent, client
-    finally:
-        client.close()
-        agent.stop()
+    yield from serve_agent(broker, agent_config(tmp, broker, root), 20)

@@ -13,7 +13,7 @@ import pytest
 from agent.client import AgentClient
 from agent.demo.broker import EmbeddedBroker
 from agent.service.agent import Agent
-from tests.conftest import agent_config, write_long_decoder
+from tests.conftest import agent_config, serve_agent, write_long_decoder
 from tests.generate_helpers import REFERENCE, write_decoder
 
 LONG = "[generate]\ncontext = 4096\nmax_new_tokens = 4000\n"  # rotary: any length runs
@@ -26,15 +26,7 @@ def one_worker(
     tmp = tmp_path_factory.mktemp("cancel")
     root = write_long_decoder(tmp / "models")
     write_decoder(root, "llama", "llama", LONG)
-    agent = Agent(agent_config(tmp, broker, root, SCHEDULER__WORKERS="1"))
-    agent.start()
-    client = AgentClient(broker.host, broker.port, device_id=agent.config.device_id).connect()
-    try:
-        assert agent.wait_ready(20)
-        yield agent, client
-    finally:
-        client.close()
-        agent.stop()
+    yield from serve_agent(broker, agent_config(tmp, broker, root, SCHEDULER__WORKERS="1"), 20)
 
 
 def test_a_running_generation_is_cancelled(one_worker: tuple[Agent, AgentClient]) -> None:

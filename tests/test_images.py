@@ -77,21 +77,13 @@ def install(root: Path, name: str, source: Path, config: str) -> None:
 def vision_agent(
     broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Agent, AgentClient]]:
-    from tests.conftest import agent_config
+    from tests.conftest import agent_config, serve_agent
 
     tmp = tmp_path_factory.mktemp("vision")
     root = tmp / "models"
     install(root, "yolo", YOLO, YOLO_CONFIG)
     install(root, "classifier", CLASSIFIER, CLASSIFIER_CONFIG)
-    agent = Agent(agent_config(tmp, broker, root))
-    agent.start()
-    client = AgentClient(broker.host, broker.port, device_id=agent.config.device_id).connect()
-    try:
-        assert agent.wait_ready(10)
-        yield agent, client
-    finally:
-        client.close()
-        agent.stop()
+    yield from serve_agent(broker, agent_config(tmp, broker, root))
 
 
 def image_bytes(kind: str, folder: Path = YOLO) -> bytes:

@@ -5,7 +5,6 @@ acknowledged, when the broker acknowledges them before the next batch (`unacknow
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from agent.delivery.spool import Spool
 from agent.delivery.spool_items import AfterWrite, FinishRequest, StoreRequest, unacknowledged_tail
 from agent.inference import send_hold
 from agent.inference.send_hold import SendHold
+from tests.spool_helpers import Statements
 
 
 class Clock:
@@ -108,21 +108,6 @@ def test_the_unacknowledged_tail_waits_once_and_never_with_a_stored_request():
     assert unacknowledged_tail([store, *items], acks, 0, 256) == 11
 
 
-class _Statements:
-    """The spool's connection, recording what it executes."""
-
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
-        self.executed: list[str] = []
-
-    def execute(self, sql: str, *args: object) -> sqlite3.Cursor:
-        self.executed.append(sql)
-        return self.db.execute(sql, *args)
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.db, name)
-
-
 def test_the_writer_writes_a_streams_rows_once_as_acknowledged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
@@ -135,7 +120,7 @@ def test_the_writer_writes_a_streams_rows_once_as_acknowledged(
     # CI machine between the first batch and the acknowledgements below.
     monkeypatch.setattr(spool_writer, "STREAM_COMMIT_S", 30.0)
     spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 24, max_messages=10_000)
-    statements = _Statements(spool._db)
+    statements = Statements(spool._db)
     spool._db = statements  # type: ignore[assignment]
     writer = SpoolWriter(spool, protected_after=lambda: 0, on_written=lambda n, b: None)
     writer.start()

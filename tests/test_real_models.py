@@ -44,7 +44,7 @@ def wire_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 def real_agent(
     broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Agent, AgentClient]]:
-    from tests.conftest import agent_config
+    from tests.conftest import agent_config, serve_agent
 
     tmp = tmp_path_factory.mktemp("real")
     root = tmp / "models"
@@ -52,15 +52,7 @@ def real_agent(
         (root / name / "1").mkdir(parents=True)
         (root / name / "config.toml").write_text("")
         shutil.copy(FIXTURES / name / "model.onnx", root / name / "1" / "model.onnx")
-    agent = Agent(agent_config(tmp, broker, root))
-    agent.start()
-    client = AgentClient(broker.host, broker.port, device_id=agent.config.device_id).connect()
-    try:
-        assert agent.wait_ready(10)
-        yield agent, client
-    finally:
-        client.close()
-        agent.stop()
+    yield from serve_agent(broker, agent_config(tmp, broker, root))
 
 
 def version_entry(agent: Agent, name: str) -> dict[str, Any]:
@@ -138,9 +130,7 @@ def test_string_labels_and_zipmap_stream_in_a_chunk(real_agent: tuple[Agent, Age
 def test_params_outputs_narrows_what_is_sent(real_agent: tuple[Agent, AgentClient]) -> None:
     _, client = real_agent
     meta, inputs, outputs = reference("gpt2")
-    got = client.request(
-        "gpt2", inputs, stream=False, params={"outputs": ["logits"]}
-    ).collect()
+    got = client.request("gpt2", inputs, stream=False, params={"outputs": ["logits"]}).collect()
     assert list(got) == ["logits"]
     close(got["logits"], outputs["logits"], meta)
     with pytest.raises(AgentError, match=r"bad_request.*nope"):

@@ -82,7 +82,7 @@ def reference(signal: npt.NDArray[np.float32], *, pad: bool = False) -> npt.NDAr
 def scan_agent(
     broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Agent, AgentClient]]:
-    from tests.conftest import agent_config
+    from tests.conftest import agent_config, serve_agent
 
     tmp = tmp_path_factory.mktemp("scan")
     root = tmp / "models"
@@ -90,15 +90,7 @@ def scan_agent(
         (root / name / "1").mkdir(parents=True)
         (root / name / "config.toml").write_text(CONFIG.replace("{scan_extra}", extra))
         shutil.copy(SILERO, root / name / "1" / "model.onnx")
-    agent = Agent(agent_config(tmp, broker, root))
-    agent.start()
-    client = AgentClient(broker.host, broker.port, device_id=agent.config.device_id).connect()
-    try:
-        assert agent.wait_ready(20)
-        yield agent, client
-    finally:
-        client.close()
-        agent.stop()
+    yield from serve_agent(broker, agent_config(tmp, broker, root), 20)
 
 
 def chunks_of(client: AgentClient, model: str, inputs: dict[str, Any], **params: Any) -> list[Any]:

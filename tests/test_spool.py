@@ -18,6 +18,7 @@ from agent.delivery.spool import Spool, SpoolFull
 from agent.delivery.spool_items import StoreRequest
 from agent.delivery.spool_sql import STORED_BYTES_SQL, WAL_SIZE_LIMIT, stored_bytes
 from agent.delivery.spool_writer import SpoolWriter
+from tests.spool_helpers import Statements
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -283,21 +284,6 @@ def test_a_request_answered_in_the_same_batch_is_never_written(tmp_path: Path):
     spool.close()
 
 
-class _Statements:
-    """The spool's connection, recording what it executes."""
-
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
-        self.executed: list[str] = []
-
-    def execute(self, sql: str, *args: object) -> sqlite3.Cursor:
-        self.executed.append(sql)
-        return self.db.execute(sql, *args)
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.db, name)
-
-
 def test_a_batch_stores_and_deletes_requests_in_a_few_statements(tmp_path: Path):
     """Hundreds of requests stored in one batch and finished in the next: the rows arrive and
     go in a few multi-row statements (each statement costs the writer a release and retake of
@@ -307,7 +293,7 @@ def test_a_batch_stores_and_deletes_requests_in_a_few_statements(tmp_path: Path)
     from agent.delivery.spool_sql import DELETE_REQUESTS, INSERT_REQUESTS
 
     spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 26, max_messages=100_000)
-    statements = _Statements(spool._db)
+    statements = Statements(spool._db)
     spool._db = statements  # type: ignore[assignment]
     count = DELETE_REQUESTS + 10  # more than one statement of each kind
     assert (INSERT_REQUESTS, DELETE_REQUESTS) == (128, 512)
@@ -348,7 +334,7 @@ def test_multi_row_statements_come_in_a_few_sizes(tmp_path: Path):
     assert pieces(0, 64) == [] and pieces(1, 64) == [1]
     assert pieces(37, 64) == [32, 4, 1] and pieces(200, 64) == [64, 64, 64, 8]
     spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 28, max_messages=1_000_000)
-    statements = _Statements(spool._db)
+    statements = Statements(spool._db)
     spool._db = statements  # type: ignore[assignment]
     next_id = 0
     for size in range(1, 201):
@@ -375,7 +361,7 @@ def test_an_fsync_only_where_a_stored_request_still_needs_the_disk(tmp_path: Pat
     from agent.delivery.spool_items import FinishRequest, StoreRequest
 
     spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 20, max_messages=100)
-    statements = _Statements(spool._db)
+    statements = Statements(spool._db)
     spool._db = statements  # type: ignore[assignment]
     acknowledged: list[str] = []
 
@@ -489,7 +475,7 @@ def test_the_writer_fsyncs_nothing_for_a_stream_of_fast_requests(
     monkeypatch.setattr(spool_writer, "SETTLE_GRACE_S", 2.0)
 
     spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 24, max_messages=10_000)
-    statements = _Statements(spool._db)
+    statements = Statements(spool._db)
     spool._db = statements  # type: ignore[assignment]
     writer = SpoolWriter(spool, protected_after=lambda: 0, on_written=lambda n, b: None)
     writer.start()
