@@ -38,7 +38,7 @@ def test_the_first_step_and_slow_steps_are_published_at_once():
     hold.sent(1, finished=False)  # the first chunk: the time to first chunk stays
     assert len(kicks) == 1
     for _ in range(3):
-        clock.now += send_hold.FAST_STEP_S  # a step as slow as that: nothing waits for it
+        clock.now += send_hold.FAST_STEP_S * 1.001  # a step that slow: nothing waits for it
         hold.sent(1, finished=False)
     assert len(kicks) == 4
     hold.release()
@@ -49,7 +49,8 @@ def test_fast_steps_share_a_write_until_the_count_or_the_time_bound():
     hold, clock, kicks = _hold()
     hold.sent(1, finished=False)
     kicks.clear()
-    step = send_hold.FAST_STEP_S / 10
+    # Fast, and so short that the count bound fills before the time bound.
+    step = min(send_hold.FAST_STEP_S, send_hold.HOLD_MAX_S) / (2 * send_hold.HOLD_MAX_MESSAGES)
     for _ in range(send_hold.HOLD_MAX_MESSAGES - 1):
         clock.now += step
         hold.sent(1, finished=False)

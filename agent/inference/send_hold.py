@@ -25,9 +25,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-FAST_STEP_S = 0.0002  # a step at least this slow publishes at once
-HOLD_MAX_S = 0.0005  # the oldest held message waits at most this long (plus one fast step)
-HOLD_MAX_MESSAGES = 16  # one socket write carries at most about this many held messages
+# The bounds, measured side by side (docs/decisions/0030): a token of a small decoder (a step
+# of ~0.15 ms) is "fast"; a chunk waits at most HOLD_MAX_S plus one fast step, 4 ms.
+FAST_STEP_S = 0.002  # a step at least this slow publishes at once
+HOLD_MAX_S = 0.002  # the oldest held message waits at most this long (plus one fast step)
+HOLD_MAX_MESSAGES = 64  # one socket write carries at most about this many held messages
 
 
 class SendHold:

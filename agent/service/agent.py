@@ -171,7 +171,7 @@ class Agent:
             config,
             models=self.models,
             submit=self.scheduler.submit,
-            send=self.sender.send,
+            sender=self.sender,
             on_event=self.publish_event,
             limits=self.reader.limits,
             waiting=lambda: self.scheduler.depth,

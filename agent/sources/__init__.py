@@ -22,7 +22,8 @@ Why it is built this way:
   `policy = "latest"`, the oldest under `"all"`. A slow model therefore never lets a queue
   of stale frames build up, requests at a higher priority overtake a busy source after the
   frame in the model, and results leave in frame order, so `index` grows with `seq`. While
-  nothing else waits, the worker goes on with the next frame itself (warm caches).
+  nothing else waits, the worker goes on with the next frame itself (warm caches), and
+  the results of frames run back to back share socket writes (`agent.inference.send_hold`).
 * **Bounded everywhere.** `latest` holds one waiting frame (a newer one replaces it and the
   old one is counted as dropped); `all` holds up to `queue` frames and then the source
   thread waits, which pushes back on a pipe's writer or a folder's scan. A full outbox

@@ -17,7 +17,7 @@ from agent.models.manager import ModelManager
 from agent.ops.metrics import LATENCY_BUCKETS, PREFIX
 from agent.protocol.errors import Limits
 from agent.sources.pcm import PcmSourceRunner
-from agent.sources.runner import Send, SourceRunner, Submit
+from agent.sources.runner import Sender, SourceRunner, Submit
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class SourceManager:
         *,
         models: ModelManager,
         submit: Submit,
-        send: Send,
+        sender: Sender,
         on_event: Callable[[dict[str, Any]], None],
         limits: Limits,
         waiting: Callable[[], int] = lambda: 0,
@@ -55,7 +55,7 @@ class SourceManager:
                 agent_config=config,
                 models=models,
                 submit=submit,
-                send=send,
+                sender=sender,
                 on_event=on_event,
                 limits=limits,
                 waiting=waiting,

@@ -9,12 +9,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from prometheus_client import Histogram
 
 from agent.config import AgentConfig, SourceConfig
 from agent.delivery.outbox import OutboxClosed, OutMessage
+from agent.inference.send_hold import SendHold
 from agent.models.backends.base import Array, InferenceError, TensorSpec
 from agent.models.manager import ModelManager
 from agent.models.preprocess import PreprocessError
@@ -51,7 +52,16 @@ class SourceJob:
 
 
 Submit = Callable[[SourceJob, int], bool]
-Send = Callable[[Sequence[OutMessage]], None]  # a stream's messages, waiting for room
+
+
+class Sender(Protocol):
+    """Where a source's messages go (`agent.inference.reply_stream.ReplySender`)."""
+
+    def send(self, messages: Sequence[OutMessage], *, kick: bool = True) -> None:
+        """Queue `messages`, waiting for room; `kick=False`: published by the next `kick`."""
+
+    def kick(self) -> None:
+        """Publish what was queued without a kick."""
 
 
 class SourceRunner:
@@ -64,7 +74,7 @@ class SourceRunner:
         agent_config: AgentConfig,
         models: ModelManager,
         submit: Submit,
-        send: Send,
+        sender: Sender,
         on_event: Callable[[dict[str, Any]], None],
         limits: Limits,
         waiting: Callable[[], int] = lambda: 0,
@@ -103,7 +113,7 @@ class SourceRunner:
             max_chunk_bytes=agent_config.limits.max_chunk_bytes,
             stream_key=f"source/{config.name}",
         )
-        self._send = send
+        self._sender = sender
         self.thread = threading.Thread(target=self._main, name=f"source-{config.name}", daemon=True)
 
     # -- the source thread -----------------------------------------------------------------
@@ -289,6 +299,14 @@ class SourceRunner:
         Anything queued meanwhile waits for one frame at most, as behind any running job.
         """
         until = time.monotonic() + CONTINUE_S
+        hold = SendHold(self._sender.kick)  # frames run back to back share socket writes
+        try:
+            self._run_frames(until, hold)
+        finally:
+            hold.release()
+
+    def _run_frames(self, until: float, hold: SendHold) -> None:
+        """`run_one`'s loop: the frames whose turn it is, while it may go on."""
         while True:
             with self._cond:
                 frame = self._pending.popleft() if self._pending else None
@@ -300,7 +318,7 @@ class SourceRunner:
             try:
                 result = self._infer(frame)
                 if result is not None:
-                    self._publish(frame, *result)
+                    self._publish(frame, *result, hold)
             finally:
                 with self._cond:
                     go_on = bool(
@@ -349,9 +367,15 @@ class SourceRunner:
             return outputs, loaded.version, time.perf_counter() - started
 
     def _publish(
-        self, frame: Frame, outputs: dict[str, Array], version: int, infer_s: float
+        self,
+        frame: Frame,
+        outputs: dict[str, Array],
+        version: int,
+        infer_s: float,
+        hold: SendHold,
     ) -> None:
-        """Queue the frame's result on the stream."""
+        """Queue the frame's result on the stream (published now, or with the next frame's
+        where this one ran fast: `hold`)."""
         extra: dict[str, Any] = {"frame_ts": frame.captured_ns}
         if frame.record.file is not None:
             extra["file"] = frame.record.file
@@ -360,7 +384,8 @@ class SourceRunner:
         self.stream.version = version
         try:
             messages = self.stream.frame(outputs, frame.index, extra)
-            self._send(self.stream.drain())
+            self._sender.send(self.stream.drain(), kick=False)
+            hold.sent(messages, finished=False)
         except OutboxClosed:
             frame.finish("retry")  # stopping: a folder's file stays for the next run
             return
