@@ -24,14 +24,12 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import paho.mqtt.client as mqtt
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -41,8 +39,7 @@ from agent.demo import models as demo_models  # noqa: E402
 from agent.demo.broker import EmbeddedBroker  # noqa: E402
 from agent.models.model_config import parse_model_config  # noqa: E402
 from agent.models.preprocess import PreprocessConfig, preprocess  # noqa: E402
-from agent.protocol.errors import Limits  # noqa: E402
-from agent.protocol.payload import decode_payload  # noqa: E402
+from benchmarks.harness import PayloadSubscriber  # noqa: E402
 
 TARGET = 0.9
 BIG = 640  # conv_net input side (as a detector's): ~10 ms a frame on one core, the bottleneck
@@ -160,30 +157,15 @@ class Bare:
 class StreamRecorder:
     """Records the chunks of one stream: the frame number (`index`) and the agent's emit time
     (`ts`, Unix ns), so a turn's rate is the agent's own pace, free of the network's
-    bunching, whenever its chunks arrive. Payloads are kept as they come and decoded at the
-    end: this process also runs the bare turns, and decoding as they arrive took ~0.5 ms of
-    this 2-core machine's CPU a chunk."""
+    bunching, whenever its chunks arrive. The subscriber is `mosquitto_sub` (C), payloads
+    decoded at the end: this process also runs the bare turns, and a Python subscriber took
+    about as much of this 2-core machine's CPU a chunk as the agent's own path."""
 
     def __init__(self, broker: EmbeddedBroker, topic: str) -> None:
-        self.payloads: list[bytes] = []
-        self._lock = threading.Lock()
-        self._subscribed = threading.Event()
-        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
-        self.client.on_connect = lambda c, u, f, rc, p: c.subscribe(topic, 1)
-        self.client.on_subscribe = lambda c, u, mid, codes, p: self._subscribed.set()
-        self.client.on_message = self._on_message
-        self.client.connect(broker.host, broker.port)
-        self.client.loop_start()
-        if not self._subscribed.wait(10):
-            raise RuntimeError("no SUBACK")
-
-    def _on_message(self, client: mqtt.Client, userdata: object, message: mqtt.MQTTMessage) -> None:
-        with self._lock:
-            self.payloads.append(message.payload)
+        self._subscriber = PayloadSubscriber(broker, topic, 1)
 
     def count(self) -> int:
-        with self._lock:
-            return len(self.payloads)
+        return self._subscriber.count
 
     def wait_quiet(self, quiet_s: float = 0.3, limit_s: float = 10.0) -> None:
         """Until nothing has arrived for quiet_s: the agent's last chunks are in."""
@@ -195,15 +177,12 @@ class StreamRecorder:
 
     def frames(self) -> list[tuple[int, int]]:
         """(index, ts) of every chunk so far, in emit order."""
-        with self._lock:
-            payloads = list(self.payloads)
-        bodies = (decode_payload(p, Limits()) for p in payloads)
+        bodies = self._subscriber.bodies()
         found = [(int(b["index"]), int(b["ts"])) for b in bodies if b.get("type") == "chunk"]
         return sorted(found, key=lambda f: f[1])
 
     def close(self) -> None:
-        self.client.disconnect()
-        self.client.loop_stop()
+        self._subscriber.close()
 
 
 def between(frames: list[tuple[int, int]], start_ns: int, end_ns: int) -> list[tuple[int, int]]:
