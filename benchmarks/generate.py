@@ -170,23 +170,14 @@ def measure(broker: EmbeddedBroker, workdir: Path, quick: bool) -> GenerateResul
 def stream(broker: EmbeddedBroker, root: str, tokens: int) -> tuple[float, float]:
     """(tokens/s between the first and the last chunk's arrival at `mosquitto_sub`, the `end`'s
     time to first token in ms) of one `tokens`-token request for the prompt's text."""
-    from agent.protocol.payload import encode_payload
-    from benchmarks.harness import PayloadSubscriber, close_client, mqtt_client, unique_id
+    from benchmarks.harness import one_request, unique_id
 
-    subscriber = PayloadSubscriber(broker, f"{root}/result/writer/+", 1, expect=tokens + 1)
-    client = mqtt_client(broker)
-    try:
-        body = {
-            "id": unique_id("gen"),
-            "inputs": {"prompt": np.array(PROMPT, dtype=object)},
-            "params": {"max_new_tokens": tokens},
-        }
-        client.publish(f"{root}/infer/writer", encode_payload(body), 1)
-        if not subscriber.wait_for(tokens + 1, 60):
-            raise RuntimeError(f"generate: {subscriber.count} of {tokens + 1} messages arrived")
-    finally:
-        close_client(client)
-        subscriber.close()
+    body = {
+        "id": unique_id("gen"),
+        "inputs": {"prompt": np.array(PROMPT, dtype=object)},
+        "params": {"max_new_tokens": tokens},
+    }
+    subscriber = one_request(broker, root, "writer", body, tokens + 1)
     arrived = subscriber.times()[:tokens]
     end = subscriber.bodies()[-1]
     assert end.get("type") == "end", end.get("type")

@@ -197,6 +197,25 @@ class PayloadSubscriber(StampSubscriber):
         return found
 
 
+def one_request(
+    broker: EmbeddedBroker, root: str, model: str, body: dict[str, Any], messages: int
+) -> PayloadSubscriber:
+    """Publish one request to `root/infer/model` and wait for the `messages` messages of its
+    reply stream (`end` included) at a `PayloadSubscriber`, returned closed."""
+    from agent.protocol.payload import encode_payload
+
+    subscriber = PayloadSubscriber(broker, f"{root}/result/{model}/+", 1, expect=messages)
+    client = mqtt_client(broker)
+    try:
+        client.publish(f"{root}/infer/{model}", encode_payload(body), 1)
+        if not subscriber.wait_for(messages, max(60.0, messages / 500)):
+            raise RuntimeError(f"{model}: {subscriber.count} of {messages} messages arrived")
+    finally:
+        close_client(client)
+        subscriber.close()
+    return subscriber
+
+
 class AgentProcess:
     """`edge-agent run` as its own process, as on a box; `tree` runs another checkout's agent
     (benchmarks/history.py) with this checkout's harness."""

@@ -195,33 +195,15 @@ def request_wps(
     """Windows a second of the recording sent as one scan request (one window a chunk), the
     median of `rounds`, each from the chunks' arrival at `mosquitto_sub`, the first 5 % left
     out."""
-    from agent.protocol.payload import encode_payload
-    from benchmarks.harness import (
-        AgentProcess,
-        PayloadSubscriber,
-        close_client,
-        mqtt_client,
-        unique_id,
-        wait_online,
-    )
+    from benchmarks.harness import AgentProcess, one_request, unique_id, wait_online
 
     audio = (s16.astype(np.float32) / 32768)[None, :]
     rates = []
     with AgentProcess(workdir / "request", broker, repository, device_id="bench-scan-r") as agent:
         wait_online(broker, agent.root, agent.started)
         for _ in range(rounds + 1):  # the first warms
-            subscriber = PayloadSubscriber(
-                broker, f"{agent.root}/result/{MODEL}/+", 1, expect=windows + 1
-            )
-            client = mqtt_client(broker)
-            try:
-                body = {"id": unique_id("scan"), "inputs": {"input": audio}}
-                client.publish(f"{agent.root}/infer/{MODEL}", encode_payload(body), 1)
-                if not subscriber.wait_for(windows + 1, 120):
-                    raise RuntimeError(f"scan request: {subscriber.count} of {windows + 1}")
-            finally:
-                close_client(client)
-                subscriber.close()
+            body = {"id": unique_id("scan"), "inputs": {"input": audio}}
+            subscriber = one_request(broker, agent.root, MODEL, body, windows + 1)
             arrived = subscriber.times()[:windows]
             skip = len(arrived) // 20
             rates.append((len(arrived) - 1 - skip) / (arrived[-1] - arrived[skip]))
