@@ -66,6 +66,10 @@ class GenerateAsk:
         """The keys of the stream's terminal message."""
         return {"finish_reason": self.finish_reason, "usage": self.usage}
 
+    def outputs(self) -> Arrays:
+        """`stream: false`: the result's outputs, every new token in one tensor."""
+        return {"tokens": np.array(self.tokens, dtype=np.int64)}
+
 
 def ask_of(inputs: Mapping[str, Any], params: Mapping[str, Any], setup: Generation) -> GenerateAsk:
     """A request's inputs and params checked against a generate version (`bad_request`)."""
@@ -83,14 +87,7 @@ def ask_of(inputs: Mapping[str, Any], params: Mapping[str, Any], setup: Generati
     asked = params.get("max_new_tokens", room)
     if isinstance(asked, bool) or not isinstance(asked, int) or asked < 1:
         raise WireError("bad_request", "params.max_new_tokens must be a positive integer")
-    per_chunk = params.get("tokens_per_chunk", 1)
-    if isinstance(per_chunk, bool) or not isinstance(per_chunk, int):
-        per_chunk = 0
-    if not 1 <= per_chunk <= MAX_TOKENS_PER_CHUNK:
-        raise WireError(
-            "bad_request",
-            f"params.tokens_per_chunk must be an integer from 1 to {MAX_TOKENS_PER_CHUNK}",
-        )
+    per_chunk = modes.integer_param(params, "tokens_per_chunk", 1, low=1, high=MAX_TOKENS_PER_CHUNK)
     stops = _stops(params)
     if stops and tokenizer is None:
         raise WireError("bad_request", "params.stop needs a model with a tokenizer.json")
@@ -159,10 +156,8 @@ class _Decoding:
     def __init__(self, ask: GenerateAsk) -> None:
         self.ask = ask
         self.inputs = _prefill_inputs(ask)
-        self.pending: list[int] = []
+        self.pending: list[int] = []  # new tokens not yet in a piece (the last of ask.tokens)
         self.pending_text = ""
-        self.sent = 0  # tokens already in pieces
-        self.left = False  # left the run without a last piece (shutdown, refused reply)
         layout = ask.setup.layout
         self.token = np.zeros((1, 1), dtype=layout.int_dtypes[layout.input_ids])
         self.position: np.ndarray[Any, Any] | None = None
@@ -182,7 +177,8 @@ def generate(run: Run) -> Iterator[list[Piece]]:
         for position in list(states):
             state = states[position]
             piece = _advance(run, position, state)
-            if state.left or (piece is not None and piece.last):
+            # left the run without a last piece (shutdown, refused reply), or finished
+            if position in run.failed or (piece is not None and piece.last):
                 del states[position]
             if piece is not None:
                 pieces.append(piece)
@@ -200,12 +196,10 @@ def _advance(run: Run, position: int, state: _Decoding) -> Piece | None:
     """One new token of one member; its piece where one is due."""
     member, ask = run.members[position], state.ask
     if position in run.failed:
-        state.left = True
         return None
     if member.cancelled.is_set():
         if not member.cancelled.by_request:
             run.failed[position] = Cancelled()
-            state.left = True
             return None
         ask.finish_reason = "cancelled"
         return _piece(position, state)
@@ -244,9 +238,9 @@ def _piece(position: int, state: _Decoding) -> Piece:
         state.pending_text += ask.text.finish()
     tokens = np.array(state.pending, dtype=np.int64)
     extra = None if ask.text is None else {"text": state.pending_text}
-    piece = Piece(position, state.sent, {"tokens": tokens}, last, extra=extra)
+    sent = len(ask.tokens) - len(state.pending)  # tokens already in pieces
+    piece = Piece(position, sent, {"tokens": tokens}, last, extra=extra)
     piece.chunk = bool(state.pending) or bool(state.pending_text)
-    state.sent += len(state.pending)
     state.pending, state.pending_text = [], ""
     return piece
 
@@ -296,12 +290,6 @@ def _next_inputs(state: _Decoding, outputs: Arrays, token: int) -> Arrays:
     for slot in layout.cache:
         nxt[slot.input] = outputs[slot.output]
     return nxt
-
-
-def merged_result(pieces: list[tuple[int, Arrays]]) -> Arrays:
-    """`stream: false`: the tokens of every piece, in one tensor."""
-    parts = [outputs["tokens"] for _, outputs in pieces if "tokens" in outputs]
-    return {"tokens": np.concatenate(parts) if parts else np.zeros((0,), dtype=np.int64)}
 
 
 modes.STRATEGIES["generate"] = generate

@@ -301,12 +301,20 @@ STRATEGIES: dict[str, Strategy] = {
 def max_steps(config: StreamConfig, params: Mapping[str, Any]) -> int:
     """Steps a request may run: `params.max_steps` (checked), else the model's bound."""
     limit = config.max_steps
-    asked = params.get("max_steps")
-    if asked is None:
+    if params.get("max_steps") is None:
         return limit
-    if isinstance(asked, bool) or not isinstance(asked, int) or not 1 <= asked <= limit:
-        raise WireError("bad_request", f"params.max_steps must be an integer from 1 to {limit}")
-    return asked
+    return integer_param(params, "max_steps", limit, low=1, high=limit)
+
+
+def integer_param(
+    params: Mapping[str, Any], key: str, default: int, *, low: int = 0, high: int
+) -> int:
+    """`params[key]` (`default` where absent), checked: an integer from `low` to `high`, else
+    `bad_request` (a bool is no integer here)."""
+    value = params.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise WireError("bad_request", f"params.{key} must be an integer from {low} to {high}")
+    return value
 
 
 def selected_outputs(

@@ -91,6 +91,11 @@ def _encoded(outputs: Mapping[str, Any]) -> tuple[list[Any], int]:
         raise OutputNotEncodable(e) from e
 
 
+def _cbor_pairs(fields: Mapping[str, Any]) -> bytes:
+    """A map's key/value pairs as CBOR, without the map's head (the keys' bytes cached)."""
+    return b"".join(cbor_text(k) + cbor2.dumps(v) for k, v in fields.items())
+
+
 @functools.lru_cache(maxsize=256)
 def _envelope_middle(type_: str, model: str, version: int) -> bytes:
     """A reply envelope's bytes from "type" to the "ts" key: the same for every message of
@@ -160,7 +165,7 @@ class ReplyStream:
         if not self.extra and self.compression is None:  # most streams: no dict made
             return 0, b""
         fields = self._extra_fields()
-        return len(fields), b"".join(cbor2.dumps(k) + cbor2.dumps(v) for k, v in fields.items())
+        return len(fields), _cbor_pairs(fields)
 
     def _outputs(self, outputs: Mapping[str, Any]) -> tuple[list[Any], int]:
         """The outputs' CBOR pieces (compressed into one byte string where asked)."""
@@ -206,13 +211,21 @@ class ReplyStream:
             )
         )
 
-    def chunk(self, outputs: Mapping[str, Any], index: int, offset: int | None = None) -> None:
+    def chunk(
+        self,
+        outputs: Mapping[str, Any],
+        index: int,
+        offset: int | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
         """One `chunk` (or its parts); ReplyTooLarge, with nothing made, past the budget;
         OutputNotEncodable, with nothing made, for an output with no wire form. `offset`
-        (a scan's first new sample) is one more key after `index`; None: no key."""
+        (a scan's first new sample) is one more key after `index`; None: no key. `extra`:
+        more keys of this chunk alone (a generation's `text`), after `offset` and before
+        the stream's own (`self.extra`, `compression`)."""
         pieces, size = self._outputs(outputs)
         if size + PART_OVERHEAD <= self.max_chunk_bytes:
-            payload = self._chunk_payload(pieces, index, offset)
+            payload = self._chunk_payload(pieces, index, offset, extra)
             total = self.reply_bytes + len(payload)
             if total > self.max_reply_bytes:
                 self.seq -= 1  # never sent: its number goes to the error
@@ -221,7 +234,7 @@ class ReplyStream:
             self._emit(payload)
             self.chunks += 1
             return
-        self._parts(b"".join(pieces), index, offset)
+        self._parts(b"".join(pieces), index, offset, extra)
 
     def hold(self, outputs: Mapping[str, Any]) -> None:
         """Count outputs kept for a `stream: false` result against the budget, so a result
@@ -231,9 +244,16 @@ class ReplyStream:
         if self.reply_bytes + self.held_bytes > self.max_reply_bytes:
             raise ReplyTooLarge(self.max_reply_bytes, self.reply_bytes)
 
-    def _chunk_payload(self, outputs: list[Any], index: int, offset: int | None = None) -> bytes:
+    def _chunk_payload(
+        self,
+        outputs: list[Any],
+        index: int,
+        offset: int | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> bytes:
         """`{v, id, seq, type: "chunk", model, version, ts, index, outputs}` (with `offset`
-        after `index` where given), the same bytes as `encode_with_outputs` would make, in
+        after `index` where given, then the chunk's `extra` keys, then the stream's), the
+        same bytes as `encode_with_outputs` would make, in
         one join around the outputs' pieces (the tensor data is copied once, into the
         payload)."""
         prefix = self._prefix
@@ -251,13 +271,16 @@ class ReplyStream:
         seq = self.seq
         self.seq = seq + 1
         head = prefix[1]
-        extra: tuple[bytes, ...] = ()
+        more: tuple[bytes, ...] = ()
         count, pairs = self._extra_cbor()
         if offset is not None:  # one more key
             count += 1
-            extra = (_OFFSET_KEY, cbor_uint(offset))
+            more = (_OFFSET_KEY, cbor_uint(offset))
+        if extra:  # the chunk's own keys
+            count += len(extra)
+            more = (*more, _cbor_pairs(extra))
         if pairs:
-            extra = (*extra, pairs)
+            more = (*more, pairs)
         if count:  # more keys: the map's head counts them
             head = bytes((head[0] + count,)) + head[1:]
         return b"".join(
@@ -268,13 +291,19 @@ class ReplyStream:
                 cbor_uint(time.time_ns()),
                 _INDEX_KEY,
                 cbor_uint(index),
-                *extra,
+                *more,
                 _OUTPUTS_KEY,
                 *outputs,
             )
         )
 
-    def _parts(self, outputs_cbor: bytes, index: int, offset: int | None = None) -> None:
+    def _parts(
+        self,
+        outputs_cbor: bytes,
+        index: int,
+        offset: int | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
         """A chunk too large for one message: `part: [k, n]` messages carrying its bytes,
         all of them or (past the budget: ReplyTooLarge) none."""
         room = self.max_chunk_bytes - PART_OVERHEAD
@@ -283,6 +312,8 @@ class ReplyStream:
             raise ReplyTooLarge(self.max_reply_bytes, self.reply_bytes)
         pieces = split_parts(outputs_cbor, room)
         where = {"index": index} if offset is None else {"index": index, "offset": offset}
+        if extra:
+            where.update(extra)
         where.update(self._extra_fields())
         for k, data in enumerate(pieces):
             fields = self._fields("chunk", **where, part=[k, len(pieces)], data=data)

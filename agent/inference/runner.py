@@ -275,9 +275,7 @@ class Runner:
         ask = run.members[piece.member].generation
         if job.request.stream:
             if piece.chunk:
-                if piece.extra is not None:
-                    reply.extra = piece.extra
-                reply.chunk(piece.outputs, piece.index, piece.offset)
+                reply.chunk(piece.outputs, piece.index, piece.offset, piece.extra)
                 if piece.index == 0:
                     self._metrics.first_chunk_after(
                         job.request.model, time.monotonic() - job.received
@@ -308,7 +306,7 @@ class Runner:
             if ask.text is not None:
                 extra["text"] = ask.text.sent
             job.reply.extra = extra
-            job.reply.result(generate.merged_result(pieces), timing)
+            job.reply.result(ask.outputs(), timing)
         elif job.request.stream:
             job.reply.end(timing)
         else:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from agent.inference.modes import integer_param
 from agent.protocol.errors import WireError
 
 __all__ = ["Sampler", "SamplingParams"]
@@ -39,10 +40,10 @@ class SamplingParams:
         temperature = _number(params, "temperature", 0.0, low=0.0, high=100.0)
         top_p = _number(params, "top_p", 1.0, low=0.0, high=1.0, open_low=True)
         penalty = _number(params, "repetition_penalty", 1.0, low=0.0, high=100.0, open_low=True)
-        top_k = _integer(params, "top_k", 0, high=MAX_TOP_K)
+        top_k = integer_param(params, "top_k", 0, high=MAX_TOP_K)
         seed = params.get("seed")
         if seed is not None:
-            seed = _integer(params, "seed", 0, high=2**63 - 1)
+            seed = integer_param(params, "seed", 0, high=2**63 - 1)
         return cls(temperature, top_k, top_p, seed, penalty)
 
 
@@ -117,10 +118,3 @@ def _number(
         side = ">" if open_low else ">="
         raise WireError("bad_request", f"params.{key} must be a number {side} {low} and <= {high}")
     return float(value)
-
-
-def _integer(params: Mapping[str, Any], key: str, default: int, *, high: int) -> int:
-    value = params.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
-        raise WireError("bad_request", f"params.{key} must be an integer from 0 to {high}")
-    return value

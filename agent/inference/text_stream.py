@@ -30,7 +30,6 @@ class TextStream:
         self._decoder = codec.stream()
         self._stops = [s for s in stops if s]
         self._tokens: list[int] = []
-        self._decoded: list[str] = []  # what the incremental decoder gave, in order
         self._parts: list[str] = []  # what was sent, in order
         self._unsent = ""  # decoded, held back as a possible start of a stop string
         self.stopped = False  # a stop string matched: nothing more is sent
@@ -48,7 +47,6 @@ class TextStream:
         new = self._decoder.step(tokens)
         if not new:
             return ""
-        self._decoded.append(new)
         if not self._stops:
             return self._send_all(new)
         self._unsent += new
@@ -63,10 +61,10 @@ class TextStream:
         if self.stopped:
             return ""
         if self._decoder.holding:  # tokens the decoder holds: their text from one whole decode
-            text, decoded = self._codec.decode(self._tokens), "".join(self._decoded)
+            # what the incremental decoder gave: all of it was sent or is held back
+            text, decoded = self._codec.decode(self._tokens), self.sent + self._unsent
             if text.startswith(decoded):
                 self._unsent += text[len(decoded) :]
-                self._decoded.append(text[len(decoded) :])
         return self._send(len(self._unsent))
 
     def _send_all(self, new: str) -> str:
