@@ -15,7 +15,6 @@ request asked for (`params.reply_compression`).
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -24,11 +23,11 @@ import numpy as np
 
 from agent.inference.job import Job
 from agent.inference.reply_stream import ReplyRefused
-from agent.models.backends.base import Array, TensorSpec
+from agent.models.backends.base import Array, InferenceError, TensorSpec
 from agent.models.manager import LoadedVersion
 from agent.models.preprocess import PreprocessError, image_input, load_cv2, preprocess_image
 from agent.models.resize import Geometry
-from agent.protocol.errors import Limits, WireError
+from agent.protocol.errors import WireError
 from agent.protocol.images import EncodedImage
 
 __all__ = ["bind_outputs", "decode_image", "is_image", "prepared_inputs"]
@@ -40,9 +39,6 @@ _UINT8 = np.dtype(np.uint8)
 def decode_image(image: EncodedImage, request_id: str | None, name: str) -> Array:
     """The BGR pixels of a JPEG or PNG input (`bad_request` when it does not decode to the
     size its header declared, which bounded it)."""
-    # OpenCV's own bound, read when it is first imported: the header check is the guard,
-    # this one a second line should OpenCV ever read a size the header walk did not.
-    os.environ.setdefault("OPENCV_IO_MAX_IMAGE_PIXELS", str(Limits.max_image_pixels))
     cv2 = load_cv2()
     if cv2 is None:
         raise WireError(
@@ -134,7 +130,7 @@ def bind_outputs(job: Job, loaded: LoadedVersion, geometry: Geometry | None) -> 
     def apply(outputs: dict[str, Any]) -> dict[str, Any]:
         try:
             return post.apply(outputs, geometry)
-        except (ValueError, TypeError, IndexError) as e:
-            raise ReplyRefused("model_error", f"postprocess: {e}") from e
+        except InferenceError as e:
+            raise ReplyRefused("model_error", str(e)) from e
 
     job.post = apply

@@ -27,19 +27,24 @@ import numpy as np
 
 from agent.models.backends.base import ModelLoadError, Session, TensorSpec
 from agent.models.generate_config import GenerateConfig
+from agent.models.text_file import read_text_limited
 from agent.models.tokenizer import TextCodec, open_tokenizer
 
 __all__ = [
+    "DECODER_INPUTS",
     "PAST_INPUT",
     "CacheSlot",
     "DecoderLayout",
     "Generation",
     "context_in",
     "open_generation",
+    "past_axis",
     "recognise",
 ]
 
 PAST_INPUT = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")  # a cache input's name
+# A decoder's other inputs, as exporters name them (`[generate]` may rename the first three).
+DECODER_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache_branch"})
 _CONTEXT_KEYS = ("n_positions", "max_position_embeddings", "n_ctx", "max_sequence_length")
 MAX_JSON_BYTES = 1024 * 1024
 
@@ -156,15 +161,21 @@ def _cache_slot(spec: TensorSpec, outputs: dict[str, TensorSpec]) -> CacheSlot:
     output = f"present.{match.group(1)}.{match.group(2)}"
     if output not in outputs:
         raise ModelLoadError(f"generate: input '{spec.name}' has no output '{output}'")
-    shape = spec.shape
-    symbolic = [axis for axis, d in enumerate(shape) if not isinstance(d, int)]
-    if len(shape) < 2 or not symbolic or symbolic[0] != 0 or len(symbolic) != 2:
+    fixed = tuple(d if isinstance(d, int) else None for d in spec.shape)
+    past = past_axis([d is None for d in fixed])
+    if not fixed or fixed[0] is not None or past is None:
         raise ModelLoadError(
             f"generate: cache input '{spec.name}' {spec.describe()} is not [batch, ..., past, "
             "...] with every other axis fixed"
         )
-    fixed = tuple(d if isinstance(d, int) else None for d in shape)
-    return CacheSlot(spec.name, output, np.dtype(spec.dtype), fixed, symbolic[1])
+    return CacheSlot(spec.name, output, np.dtype(spec.dtype), fixed, past)
+
+
+def past_axis(dynamic: Sequence[bool]) -> int | None:
+    """A cache tensor's past axis, given which of its axes are dynamic: the one dynamic axis
+    after the batch axis (0), None unless there is exactly one."""
+    found = [axis for axis, flag in enumerate(dynamic) if flag and axis > 0]
+    return found[0] if len(found) == 1 else None
 
 
 def context_in(folder: Path) -> int | None:
@@ -174,14 +185,24 @@ def context_in(folder: Path) -> int | None:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`, {} where there is no such file."""
     if not path.is_file():
         return {}
+
+    def unreadable(e: Exception) -> ModelLoadError:
+        return ModelLoadError(f"{path.name} cannot be read: {e}")
+
+    text = read_text_limited(
+        path,
+        MAX_JSON_BYTES,
+        too_large=lambda _: ModelLoadError(f"{path.name} is larger than {MAX_JSON_BYTES} bytes"),
+        cannot_read=unreadable,
+        not_text=unreadable,
+    )
     try:
-        if path.stat().st_size > MAX_JSON_BYTES:
-            raise ModelLoadError(f"{path.name} is larger than {MAX_JSON_BYTES} bytes")
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"{path.name} cannot be read: {e}") from e
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise unreadable(e) from e
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path.name} is not a JSON object")
     return data

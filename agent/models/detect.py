@@ -23,7 +23,7 @@ an optional extra and the op must work without it; torchvision is not a runtime 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -51,6 +51,12 @@ class DetectSpec:
     iou_threshold: float
     max_detections: int
     labels: tuple[str, ...] | None
+    # `labels` as an object array, built once here and indexed by each frame's classes
+    label_table: Array | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        table = np.array(self.labels, dtype=object) if self.labels is not None else None
+        object.__setattr__(self, "label_table", table)
 
 
 def _squeeze_batch(array: Array, name: str) -> Array:
@@ -132,15 +138,23 @@ def decode_detections(
     xyxy = _to_xyxy(boxes[chosen], spec.box_format)
     kept_classes = classes[chosen].astype(np.int64)
     shifted = xyxy + (kept_classes.astype(np.float32) * _CLASS_OFFSET)[:, None]
-    keep = nms(shifted, best[chosen], spec.iou_threshold, spec.max_detections)
+    chosen_scores = best[chosen]
+    keep = nms(shifted, chosen_scores, spec.iou_threshold, spec.max_detections)
     result = {k: v for k, v in outputs.items() if k not in (spec.output, spec.scores)}
     kept = xyxy[keep].reshape(-1, 4)
     result["boxes"] = to_source_boxes(kept, geometry) if geometry is not None else kept
-    result["scores"] = best[chosen][keep]
+    result["scores"] = chosen_scores[keep]
     result["classes"] = kept_classes[keep]
-    if spec.labels is not None:
-        names = spec.labels
-        result["labels"] = np.array(
-            [names[c] if c < len(names) else str(c) for c in result["classes"]], dtype=object
-        )
+    if spec.label_table is not None:
+        result["labels"] = _labels_of(spec.label_table, result["classes"])
     return result
+
+
+def _labels_of(table: Array, classes: Array) -> Array:
+    """Each class's label (an object array), `str(class)` for a class past the table."""
+    known = classes < len(table)
+    labels = np.empty(classes.shape, dtype=object)
+    labels[known] = table[classes[known]]
+    for i in np.flatnonzero(~known):
+        labels[i] = str(classes[i])
+    return labels

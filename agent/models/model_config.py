@@ -23,6 +23,7 @@ from agent.models.generate_config import GenerateConfig
 from agent.models.postprocess import PostprocessOp
 from agent.models.preprocess import PreprocessConfig
 from agent.models.scan_config import ScanConfig, check_default_values
+from agent.models.text_file import read_text_limited
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -324,15 +325,15 @@ def parse_model_config(text: str, source: Path | str) -> ModelConfig:
 
 def load_model_config(path: Path) -> ModelConfig:
     """Read and parse one config.toml, with the size checked before reading."""
-    try:
-        size = path.stat().st_size
-        if size > MAX_CONFIG_BYTES:
-            raise ModelConfigError(f"{path}: {size} bytes, more than {MAX_CONFIG_BYTES}")
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ModelConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise ModelConfigError(f"{path}: not UTF-8 text") from None
+    text = read_text_limited(
+        path,
+        MAX_CONFIG_BYTES,
+        too_large=lambda size: ModelConfigError(
+            f"{path}: {size} bytes, more than {MAX_CONFIG_BYTES}"
+        ),
+        cannot_read=lambda exc: ModelConfigError(f"{path}: cannot read: {exc.strerror or exc}"),
+        not_text=lambda _: ModelConfigError(f"{path}: not UTF-8 text"),
+    )
     return parse_model_config(text, path)
 
 

@@ -36,9 +36,10 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from agent.models.backends.base import ModelLoadError
+from agent.models.backends.base import InferenceError, ModelLoadError
 from agent.models.detect import DetectSpec, decode_detections
 from agent.models.resize import Geometry
+from agent.models.text_file import read_text_limited
 
 __all__ = ["PostprocessOp", "Postprocessor", "build_postprocess"]
 
@@ -100,15 +101,15 @@ class PostprocessOp(BaseModel):
 
 def read_labels(folder: Path, name: str) -> tuple[str, ...]:
     """One label per line of `folder/name` (blank lines at the end ignored)."""
-    path = folder / name
-    try:
-        if path.stat().st_size > MAX_LABELS_BYTES:
-            raise ModelLoadError(f"postprocess: {name} is over {MAX_LABELS_BYTES} bytes")
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ModelLoadError(f"postprocess: cannot read labels {name}: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise ModelLoadError(f"postprocess: labels {name} is not UTF-8 text") from None
+    text = read_text_limited(
+        folder / name,
+        MAX_LABELS_BYTES,
+        too_large=lambda _: ModelLoadError(f"postprocess: {name} is over {MAX_LABELS_BYTES} bytes"),
+        cannot_read=lambda e: ModelLoadError(
+            f"postprocess: cannot read labels {name}: {e.strerror or e}"
+        ),
+        not_text=lambda _: ModelLoadError(f"postprocess: labels {name} is not UTF-8 text"),
+    )
     return tuple(line.strip() for line in text.rstrip("\n").split("\n"))
 
 
@@ -122,11 +123,15 @@ class Postprocessor:
         self._steps = tuple(steps)
 
     def apply(self, outputs: Outputs, geometry: Geometry | None = None) -> Outputs:
-        """The ops in order on `outputs` (a new dict; ops on absent outputs skipped)."""
+        """The ops in order on `outputs` (a new dict; ops on absent outputs skipped);
+        InferenceError ("postprocess: ...") where an op cannot take an output it is given."""
         result = dict(outputs)
-        for name, step in self._steps:
-            if name in result:
-                result = step(result, geometry)
+        try:
+            for name, step in self._steps:
+                if name in result:
+                    result = step(result, geometry)
+        except (ValueError, TypeError, IndexError) as e:
+            raise InferenceError(f"postprocess: {e}") from e
         return result
 
 

@@ -27,6 +27,7 @@ buffer (``(x * scale - mean) / std`` is folded into ``x * a + b`` per channel).
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Sequence
 from fractions import Fraction
 from types import ModuleType
@@ -37,6 +38,7 @@ import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agent.models.resize import Geometry, plan_resize
+from agent.protocol.errors import Limits
 
 __all__ = [
     "PreprocessConfig",
@@ -61,6 +63,10 @@ class PreprocessError(ValueError):
 
 def load_cv2() -> ModuleType | None:
     """OpenCV if it is installed, else None; imported lazily, it is an optional dependency."""
+    # OpenCV's own bound on a decoded image, read when it is first imported: the header check
+    # of an encoded input (agent.protocol.images) is the guard, this one a second line should
+    # OpenCV ever read a size the header walk did not.
+    os.environ.setdefault("OPENCV_IO_MAX_IMAGE_PIXELS", str(Limits.max_image_pixels))
     try:
         return importlib.import_module("cv2")
     except ImportError:

@@ -50,17 +50,6 @@ class Geometry:
             "pad": list(self.pad),
         }
 
-    @classmethod
-    def from_wire(cls, wire: dict[str, Any]) -> Geometry:
-        """The inverse of :meth:`as_wire`."""
-        source, size, scale, pad = (wire[k] for k in ("source", "input", "scale", "pad"))
-        return cls(
-            (int(source[0]), int(source[1])),
-            (int(size[0]), int(size[1])),
-            (float(scale[0]), float(scale[1])),
-            (int(pad[0]), int(pad[1])),
-        )
-
 
 @dataclass(frozen=True)
 class ResizePlan:

@@ -37,10 +37,6 @@ class TextCodec:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
 
-    def token_id(self, token: str) -> int | None:
-        found = self._tokenizer.token_to_id(token)
-        return None if found is None else int(found)
-
     def stream(self) -> TokenStream:
         """An incremental decode of tokens given one chunk at a time."""
         from tokenizers.decoders import DecodeStream

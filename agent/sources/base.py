@@ -11,6 +11,7 @@ from typing import Any, Literal, Protocol
 
 from agent.config import SourceConfig
 from agent.models.backends.base import Array
+from agent.models.resize import Geometry
 from agent.protocol.errors import Limits
 
 FIELD = "frame"  # the field a video frame, an image or a .npy file arrives as
@@ -47,6 +48,7 @@ class Record:
     on_done: Callable[[Outcome], None] | None = None
     error: str | None = None
     extra: dict[str, Any] | None = None  # more fields of its stream message (pcm: `offset`)
+    geometry: Geometry | None = None  # where preprocessed: for `[[postprocess]]` boxes
 
 
 class ReaderContext(Protocol):

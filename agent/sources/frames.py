@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from agent.config import SourceConfig
 from agent.models.backends.base import Array, InferenceError
 from agent.models.manager import LoadedVersion
-from agent.models.preprocess import PreprocessError, preprocess_image
-from agent.models.resize import Geometry
+from agent.models.preprocess import PreprocessError, image_input, preprocess_image
 from agent.sources.base import FIELD, Outcome, Record
 
 log = logging.getLogger(__name__)
@@ -49,10 +48,10 @@ def select_outputs(
 
 def model_inputs(config: SourceConfig, record: Record, loaded: LoadedVersion) -> dict[str, Array]:
     """The record's fields as the model's inputs: mapped by name, then preprocessed (the
-    frame's `geometry` then goes into the record's `extra`, sent with its chunk)."""
+    frame's `geometry` then kept on the record and put in its `extra`, sent with its chunk)."""
     pre = loaded.config.preprocess if config.preprocess else None
     names = [spec.name for spec in loaded.session.inputs]
-    only = names[0] if len(names) == 1 else None
+    target = image_input(pre, loaded.session.inputs)  # None without a [preprocess]
     fields = record.fields
     if config.inputs:
         missing = sorted(f for f in config.inputs.values() if f not in fields)
@@ -62,20 +61,19 @@ def model_inputs(config: SourceConfig, record: Record, loaded: LoadedVersion) ->
             )
         mapped = {name: fields[f] for name, f in config.inputs.items()}
     elif set(fields) == {FIELD}:
-        target = pre.input if pre is not None and pre.input else only
-        if target is None:
+        feeds = target or (names[0] if len(names) == 1 else None)
+        if feeds is None:
             raise PreprocessError(
                 f"the model has inputs {', '.join(names)}: map the frame to one with "
                 'inputs = { NAME = "frame" }'
             )
-        mapped = {target: fields[FIELD]}
+        mapped = {feeds: fields[FIELD]}
     else:
         mapped = dict(fields)
-    if pre is not None:
-        target = pre.input or only
-        if target is not None and target in mapped:
-            mapped[target], geometry = preprocess_image(mapped[target], pre, bgr=record.bgr)
-            record.extra = {**(record.extra or {}), "geometry": geometry.as_wire()}
+    if pre is not None and target is not None and target in mapped:
+        mapped[target], geometry = preprocess_image(mapped[target], pre, bgr=record.bgr)
+        record.geometry = geometry
+        record.extra = {**(record.extra or {}), "geometry": geometry.as_wire()}
     return mapped
 
 
@@ -85,11 +83,4 @@ def postprocessed(
     """The version's `[[postprocess]]` on a frame's outputs (boxes mapped back through the
     frame's geometry, where it was preprocessed)."""
     post = loaded.postprocess
-    if post is None:
-        return outputs
-    wire = (record.extra or {}).get("geometry")
-    geometry = Geometry.from_wire(wire) if wire is not None else None
-    try:
-        return post.apply(outputs, geometry)
-    except (ValueError, TypeError, IndexError) as e:
-        raise InferenceError(f"postprocess: {e}") from e
+    return outputs if post is None else post.apply(outputs, record.geometry)

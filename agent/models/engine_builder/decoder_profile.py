@@ -30,13 +30,12 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from agent.models.backends.base import ModelLoadError
-from agent.models.decoder_layout import PAST_INPUT, context_in
+from agent.models.decoder_layout import DECODER_INPUTS, PAST_INPUT, context_in, past_axis
 from agent.models.engine_builder.options import EngineBuildError, Shape, ShapeRange
 
 __all__ = ["decoder_context", "decoder_profiles", "is_decoder"]
 
 _SEQUENCE_INPUTS = ("input_ids", "position_ids")
-_KNOWN = {"input_ids", "attention_mask", "position_ids", "use_cache_branch"}
 
 
 def is_decoder(inputs: Mapping[str, Shape]) -> bool:
@@ -44,7 +43,7 @@ def is_decoder(inputs: Mapping[str, Shape]) -> bool:
     return (
         "input_ids" in inputs
         and any(PAST_INPUT.match(name) for name in inputs)
-        and all(name in _KNOWN or PAST_INPUT.match(name) for name in inputs)
+        and all(name in DECODER_INPUTS or PAST_INPUT.match(name) for name in inputs)
     )
 
 
@@ -94,13 +93,13 @@ def _profile(
         elif name == "attention_mask":
             profile[name] = _ranged(name, shape, {1: span})
         elif PAST_INPUT.match(name):
-            dynamic = [axis for axis, d in enumerate(shape) if d < 0 and axis > 0]
-            if len(dynamic) != 1:
+            axis = past_axis([d < 0 for d in shape])
+            if axis is None:
                 raise EngineBuildError(
                     f"cache input {name!r} {list(shape)}: expected [batch, ..., past, ...] "
                     "with every other dim fixed; give its shapes with --profile"
                 )
-            profile[name] = _ranged(name, shape, {dynamic[0]: past})
+            profile[name] = _ranged(name, shape, {axis: past})
         else:
             raise EngineBuildError(
                 f"input {name!r} {list(shape)} is dynamic: give its shapes with --profile"
