@@ -1,11 +1,11 @@
 """TensorRT engines the agent builds itself, with the build visible in the inventory.
 
 A version whose model says ``backend = "tensorrt"`` but whose folder holds ``model.onnx``
-is served from an engine built on the box (:func:`needs_engine`). The plan goes into the
-engine cache only (:func:`agent.models.engine_builder.build.build_into_cache`, keyed by the
-ONNX file's sha256, TensorRT, the GPU and the build options); the version folder is never
-written, so a signed version stays signed. How to build comes from the model's
-``[backend_options.tensorrt.build]`` (:func:`build_options`).
+is served from an engine built on the box (``VersionInfo.builds_engine``). The plan goes
+into the engine cache only (:func:`agent.models.engine_builder.build.build_into_cache`,
+keyed by the ONNX file's sha256, TensorRT, the GPU and the build options); the version
+folder is never written, so a signed version stays signed. How to build comes from the
+model's ``[backend_options.tensorrt.build]`` (:func:`build_options`).
 
 :class:`EngineBuilds` runs the builds, one at a time, on its own thread (``engine-build``),
 so a build of minutes never holds the manager's sync: the version is ``building`` meanwhile
@@ -27,10 +27,11 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from agent.models.backends.base import BackendOptions, ModelLoadError
-from agent.models.engine_builder.build import build_into_cache, cache_entry
+from agent.models.backends.tensorrt.runtime import TensorRTOptions
+from agent.models.engine_builder.build import CacheEntry, build_into_cache, cache_entry
 from agent.models.engine_builder.options import (
     BuildOptions,
     EngineBuildError,
@@ -50,7 +51,6 @@ __all__ = [
     "EngineBuilds",
     "Progress",
     "build_options",
-    "needs_engine",
 ]
 
 log = logging.getLogger(__name__)
@@ -60,16 +60,7 @@ DURATIONS_FILE = "build-seconds.json"  # in the engine cache: model -> its last 
 JOIN_TIMEOUT_S = 5.0
 
 Progress = Callable[[], dict[str, Any]]  # a building version's `progress`, read on each publish
-
-
-def needs_engine(version: VersionInfo) -> bool:
-    """An ONNX file in a version of a model that says ``backend = "tensorrt"``."""
-    model_file = version.model_file
-    return (
-        version.backend == "tensorrt"
-        and model_file is not None
-        and model_file.suffix.lower() == ".onnx"
-    )
+_Default = TypeVar("_Default", bound=int | None)
 
 
 def _flag(table: Mapping[str, Any], key: str) -> bool:
@@ -79,9 +70,11 @@ def _flag(table: Mapping[str, Any], key: str) -> bool:
     return value
 
 
-def _count(table: Mapping[str, Any], key: str, default: int | None) -> int | None:
-    value = table.get(key, default)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+def _count(table: Mapping[str, Any], key: str, default: _Default) -> int | _Default:
+    value = table.get(key)
+    if value is None:  # TOML has no null: the key is not set
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ModelLoadError(f"tensorrt.build.{key} must be an integer >= 1, got {value!r}")
     return value
 
@@ -90,10 +83,8 @@ def build_options(options: BackendOptions, *, context: int | None = None) -> Bui
     """``[backend_options.tensorrt.build]`` (and ``tensorrt.device``) as BuildOptions;
     ModelLoadError naming the key for a bad value, before anything is built. `context`: the
     model's ``[generate] context``, used where ``tensorrt.build.context`` is not set."""
-    raw = options.extra.get("tensorrt", {})
-    if not isinstance(raw, Mapping):
-        raise ModelLoadError("backend option 'tensorrt' must be a table")
-    table = raw.get("build", {})
+    device = TensorRTOptions.from_extra(options.extra).device  # as the load checks it
+    table = TensorRTOptions.table(options.extra).get("build", {})
     if not isinstance(table, Mapping):
         raise ModelLoadError("tensorrt.build must be a table")
     unknown = sorted(set(table) - set(BUILD_KEYS))
@@ -105,7 +96,6 @@ def build_options(options: BackendOptions, *, context: int | None = None) -> Bui
     profiles = table.get("profiles", [])
     if not isinstance(profiles, list) or not all(isinstance(p, str) for p in profiles):
         raise ModelLoadError('tensorrt.build.profiles must be a list of "NAME:MIN/OPT/MAX" texts')
-    device = raw.get("device", 0)
     workspace_mib = _count(table, "workspace_mib", None)
     try:
         return BuildOptions(
@@ -113,8 +103,8 @@ def build_options(options: BackendOptions, *, context: int | None = None) -> Bui
             int8=_flag(table, "int8"),
             workspace_bytes=None if workspace_mib is None else workspace_mib * 1024 * 1024,
             profiles=tuple(parse_profile(spec) for spec in profiles),
-            max_batch=_count(table, "max_batch", 8) or 8,
-            device=device if isinstance(device, int) and not isinstance(device, bool) else 0,
+            max_batch=_count(table, "max_batch", 8),
+            device=device,
             context=_count(table, "context", context),  # a decoder's (agent.models.engine_builder)
         )
     except ValueError as exc:
@@ -128,13 +118,12 @@ class _Job:
     model: str
     version: int
     fingerprint: Fingerprint | None
-    onnx: Path
+    entry: CacheEntry  # the ONNX file's (hashed once: its key, its checksum, its build)
     options: BuildOptions
     estimate_s: float | None
     tracker: PhaseTracker
     state: Literal["queued", "running", "done", "failed"] = "queued"
     started: float = 0.0
-    key: str = ""
     plan: Path | None = None
     error: str | None = None
     published: tuple[Any, ...] = field(default=())  # what the last publish showed
@@ -206,31 +195,31 @@ class EngineBuilds:
         ready = self._finished_job(model, version.version, fingerprint)
         if ready is not None:
             return ready
-        assert version.model_file is not None  # needs_engine(version)
+        assert version.model_file is not None  # version.builds_engine
         options_ = build_options(options, context=context)
         looked_up = time.monotonic()
         try:
             entry = cache_entry(version.model_file, options_)
         except EngineBuildError as exc:
             raise ModelLoadError(str(exc)) from None
-        if not entry.cached:
-            self._check_files(version)  # TensorRT parses only what the box would load
         if entry.cached:
             self._event_finished(
                 model, version.version, entry.key, ok=True, cache="hit", started=looked_up
             )
             return entry.plan
+        # The signature or checksum before a build: the load checks them again, but TensorRT
+        # parses only what the box would load, and a tampered file must not cost minutes.
+        verify_files(version, self._trust, sha256=entry.onnx_sha256)
         job = _Job(
             model,
             version.version,
             fingerprint,
-            version.model_file,
+            entry,
             options_,
             self._last_seconds(model),
             PhaseTracker(
                 lambda line: log.info("engine build %s v%d: %s", model, version.version, line)
             ),
-            key=entry.key,
         )
         with self._cond:
             if self._closing:
@@ -240,11 +229,6 @@ class EngineBuilds:
             self._start_threads()
             self._cond.notify_all()
         return job.progress
-
-    def _check_files(self, version: VersionInfo) -> None:
-        """The version's signature (with ``[models.trust]``) or checksum, before a build:
-        the load checks them again, but a tampered file must not cost minutes of building."""
-        verify_files(version, self._trust)
 
     def _finished_job(
         self, model: str, number: int, fingerprint: Fingerprint | None
@@ -301,14 +285,14 @@ class EngineBuilds:
                 "type": "engine_build_started",
                 "model": job.model,
                 "version": job.version,
-                "key": job.key,
+                "key": job.entry.key,
                 "estimate_s": job.estimate_s,
             }
         )
         plan: Path | None = None
         error: str | None = None
         try:
-            plan = build_into_cache(job.onnx, job.options, job.tracker).plan
+            plan = build_into_cache(job.entry, job.options, job.tracker).plan
         except EngineBuildError as exc:
             error = str(exc)
         except Exception as exc:  # a bug or a binding error: the version fails, the agent lives
@@ -327,7 +311,7 @@ class EngineBuilds:
         self._event_finished(
             job.model,
             job.version,
-            job.key,
+            job.entry.key,
             ok=plan is not None,
             cache="miss",
             started=job.started,

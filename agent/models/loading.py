@@ -18,7 +18,7 @@ from agent.models.decoder_layout import Generation, open_generation
 from agent.models.defaults import default_arrays
 from agent.models.postprocess import Postprocessor, build_postprocess
 from agent.models.records import ModelRecord
-from agent.models.repository import VersionInfo, verify_checksum
+from agent.models.repository import VersionInfo, checksum_problem, verify_checksum
 from agent.models.signature import check_signature, incompatibilities
 from agent.models.trust import TrustPolicy
 from agent.models.warmup import run_warm_up
@@ -26,12 +26,17 @@ from agent.models.warmup import run_warm_up
 __all__ = ["open_version", "verify_files"]
 
 
-def verify_files(version: VersionInfo, trust: TrustPolicy | None) -> dict[str, str] | None:
+def verify_files(
+    version: VersionInfo, trust: TrustPolicy | None, *, sha256: str | None = None
+) -> dict[str, str] | None:
     """The version's signature (with ``trust``: who signed it) or else its checksum;
-    ModelLoadError names what does not match."""
+    ModelLoadError names what does not match. ``sha256``: the model file's digest, already
+    computed (compared instead of hashing the file again)."""
     # A verified signature covers model.sha256 and the model file's bytes: no second read.
     signed = trust.verify(version.path) if trust is not None else None
-    problem = verify_checksum(version) if signed is None else None
+    problem = None
+    if signed is None:
+        problem = verify_checksum(version) if sha256 is None else checksum_problem(version, sha256)
     if problem is not None:
         raise ModelLoadError(problem)
     return signed

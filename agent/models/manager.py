@@ -27,7 +27,7 @@ from typing import Any
 
 from agent.config import ModelsConfig
 from agent.models.backends.base import BackendOptions, ModelLoadError, TensorSpec
-from agent.models.engine_builds import EngineBuilds, needs_engine
+from agent.models.engine_builds import EngineBuilds
 from agent.models.loading import open_version
 from agent.models.model_config import ModelConfig
 from agent.models.records import (
@@ -251,7 +251,7 @@ class ModelManager:
             if not self._settling.settled(version, fingerprint):
                 continue  # still being written: a lower ready version keeps serving meanwhile
             engine = None
-            if needs_engine(version):
+            if version.builds_engine:
                 engine = self._engine(record, version, fingerprint)
                 if engine is None:
                     changed = True  # being built, or its build failed: a lower version serves

@@ -35,6 +35,7 @@ __all__ = [
     "MODEL_FILES",
     "ModelInfo",
     "VersionInfo",
+    "checksum_problem",
     "file_fingerprint",
     "parse_checksum",
     "scan_repository",
@@ -69,6 +70,15 @@ class VersionInfo:
     @property
     def ok(self) -> bool:
         return self.problem is None
+
+    @property
+    def builds_engine(self) -> bool:
+        """An ONNX file under ``backend = "tensorrt"``: the agent builds its engine
+        (agent.models.engine_builds)."""
+        model_file = self.model_file
+        return (
+            self.backend == "tensorrt" and model_file is not None and model_file.suffix == ".onnx"
+        )
 
 
 @dataclass(frozen=True)
@@ -189,11 +199,8 @@ def _scan_version(
         problem = _file_problem(model_file, root)
         if problem is not None:
             return failed(problem)
-        # An ONNX file under `backend = "tensorrt"`: the agent builds its engine
-        # (agent.models.engine_builds); a plan under "onnxruntime" cannot work.
-        if backend != suffix_backend and not (
-            backend == "tensorrt" and model_file.suffix == ".onnx"
-        ):
+        # A plan under "onnxruntime" cannot work; an ONNX file under "tensorrt" can.
+        if backend != suffix_backend and not info.builds_engine:
             return failed(
                 f"config says backend {backend!r}, but {model_file.name} is a {suffix_backend} file"
             )
@@ -275,7 +282,16 @@ def verify_checksum(version: VersionInfo) -> str | None:
                 digest.update(block)
     except OSError as exc:
         return f"cannot read {version.model_file.name}: {exc.strerror or exc}"
-    actual = digest.hexdigest()
+    return checksum_problem(version, digest.hexdigest())
+
+
+def checksum_problem(version: VersionInfo, actual: str) -> str | None:
+    """The model file's sha256 ``actual`` (already computed) against model.sha256; the
+    problem, or None if it matches or there is nothing to check."""
+    if version.sha256_expected is None:
+        return None
+    if version.model_file is None:
+        return "no model file to check"
     if actual != version.sha256_expected:
         return (
             f"checksum mismatch for {version.model_file.name}: "

@@ -89,7 +89,9 @@ class CacheEntry:
 
     key: str
     plan: Path
+    onnx: Path
     onnx_sha256: str
+    onnx_stat: tuple[int, int, int]  # (inode, size, mtime_ns) of the file hashed
     tensorrt: str
     gpu: cuda.DeviceIdentity
     trt: Any  # the imported tensorrt module
@@ -103,6 +105,7 @@ def cache_entry(onnx_path: Path, options: BuildOptions) -> CacheEntry:
     """Hash the ONNX file, import TensorRT, identify the GPU: the cache entry of the build.
     Raises :class:`EngineBuildError` (one line)."""
     try:
+        onnx_stat = _stat(onnx_path)
         onnx_sha = sha256_file(onnx_path)
     except OSError as exc:
         raise EngineBuildError(f"cannot read {onnx_path}: {exc.strerror or exc}") from exc
@@ -114,7 +117,22 @@ def cache_entry(onnx_path: Path, options: BuildOptions) -> CacheEntry:
     version = str(trt.__version__)
     key = cache_key(onnx_sha, version, gpu, options)
     cache_dir = options.cache_dir or default_cache_dir()
-    return CacheEntry(key, cache_dir / f"{key}.plan", onnx_sha, version, gpu, trt)
+    return CacheEntry(
+        key, cache_dir / f"{key}.plan", onnx_path, onnx_sha, onnx_stat, version, gpu, trt
+    )
+
+
+def _stat(path: Path) -> tuple[int, int, int]:
+    st = path.stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _replaced(entry: CacheEntry) -> bool:
+    """The ONNX file changed since :func:`cache_entry` hashed it (or cannot be read)."""
+    try:
+        return _stat(entry.onnx) != entry.onnx_stat
+    except OSError:
+        return True
 
 
 def _timing_cache(entry: CacheEntry, options: BuildOptions) -> Path:
@@ -123,16 +141,19 @@ def _timing_cache(entry: CacheEntry, options: BuildOptions) -> Path:
     )
 
 
-def build_into_cache(onnx_path: Path, options: BuildOptions, progress: Progress) -> CacheEntry:
-    """The agent's build: the plan into the engine cache only (no version is published; the
-    version folder stays as it is). A plan already cached is kept. One build at a time per
-    cache folder on this box (a lock file). Raises :class:`EngineBuildError` (one line)."""
-    entry = cache_entry(onnx_path, options)
+def build_into_cache(entry: CacheEntry, options: BuildOptions, progress: Progress) -> CacheEntry:
+    """The agent's build of ``entry`` (:func:`cache_entry` of these ``options``): the plan
+    into the engine cache only (no version is published; the version folder stays as it
+    is). A plan already cached is kept; an ONNX file replaced since it was hashed is hashed
+    again, so no plan lands under another file's key. One build at a time per cache folder
+    on this box (a lock file). Raises :class:`EngineBuildError` (one line)."""
+    if _replaced(entry):
+        entry = cache_entry(entry.onnx, options)
     with locked(entry.plan.parent):
         if entry.cached and not options.force:
             return entry
         plan = build_in_context(
-            entry.trt, onnx_path, options, _timing_cache(entry, options), progress
+            entry.trt, entry.onnx, options, _timing_cache(entry, options), progress
         )
         try:
             write_atomic(entry.plan, plan)

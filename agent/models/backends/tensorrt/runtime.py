@@ -55,12 +55,18 @@ class TensorRTOptions:
     device: int = 0
     zero_copy: bool = False
 
-    @classmethod
-    def from_extra(cls, extra: Mapping[str, object]) -> TensorRTOptions:
-        """Validate at once, with the key named: a typo must not silently mean "default"."""
+    @staticmethod
+    def table(extra: Mapping[str, object]) -> Mapping[str, Any]:
+        """``extra["tensorrt"]`` (empty when not set); ModelLoadError if it is not a table."""
         raw = extra.get("tensorrt", {})
         if not isinstance(raw, Mapping):
             raise ModelLoadError("backend option 'tensorrt' must be a table")
+        return raw
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, object]) -> TensorRTOptions:
+        """Validate at once, with the key named: a typo must not silently mean "default"."""
+        raw = cls.table(extra)
         # `build`: how the agent builds an engine from ONNX (agent.models.engine_builds)
         unknown = sorted(set(raw) - {"device", "zero_copy", "build"})
         if unknown:
