@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["describe_outputs", "parse_inputs", "parse_params", "parse_texts"]
+__all__ = ["describe_outputs", "parse_inputs", "parse_params"]
 
 
 def describe_outputs(outputs: dict[str, Any], width: int = 60) -> str:
@@ -47,9 +47,12 @@ def parse_inputs(specs: Sequence[str], texts: Sequence[str] = ()) -> dict[str, A
 
 def parse_texts(specs: Sequence[str]) -> dict[str, str]:
     """`NAME=TEXT` as a text input (`prompt` of a generate model with a tokenizer)."""
-    texts = {name: text for name, sep, text in (s.partition("=") for s in specs) if sep}
-    if len(texts) != len(specs):
-        raise SystemExit("error: --text needs NAME=TEXT")
+    texts: dict[str, str] = {}
+    for spec in specs:
+        name, sep, text = spec.partition("=")
+        if not sep:
+            raise SystemExit("error: --text needs NAME=TEXT")
+        texts[name] = text
     return texts
 
 

@@ -35,11 +35,10 @@ HYSTERESIS_C = 2.0  # a zone counts as cleared this far below its trip point
 
 class ThrottleWatch:
     """One `thermal_throttle` event per crossing of a trip point, one `throttle_cleared` once
-    back below it by the hysteresis: never one per sample."""
+    back below it by HYSTERESIS_C: never one per sample."""
 
-    def __init__(self, on_event: Callable[[dict[str, Any]], None], hysteresis_c: float) -> None:
+    def __init__(self, on_event: Callable[[dict[str, Any]], None]) -> None:
         self._on_event = on_event
-        self._hysteresis_c = hysteresis_c
         self._throttled: set[str] = set()
 
     def zones(self, zones: list[Zone]) -> None:
@@ -47,12 +46,8 @@ class ThrottleWatch:
             if z.trip_c is None:
                 continue
             fields = {"zone": z.zone, "temp_c": z.temp_c, "trip_c": z.trip_c}
-            if z.zone not in self._throttled and z.temp_c >= z.trip_c:
-                self._throttled.add(z.zone)
-                self._on_event({"type": "thermal_throttle", **fields})
-            elif z.zone in self._throttled and z.temp_c <= z.trip_c - self._hysteresis_c:
-                self._throttled.discard(z.zone)
-                self._on_event({"type": "throttle_cleared", **fields})
+            hot, cleared = z.temp_c >= z.trip_c, z.temp_c <= z.trip_c - HYSTERESIS_C
+            self._update(z.zone, hot, cleared, fields)
 
     def gpus(self, devices: list[dict[str, Any]]) -> None:
         """NVML's throttle reasons: heat or a power cap slowing the GPU down."""
@@ -60,12 +55,18 @@ class ThrottleWatch:
             zone = f"nvml:gpu{device['index']}"
             reasons = sorted(THROTTLING.intersection(device.get("throttle_reasons", ())))
             fields = {"zone": zone, "reasons": reasons, "temp_c": device.get("temp_c")}
-            if reasons and zone not in self._throttled:
-                self._throttled.add(zone)
-                self._on_event({"type": "thermal_throttle", **fields})
-            elif not reasons and zone in self._throttled and "throttle_reasons" in device:
-                self._throttled.discard(zone)
-                self._on_event({"type": "throttle_cleared", **fields})
+            cleared = not reasons and "throttle_reasons" in device
+            self._update(zone, bool(reasons), cleared, fields)
+
+    def _update(self, zone: str, hot: bool, cleared: bool, fields: dict[str, Any]) -> None:
+        """Enter `zone` when `hot` and not yet throttled, leave it when `cleared`: an event
+        for each change."""
+        if hot and zone not in self._throttled:
+            self._throttled.add(zone)
+            self._on_event({"type": "thermal_throttle", **fields})
+        elif cleared and zone in self._throttled:
+            self._throttled.discard(zone)
+            self._on_event({"type": "throttle_cleared", **fields})
 
 
 class BoxMonitor(Collector):
@@ -84,7 +85,7 @@ class BoxMonitor(Collector):
         self.interval_s = interval_s
         self.root = root
         self._energy = energy
-        self._watch = ThrottleWatch(on_event, HYSTERESIS_C)
+        self._watch = ThrottleWatch(on_event)
         self._nvml = NvmlReader(nvml_module)
         self._nvml_on = False
         self._reader: BoxReader | None = None
@@ -222,8 +223,9 @@ def _thermal_families(box: BoxSample) -> list[Metric]:
 
 def _plain_families(box: BoxSample) -> list[Metric]:
     gpu, memory = box.gpu, box.memory
+    load = gpu.get("load_pct")
     items: list[tuple[str, str, float | None]] = [
-        ("gpu_load_ratio", "GPU load, 0 to 1", _scaled(gpu.get("load_pct"), 0.01)),
+        ("gpu_load_ratio", "GPU load, 0 to 1", None if load is None else load * 0.01),
         ("gpu_freq_hz", "GPU clock now", gpu.get("freq_hz")),
         ("gpu_max_freq_hz", "GPU clock ceiling", gpu.get("max_freq_hz")),
         ("emc_freq_hz", "Memory controller clock", box.emc_freq_hz),
@@ -240,31 +242,26 @@ def _value(name: str, help_text: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=value)
 
 
-def _scaled(value: float | None, factor: float) -> float | None:
-    return None if value is None else value * factor
-
-
 def _mode_id(mode: dict[str, object] | None) -> float | None:
     value = mode.get("id") if mode else None
     return float(value) if isinstance(value, int) else None
 
 
 def _nvml_families(devices: list[dict[str, Any]]) -> list[Metric]:
-    specs = (
-        ("nvml_power_watts", "power_w", "GPU power (NVML)"),
-        ("nvml_temperature_celsius", "temp_c", "GPU temperature (NVML)"),
-        ("nvml_utilization_ratio", "util_pct", "GPU utilisation, 0 to 1 (NVML)"),
-        ("nvml_memory_used_bytes", "mem_used_b", "GPU memory in use (NVML)"),
-        ("nvml_memory_total_bytes", "mem_total_b", "GPU memory (NVML)"),
-        ("nvml_sm_clock_hz", "sm_clock_hz", "SM clock (NVML)"),
+    specs = (  # name, the device's key, help, what to divide the value by
+        ("nvml_power_watts", "power_w", "GPU power (NVML)", 1),
+        ("nvml_temperature_celsius", "temp_c", "GPU temperature (NVML)", 1),
+        ("nvml_utilization_ratio", "util_pct", "GPU utilisation, 0 to 1 (NVML)", 100.0),
+        ("nvml_memory_used_bytes", "mem_used_b", "GPU memory in use (NVML)", 1),
+        ("nvml_memory_total_bytes", "mem_total_b", "GPU memory (NVML)", 1),
+        ("nvml_sm_clock_hz", "sm_clock_hz", "SM clock (NVML)", 1),
     )
     families: list[Metric] = []
-    for name, key, help_text in specs:
+    for name, key, help_text, divisor in specs:
         family = _gauge(name, help_text, ["gpu"])
         for d in devices:
             if key in d:
-                value = d[key] / 100.0 if key == "util_pct" else d[key]
-                family.add_metric([str(d["index"])], value)
+                family.add_metric([str(d["index"])], d[key] / divisor)
         families.append(family)
     throttled = _gauge("nvml_throttled", "1 while heat or a power cap slows the GPU", ["gpu"])
     for d in devices:

@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent.ops.skip_log import SkipLog
+
 log = logging.getLogger(__name__)
 
 # Rails that measure the whole board's input (Orin, Xavier NX: VDD_IN; Nano, TX2: POM_5V_IN).
@@ -82,8 +84,7 @@ class BoxReader:
 
     def __init__(self, root: Path = Path("/")) -> None:
         self.root = root
-        self.errors = 0  # reads that failed or held garbage
-        self._warned: set[str] = set()
+        self._skips = SkipLog(log)
         self._channels = self._discover_rails()
         self._zones = self._discover_zones()
         self._gpu = self._discover_gpu()
@@ -91,6 +92,11 @@ class BoxReader:
         self._modes = self._discover_power_modes()
         self._mode_status = _existing(root / "var/lib/nvpmodel/status")
         self._meminfo = _existing(root / "proc/meminfo")
+
+    @property
+    def errors(self) -> int:
+        """Reads that failed or held garbage."""
+        return self._skips.count
 
     @property
     def found(self) -> dict[str, int]:
@@ -276,10 +282,7 @@ class BoxReader:
             return None
 
     def _failed(self, path: str, why: str) -> None:
-        self.errors += 1
-        if path not in self._warned:
-            self._warned.add(path)
-            log.warning("box: skipping %s (%s); logged once", path, why)
+        self._skips.skip(path, "box: skipping %s (%s); logged once", path, why)
 
 
 def _read(path: str) -> str | None:

@@ -13,6 +13,8 @@ import importlib
 import logging
 from typing import Any
 
+from agent.ops.skip_log import SkipLog
+
 log = logging.getLogger(__name__)
 
 # nvmlClocksThrottleReason* bits (nvml.h), by the names telemetry uses.
@@ -40,8 +42,12 @@ class NvmlReader:
         """`module`: the pynvml API (a double in the tests); None imports `pynvml`."""
         self._nvml = module
         self._handles: list[Any] = []
-        self.errors = 0
-        self._warned: set[str] = set()
+        self._skips = SkipLog(log)
+
+    @property
+    def errors(self) -> int:
+        """Queries that failed (skipped)."""
+        return self._skips.count
 
     def start(self) -> bool:
         if self._nvml is None:
@@ -99,8 +105,5 @@ class NvmlReader:
         try:
             return function(*args)
         except Exception as e:
-            self.errors += 1
-            if what not in self._warned:
-                self._warned.add(what)
-                log.warning("box: NVML %s query failed (%s); skipped, logged once", what, e)
+            self._skips.skip(what, "box: NVML %s query failed (%s); skipped, logged once", what, e)
             return None
