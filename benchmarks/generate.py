@@ -18,11 +18,9 @@ what delivering a chunk costs.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -36,6 +34,13 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from agent.demo.broker import EmbeddedBroker  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    AgentProcess,
+    one_request,
+    section_main,
+    unique_id,
+    wait_online,
+)
 
 FIXTURE = REPO / "tests" / "fixtures" / "real" / "decoders" / "gpt2"
 TARGET_RATIO, TARGET_TTFT_MS = 0.9, 2.0
@@ -49,7 +54,7 @@ class GenerateResult:
     bare_tokens_s: float
     agent_ttft_ms: float
     bare_prefill_ms: float
-    loop_tokens_s: float = 0.0  # the generate strategy alone (no MQTT); 0: not measured
+    loop_tokens_s: float  # the generate strategy alone (no MQTT)
 
     @property
     def ratio(self) -> float:
@@ -65,11 +70,10 @@ def bare_session(threads: int) -> Any:
     (`agent.models.backends.onnxruntime`)."""
     import onnxruntime as ort
 
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    opts.inter_op_num_threads = 1
-    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    from agent.models.backends.base import BackendOptions
+    from agent.models.backends.onnxruntime import OnnxRuntimeBackend
+
+    opts = OnnxRuntimeBackend._session_options(ort, BackendOptions(threads))
     return ort.InferenceSession(
         str(FIXTURE / "model.onnx"), opts, providers=["CPUExecutionProvider"]
     )
@@ -138,7 +142,6 @@ def measure(broker: EmbeddedBroker, workdir: Path, quick: bool) -> GenerateResul
     from agent.config.loading import load_config
     from agent.models.tokenizer import open_tokenizer
     from agent.service.agent import intra_op_threads
-    from benchmarks.harness import AgentProcess, wait_online
 
     tokens = 64 if quick else 100
     root = workdir / "models"
@@ -170,8 +173,6 @@ def measure(broker: EmbeddedBroker, workdir: Path, quick: bool) -> GenerateResul
 def stream(broker: EmbeddedBroker, root: str, tokens: int) -> tuple[float, float]:
     """(tokens/s between the first and the last chunk's arrival at `mosquitto_sub`, the `end`'s
     time to first token in ms) of one `tokens`-token request for the prompt's text."""
-    from benchmarks.harness import one_request, unique_id
-
     body = {
         "id": unique_id("gen"),
         "inputs": {"prompt": np.array(PROMPT, dtype=object)},
@@ -201,7 +202,8 @@ def _us(rate: float) -> float:
 
 
 def section(result: GenerateResult) -> list[str]:
-    lines = [
+    loop = result.loop_tokens_s
+    return [
         "## Generate: token streaming against a bare ONNX Runtime greedy loop",
         "",
         f"One stream of {result.tokens} tokens of the bundled GPT-2-like decoder "
@@ -217,31 +219,22 @@ def section(result: GenerateResult) -> list[str]:
         f"x{result.ratio:.2f} | >= {TARGET_RATIO} |",
         f"| time to first token vs prefill (ms) | {result.agent_ttft_ms:.2f} | "
         f"{result.bare_prefill_ms:.2f} | +{result.ttft_over_ms:.2f} ms | <= {TARGET_TTFT_MS} ms |",
+        f"| generate loop alone, no MQTT (tokens/s) | {loop:.0f} | "
+        f"{result.bare_tokens_s:.0f} | x{loop / result.bare_tokens_s:.2f} | |",
+        "",
+        f"Per token: the model's run and a bare loop's numpy {_us(result.bare_tokens_s):.0f} "
+        f"µs; the generate loop (token choice, cache and mask handling, text decoding) "
+        f"{_us(loop) - _us(result.bare_tokens_s):+.0f} µs on top; the rest "
+        f"{_us(result.agent_tokens_s) - _us(loop):+.0f} µs: making, spooling and publishing "
+        "the chunk, and the model's run itself slowed by sharing the two cores with the "
+        "broker, the subscriber and the agent's other threads.",
+        "",
     ]
-    if result.loop_tokens_s > 0:
-        loop = result.loop_tokens_s
-        lines += [
-            f"| generate loop alone, no MQTT (tokens/s) | {loop:.0f} | "
-            f"{result.bare_tokens_s:.0f} | x{loop / result.bare_tokens_s:.2f} | |",
-            "",
-            f"Per token: the model's run and a bare loop's numpy {_us(result.bare_tokens_s):.0f} "
-            f"µs; the generate loop (token choice, cache and mask handling, text decoding) "
-            f"{_us(loop) - _us(result.bare_tokens_s):+.0f} µs on top; the rest "
-            f"{_us(result.agent_tokens_s) - _us(loop):+.0f} µs: making, spooling and publishing "
-            "the chunk, and the model's run itself slowed by sharing the two cores with the "
-            "broker, the subscriber and the agent's other threads.",
-        ]
-    return [*lines, ""]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    with EmbeddedBroker() as broker, tempfile.TemporaryDirectory() as tmp:
-        result = measure(broker, Path(tmp), args.quick)
-    print("\n".join(section(result)))
+def main(argv: list[str] | None = None) -> int:
+    return section_main(__doc__, "edge-bench-generate-", measure, section, met, argv)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

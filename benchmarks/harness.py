@@ -67,11 +67,17 @@ def subscribe(client: mqtt.Client, topic: str, qos: int) -> None:
         raise RuntimeError(f"no SUBACK for {topic}")
 
 
+def stat_cpu_s(text: str) -> float:
+    """CPU seconds, user and system, in the text of a `/proc/PID/stat` (a process's, all its
+    threads) or `/proc/PID/task/TID/stat` (one thread's) file."""
+    fields = text.rsplit(")", 1)[1].split()  # after the name, which may hold anything
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_s(pid: int) -> float:
     """CPU time of a process so far, all its threads, user and system (Linux /proc)."""
     with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return stat_cpu_s(f.read())
 
 
 def rss_mb(pid: int) -> float:

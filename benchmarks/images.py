@@ -141,21 +141,19 @@ def jpeg(image: Array) -> bytes:
     return bytes(encoded.tobytes())
 
 
-def request_template(image: bytes) -> bytes:
-    """The load peer's request: the JPEG as the model's input, one reply (`stream = false`)."""
+def request_template(image: bytes | Array) -> bytes:
+    """The load peer's request: `image` (the JPEG, or for `payload_sizes` pixels) as the
+    model's input, one reply (`stream = false`)."""
     return encode_payload({"id": MARKER, "inputs": {INPUT: image}, "stream": False})
 
 
 def payload_sizes(frame: Array, image: bytes, tensor: Array) -> dict[str, int]:
     """Request bytes (the whole CBOR payload) by what the request carries."""
-
-    def size(value: Any) -> int:
-        return len(encode_payload({"id": MARKER, "inputs": {INPUT: value}, "stream": False}))
-
+    pixels = np.ascontiguousarray(frame[:, :, ::-1])  # uint8 H x W x 3, RGB
     return {
-        "jpeg": size(image),
-        "pixels": size(np.ascontiguousarray(frame[:, :, ::-1])),  # uint8 H x W x 3, RGB
-        "tensor": size(tensor),  # the model input, letterboxed by the sender
+        "jpeg": len(request_template(image)),
+        "pixels": len(request_template(pixels)),
+        "tensor": len(request_template(tensor)),  # the model input, letterboxed by the sender
         # the frame itself as float32 (what a model without [preprocess] taking full frames
         # would need): computed, not encoded, as it is over the payload limit
         "frame_float32": frame.size * 4,

@@ -27,7 +27,7 @@ from agent.demo import models as demo_models
 from agent.demo.broker import EmbeddedBroker
 from agent.demo.run import DECODER_CONFIG
 from benchmarks import speed
-from benchmarks.harness import REPO, AgentProcess, wait_online
+from benchmarks.harness import REPO, AgentProcess, stat_cpu_s, wait_online
 
 MODEL = "decoder-tiny"
 DIMS = (32, 8, 8)  # vocab, embed, hidden: chunks of about a hundred bytes
@@ -114,7 +114,6 @@ def from_json(data: dict[str, Any]) -> OneStreamResult:
 def thread_cpu(pid: int) -> tuple[dict[str, float], dict[str, float]]:
     """CPU seconds and context switches so far of each thread of `pid`, summed by the
     thread's kernel name."""
-    tick = os.sysconf("SC_CLK_TCK")
     cpu: dict[str, float] = {}
     switches: dict[str, float] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -124,9 +123,8 @@ def thread_cpu(pid: int) -> tuple[dict[str, float], dict[str, float]]:
         except OSError:  # the thread ended meanwhile
             continue
         name = text[text.index("(") + 1 : text.rindex(")")]
-        fields = text.rsplit(")", 1)[1].split()
         family = _family(name)
-        cpu[family] = cpu.get(family, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        cpu[family] = cpu.get(family, 0.0) + stat_cpu_s(text)
         counted = [int(line.split()[1]) for line in status.splitlines() if "ctxt_switches" in line]
         switches[family] = switches.get(family, 0.0) + sum(counted)
     return cpu, switches

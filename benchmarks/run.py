@@ -30,7 +30,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,19 +46,14 @@ from benchmarks import sources as local_sources  # noqa: E402
 from benchmarks.harness import AgentProcess, machine, versions, wait_online  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
-SECTIONS = ("speed", "one-stream", "hot-swap", "resend", "drain", "sources", "scan", "generate",
-            "images")  # fmt: skip
 PLOT = "benchmarks-speed.png"
 HISTORY_DOC = "benchmarks-history.md"  # written beside the report
 WIDTH = 100  # prose lines of the reports
+Runner = Callable[[EmbeddedBroker, Path, bool], dict[str, Any]]  # a section measured: its data
 
 
 def run_speed(broker: EmbeddedBroker, workdir: Path, quick: bool) -> dict[str, Any]:
     return speed.to_json(speed.measure(broker, workdir, quick))
-
-
-def run_one_stream(broker: EmbeddedBroker, workdir: Path, quick: bool) -> dict[str, Any]:
-    return one_stream.to_json(one_stream.measure(broker, workdir, quick))
 
 
 def run_hot_swap(broker: EmbeddedBroker, workdir: Path, quick: bool) -> dict[str, Any]:
@@ -101,33 +98,29 @@ def run_drain(broker: EmbeddedBroker, workdir: Path, quick: bool) -> dict[str, A
     return dataclasses.asdict(drain)
 
 
-def run_sources(broker: EmbeddedBroker, workdir: Path, quick: bool) -> dict[str, Any]:
-    return local_sources.to_json(local_sources.measure(broker, workdir, quick))
-
-
-def run_scan(broker: EmbeddedBroker, workdir: Path, quick: bool) -> dict[str, Any]:
-    return scan.to_json(scan.measure(broker, workdir, quick))
-
-
-def run_generate(broker: EmbeddedBroker, workdir: Path, quick: bool) -> dict[str, Any]:
-    return generate.to_json(generate.measure(broker, workdir, quick))
-
-
-def run_images(broker: EmbeddedBroker, workdir: Path, quick: bool) -> dict[str, Any]:
-    return image_bench.to_json(image_bench.measure(broker, workdir, quick))
-
-
-RUNNERS = {
+# Every section, in the report's order: a module with the sections' shared interface
+# (`measure`, `to_json`, `from_json`, `section`, `met`), measured, reported and judged by one
+# path; or, where its module has no such interface, run.py's own runner (the section's lines
+# and target are in `_own_section_lines` and `_own_met`).
+SECTIONS: dict[str, ModuleType | Runner] = {
     "speed": run_speed,
-    "one-stream": run_one_stream,
+    "one-stream": one_stream,
     "hot-swap": run_hot_swap,
     "resend": run_resend,
     "drain": run_drain,
-    "sources": run_sources,
-    "scan": run_scan,
-    "generate": run_generate,
-    "images": run_images,
+    "sources": local_sources,
+    "scan": scan,
+    "generate": generate,
+    "images": image_bench,
 }
+
+
+def measure(name: str, broker: EmbeddedBroker, workdir: Path, quick: bool) -> dict[str, Any]:
+    """Section `name` measured: the data saved in its result."""
+    entry = SECTIONS[name]
+    if isinstance(entry, ModuleType):
+        return dict(entry.to_json(entry.measure(broker, workdir, quick)))
+    return entry(broker, workdir, quick)
 
 
 def _wait_serving(client: AgentClient, model: str, timeout: float = 60) -> None:
@@ -240,30 +233,27 @@ def _measured(record: dict[str, Any]) -> str:
 def section_lines(name: str, record: dict[str, Any], docs: Path, plot: bool = True) -> list[str]:
     """One section of the report. With `plot`, the speed section's figure is drawn again
     (when matplotlib is there); without, the figure already in `docs` is linked as it is."""
-    data = record["data"]
+    entry = SECTIONS[name]
+    if isinstance(entry, ModuleType):
+        lines = list(entry.section(entry.from_json(record["data"])))
+    else:
+        lines = _own_section_lines(name, record["data"], docs, plot)
+    return [lines[0], "", _measured(record), *lines[1:]]
+
+
+def _own_section_lines(name: str, data: dict[str, Any], docs: Path, plot: bool) -> list[str]:
+    """The lines of a section measured by run.py's own runner."""
     if name == "speed":
         result = speed.from_json(data)
         plotted = (plot and speed.plot(result, docs / PLOT)) or (docs / PLOT).exists()
-        lines = speed.section(result, PLOT if plotted else None)
-    elif name == "one-stream":
-        lines = one_stream.section(one_stream.from_json(data))
-    elif name == "hot-swap":
-        lines = hot_swap.section(
+        return speed.section(result, PLOT if plotted else None)
+    if name == "hot-swap":
+        return hot_swap.section(
             hot_swap.SwapResult(**data["swap"]), hot_swap.MemoryResult(**data["memory"])
         )
-    elif name == "resend":
-        lines = resend.section(resend.ResendFloodResult(**data))
-    elif name == "drain":
-        lines = delivery.section(delivery.DrainResult(**data))
-    elif name == "scan":
-        lines = scan.section(scan.from_json(data))
-    elif name == "generate":
-        lines = generate.section(generate.from_json(data))
-    elif name == "images":
-        lines = image_bench.section(image_bench.from_json(data))
-    else:
-        lines = local_sources.section(local_sources.from_json(data))
-    return [lines[0], "", _measured(record), *lines[1:]]
+    if name == "resend":
+        return resend.section(resend.ResendFloodResult(**data))
+    return delivery.section(delivery.DrainResult(**data))
 
 
 def report_lines(results: dict[str, dict[str, Any]], docs: Path, plot: bool) -> list[str]:
@@ -315,26 +305,25 @@ def write_report(out: Path, plot: bool = True) -> list[Path]:
 
 
 def met(name: str, data: dict[str, Any]) -> bool:
+    """Whether section `name`'s saved `data` meets its target."""
+    entry = SECTIONS[name]
+    if isinstance(entry, ModuleType):
+        return bool(entry.met(entry.from_json(data)))
+    return _own_met(name, data)
+
+
+def _own_met(name: str, data: dict[str, Any]) -> bool:
+    """Whether a section measured by run.py's own runner meets its target."""
     if name == "speed":
         figures = speed.from_json(data).figures()
         return all(speed.meets(k, v) is not False for k, v in figures.items())
-    if name == "one-stream":
-        return one_stream.met(one_stream.from_json(data))
     if name == "hot-swap":
         swap = hot_swap.SwapResult(**data["swap"])
         memory = hot_swap.MemoryResult(**data["memory"])
         return swap.ratio <= 2 and swap.failed == 0 and memory.growth_mb <= 10
     if name == "resend":
         return resend.ResendFloodResult(**data).ratio <= 2
-    if name == "drain":
-        return delivery.DrainResult(**data).ratio >= 0.5
-    if name == "scan":
-        return scan.met(scan.from_json(data))
-    if name == "generate":
-        return generate.met(generate.from_json(data))
-    if name == "images":
-        return image_bench.met(image_bench.from_json(data))
-    return local_sources.met(local_sources.from_json(data))
+    return delivery.DrainResult(**data).ratio >= 0.5
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -369,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                 tempfile.TemporaryDirectory(prefix=f"edge-bench-{name}-") as tmp,
                 EmbeddedBroker() as broker,
             ):
-                data = RUNNERS[name](broker, Path(tmp), args.quick)
+                data = measure(name, broker, Path(tmp), args.quick)
             save_result(name, data, args.quick)
             ok = met(name, data) and ok
         print(f"measured {', '.join(chosen)} in {time.monotonic() - started:.0f} s", flush=True)

@@ -29,12 +29,12 @@ def write_decoder(root: Path, name: str, arch: str, extra: str = "", *, text: bo
 
 
 def serve(
-    broker: EmbeddedBroker, tmp: Path, models: dict[str, tuple[str, str]], *, text: bool = True
+    broker: EmbeddedBroker, tmp: Path, models: dict[str, tuple[str, str]]
 ) -> Iterator[tuple[Agent, AgentClient]]:
     """An agent serving `models` (name -> (arch, extra config)), and a client."""
     from tests.conftest import agent_config, serve_agent
 
     root = tmp / "models"
     for name, (arch, extra) in models.items():
-        write_decoder(root, name, arch, extra, text=text and not name.endswith("_ids"))
+        write_decoder(root, name, arch, extra, text=not name.endswith("_ids"))
     yield from serve_agent(broker, agent_config(tmp, broker, root), 20)

@@ -1,8 +1,10 @@
-"""Helpers for the operations tests: a notify socket that records, an agent process, scrapes."""
+"""Helpers for the operations tests: a notify socket that records, an agent process, scrapes,
+the CBOR messages of a topic as they arrive."""
 
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 import socket
 import subprocess
@@ -15,7 +17,11 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
+
+import pytest
+
+from agent.client import AgentClient
 
 CLI = [sys.executable, "-m", "agent.cli"]
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
@@ -196,3 +202,25 @@ def wait_until(check: Callable[[], bool], timeout: float = 10.0, interval: float
             return True
         time.sleep(interval)
     return check()
+
+
+def listen(client: AgentClient, topic: str) -> queue.Queue[dict[str, Any]]:
+    """The decoded messages arriving on `topic` from now on, in order (undecodable ones left
+    out)."""
+    messages: queue.Queue[dict[str, Any]] = queue.Queue()
+    client.listen(topic, lambda t, m, raw: messages.put(m) if m is not None else None)
+    return messages
+
+
+def wait_message(
+    messages: queue.Queue[dict[str, Any]], check: Callable[[dict[str, Any]], bool], timeout: float
+) -> dict[str, Any]:
+    """The first message of `messages` that passes `check`; fails when `timeout` seconds pass
+    with none arriving."""
+    while True:
+        try:
+            message = messages.get(timeout=timeout)
+        except queue.Empty:
+            pytest.fail("no such message arrived")
+        if check(message):
+            return message

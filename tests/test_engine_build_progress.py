@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -28,7 +27,8 @@ from agent.models.manager import ModelManager
 from agent.models.records import format_inventory
 from tests import fakes
 from tests.fakes import FakeGPU
-from tests.test_hot_swap import direct, drop_version, mlp_bytes, wait_for
+from tests.ops_helpers import listen, wait_message
+from tests.test_hot_swap import direct, drop_version, make_repo, mlp_bytes, serving, wait_for
 
 fake_gpu = fakes.fake_gpu  # the fixture: fresh fakes in sys.modules per test
 
@@ -68,15 +68,6 @@ def gate(fake_gpu: FakeGPU) -> Iterator[Gate]:
     fake_gpu.build_hook = held
     yield held
     held.release()
-
-
-def make_model(root: Path, versions: dict[int, int]) -> Path:
-    (root / "mlp").mkdir(parents=True)
-    (root / "mlp" / "config.toml").write_text(CONFIG)
-    for version, seed in versions.items():
-        (root / "mlp" / str(version)).mkdir()
-        (root / "mlp" / str(version) / "model.onnx").write_bytes(mlp_bytes(seed))
-    return root
 
 
 def state(inventory: dict[str, Any], version: int) -> dict[str, Any]:
@@ -137,7 +128,7 @@ def test_without_a_progress_monitor_the_last_builds_duration_is_the_estimate(
     fake_gpu: FakeGPU, gate: Gate, tmp_path: Path, engine_cache: Path
 ) -> None:
     events: list[dict[str, Any]] = []
-    manager = manager_for(make_model(tmp_path / "models", {1: 1}), events)
+    manager = manager_for(make_repo(tmp_path / "models", {1: 1}, config=CONFIG), events)
     try:
         manager.sync()
         assert wait_for(lambda: state(manager.inventory(), 1).get("state") == "ready")
@@ -168,7 +159,7 @@ def test_without_a_progress_monitor_the_last_builds_duration_is_the_estimate(
 
 def test_a_tampered_version_is_not_built(fake_gpu: FakeGPU, tmp_path: Path) -> None:
     events: list[dict[str, Any]] = []
-    root = make_model(tmp_path / "models", {1: 1})
+    root = make_repo(tmp_path / "models", {1: 1}, config=CONFIG)
     (root / "mlp" / "1" / "model.sha256").write_text("0" * 64 + "  model.onnx\n")
     manager = manager_for(root, events)
     try:
@@ -183,7 +174,7 @@ def test_a_tampered_version_is_not_built(fake_gpu: FakeGPU, tmp_path: Path) -> N
 
 def test_closing_cancels_a_running_build(fake_gpu: FakeGPU, gate: Gate, tmp_path: Path) -> None:
     events: list[dict[str, Any]] = []
-    manager = manager_for(make_model(tmp_path / "models", {1: 1}), events)
+    manager = manager_for(make_repo(tmp_path / "models", {1: 1}, config=CONFIG), events)
     gate.armed = True
     manager.sync()
     assert gate.reached.wait(10)
@@ -201,25 +192,6 @@ def test_closing_cancels_a_running_build(fake_gpu: FakeGPU, gate: Gate, tmp_path
 # --------------------------------------------------------------------------- through a broker
 
 
-def listen(client: Any, topic: str) -> queue.Queue[dict[str, Any]]:
-    messages: queue.Queue[dict[str, Any]] = queue.Queue()
-    client.listen(topic, lambda t, m, raw: messages.put(m) if m is not None else None)
-    return messages
-
-
-def wait_message(
-    messages: queue.Queue[dict[str, Any]], check: Callable[[dict[str, Any]], bool]
-) -> dict[str, Any]:
-    """The first message (from now on) that passes ``check``; fails after 15 s without."""
-    while True:
-        try:
-            message = messages.get(timeout=15)
-        except queue.Empty:
-            pytest.fail("no such message arrived")
-        if check(message):
-            return message
-
-
 def test_building_with_progress_then_ready_through_the_broker(
     broker: Any,
     make_agent: Callable[..., Any],
@@ -229,9 +201,9 @@ def test_building_with_progress_then_ready_through_the_broker(
     tmp_path: Path,
     engine_cache: Path,
 ) -> None:
-    root = make_model(tmp_path / "models", {1: 1})
+    root = make_repo(tmp_path / "models", {1: 1}, config=CONFIG)
     agent = make_agent(broker, root)
-    assert wait_for(lambda: agent.models.inventory()["models"]["mlp"]["serving"] == 1)
+    assert wait_for(lambda: serving(agent) == 1)
     client = make_client(broker, agent)
     inventories = listen(client, f"{agent.root}/models")
     events = listen(client, f"{agent.root}/events")
@@ -239,13 +211,14 @@ def test_building_with_progress_then_ready_through_the_broker(
     # A new version that needs a build: building, with phase fractions, while v1 serves.
     gate.armed = True
     drop_version(root, "mlp", 2, mlp_bytes(2))
-    started = wait_message(events, lambda m: m.get("type") == "engine_build_started")
+    started = wait_message(events, lambda m: m.get("type") == "engine_build_started", timeout=15)
     assert started["model"] == "mlp" and started["version"] == 2
     assert isinstance(started["estimate_s"], float)  # v1's build
     assert gate.reached.wait(15)
     building = wait_message(
         inventories,
         lambda m: bool(state(m, 2).get("progress", {}).get("phases")),
+        timeout=15,
     )
     assert state(building, 2)["state"] == "building"
     assert building["models"]["mlp"]["serving"] == 1
@@ -256,10 +229,10 @@ def test_building_with_progress_then_ready_through_the_broker(
     np.testing.assert_allclose(client.infer("mlp", {"x": X})["y"], direct(1, X), rtol=1e-5)
 
     gate.release()
-    finished = wait_message(events, lambda m: m.get("type") == "engine_build_finished")
+    finished = wait_message(events, lambda m: m.get("type") == "engine_build_finished", timeout=15)
     assert finished["version"] == 2 and finished["ok"] is True and finished["cache"] == "miss"
     assert finished["duration_s"] >= 0 and finished["key"] == started["key"]
-    ready = wait_message(inventories, lambda m: m["models"]["mlp"]["serving"] == 2)
+    ready = wait_message(inventories, lambda m: m["models"]["mlp"]["serving"] == 2, timeout=15)
     assert state(ready, 2)["state"] == "ready" and state(ready, 2)["backend"] == "tensorrt"
     np.testing.assert_allclose(client.infer("mlp", {"x": X})["y"], direct(2, X), rtol=1e-4)
     assert (engine_cache / f"{started['key']}.plan").is_file()
@@ -267,19 +240,19 @@ def test_building_with_progress_then_ready_through_the_broker(
 
     # The same ONNX again: a cache hit, never `building`, no started event.
     drop_version(root, "mlp", 3, mlp_bytes(2))
-    hit = wait_message(events, lambda m: m.get("type", "").startswith("engine_build"))
+    hit = wait_message(events, lambda m: m.get("type", "").startswith("engine_build"), timeout=15)
     assert hit["type"] == "engine_build_finished" and hit["cache"] == "hit"
     assert hit["version"] == 3 and hit["ok"] is True and hit["key"] == started["key"]
-    seen = wait_message(inventories, lambda m: m["models"]["mlp"]["serving"] == 3)
+    seen = wait_message(inventories, lambda m: m["models"]["mlp"]["serving"] == 3, timeout=15)
     assert state(seen, 3)["state"] == "ready"
     builds = fake_gpu.builds
 
     # A build that fails: `failed` with the reason, ok = false, v3 keeps serving.
     drop_version(root, "mlp", 4, b"\x08\x07 not an onnx model")
-    failed = wait_message(events, lambda m: m.get("type") == "engine_build_finished")
+    failed = wait_message(events, lambda m: m.get("type") == "engine_build_finished", timeout=15)
     assert failed["version"] == 4 and failed["ok"] is False and failed["cache"] == "miss"
     assert "ONNX parser" in failed["error"]
-    broken = wait_message(inventories, lambda m: state(m, 4).get("state") == "failed")
+    broken = wait_message(inventories, lambda m: state(m, 4).get("state") == "failed", timeout=15)
     assert state(broken, 4)["error"] == failed["error"]
     assert broken["models"]["mlp"]["serving"] == 3 and fake_gpu.builds == builds
     np.testing.assert_allclose(client.infer("mlp", {"x": X})["y"], direct(2, X), rtol=1e-4)

@@ -32,10 +32,13 @@ def direct(seed: int, x: np.ndarray) -> np.ndarray:
     return session.run(["y"], {"x": x})[0]
 
 
-def make_repo(root: Path, versions: dict[int, int], extra_config: str = "") -> Path:
-    """models/mlp/{version}/model.onnx from mlp(seed=...), batch mode."""
+def make_repo(
+    root: Path, versions: dict[int, int], extra_config: str = "", config: str = BATCH_CONFIG
+) -> Path:
+    """models/mlp/{version}/model.onnx from mlp(seed=...); its config.toml is `config` (batch
+    mode) and `extra_config`."""
     (root / "mlp").mkdir(parents=True)
-    (root / "mlp" / "config.toml").write_text(BATCH_CONFIG + extra_config)
+    (root / "mlp" / "config.toml").write_text(config + extra_config)
     for version, seed in versions.items():
         (root / "mlp" / str(version)).mkdir()
         (root / "mlp" / str(version) / "model.onnx").write_bytes(mlp_bytes(seed))

@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 
 from agent.delivery.outbox import OutMessage
-from agent.delivery.spool import Spool
 from agent.delivery.spool_items import AfterWrite, FinishRequest, StoreRequest, unacknowledged_tail
 from agent.inference import send_hold
 from agent.inference.send_hold import SendHold
-from tests.spool_helpers import Statements
+from tests.spool_helpers import recorded_writer
 
 
 class Clock:
@@ -115,17 +114,11 @@ def test_the_writer_writes_a_streams_rows_once_as_acknowledged(
     """Messages still in flight when their batch is taken wait for the next one; acknowledged
     by then, each is one insert and no update. A flush still writes everything at once."""
     from agent.delivery import spool_writer
-    from agent.delivery.spool_writer import SpoolWriter
 
     # A batch of messages alone comes this late: later than any scheduling hiccup of a busy
     # CI machine between the first batch and the acknowledgements below.
     monkeypatch.setattr(spool_writer, "STREAM_COMMIT_S", 30.0)
-    spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 24, max_messages=10_000)
-    statements = Statements(spool._db)
-    spool._db = statements  # type: ignore[assignment]
-    writer = SpoolWriter(spool, protected_after=lambda: 0, on_written=lambda n, b: None)
-    writer.start()
-    try:
+    with recorded_writer(tmp_path / "s.sqlite") as (spool, statements, writer):
         messages = [_message(spool.allocate_id()) for _ in range(10)]
         ran: list[str] = []
         writer.submit(AfterWrite(lambda spool: ran.append("after")))  # a prompt batch
@@ -156,7 +149,3 @@ def test_the_writer_writes_a_streams_rows_once_as_acknowledged(
         writer.ack(late.spool_id)  # type: ignore[arg-type]
         assert writer.flush(10)
         assert spool.count == 0
-    finally:
-        writer.close()
-        spool._db = statements.db
-        spool.close()

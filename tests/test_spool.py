@@ -18,7 +18,7 @@ from agent.delivery.spool import Spool, SpoolFull
 from agent.delivery.spool_items import StoreRequest
 from agent.delivery.spool_sql import STORED_BYTES_SQL, WAL_SIZE_LIMIT, stored_bytes
 from agent.delivery.spool_writer import SpoolWriter
-from tests.spool_helpers import Statements
+from tests.spool_helpers import recorded_writer, recording
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -293,8 +293,7 @@ def test_a_batch_stores_and_deletes_requests_in_a_few_statements(tmp_path: Path)
     from agent.delivery.spool_sql import DELETE_REQUESTS, INSERT_REQUESTS
 
     spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 26, max_messages=100_000)
-    statements = Statements(spool._db)
-    spool._db = statements  # type: ignore[assignment]
+    statements = recording(spool)
     count = DELETE_REQUESTS + 10  # more than one statement of each kind
     assert (INSERT_REQUESTS, DELETE_REQUESTS) == (128, 512)
     keys = [f"m/r{n:05d}" for n in range(count)]
@@ -334,8 +333,7 @@ def test_multi_row_statements_come_in_a_few_sizes(tmp_path: Path):
     assert pieces(0, 64) == [] and pieces(1, 64) == [1]
     assert pieces(37, 64) == [32, 4, 1] and pieces(200, 64) == [64, 64, 64, 8]
     spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 28, max_messages=1_000_000)
-    statements = Statements(spool._db)
-    spool._db = statements  # type: ignore[assignment]
+    statements = recording(spool)
     next_id = 0
     for size in range(1, 201):
         messages = []
@@ -361,8 +359,7 @@ def test_an_fsync_only_where_a_stored_request_still_needs_the_disk(tmp_path: Pat
     from agent.delivery.spool_items import FinishRequest, StoreRequest
 
     spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 20, max_messages=100)
-    statements = Statements(spool._db)
-    spool._db = statements  # type: ignore[assignment]
+    statements = recording(spool)
     acknowledged: list[str] = []
 
     def store(key: str) -> StoreRequest:
@@ -469,18 +466,12 @@ def test_the_writer_fsyncs_nothing_for_a_stream_of_fast_requests(
     unanswered past the grace is fsynced and acknowledged."""
     from agent.delivery import spool_writer
     from agent.delivery.spool_items import StoreRequest
-    from agent.delivery.spool_writer import SpoolWriter
 
     # A grace no scheduling hiccup of a busy CI machine reaches, for the fast requests.
     monkeypatch.setattr(spool_writer, "SETTLE_GRACE_S", 2.0)
 
-    spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 24, max_messages=10_000)
-    statements = Statements(spool._db)
-    spool._db = statements  # type: ignore[assignment]
-    writer = SpoolWriter(spool, protected_after=lambda: 0, on_written=lambda n, b: None)
-    writer.start()
-    stored: list[str] = []
-    try:
+    with recorded_writer(tmp_path / "s.sqlite") as (spool, statements, writer):
+        stored: list[str] = []
         for n in range(40):
             key = f"m/{n}"
             _submit_store(spool, writer, key, stored)
@@ -510,10 +501,6 @@ def test_the_writer_fsyncs_nothing_for_a_stream_of_fast_requests(
         assert stored[-1] == "m/slow"  # acknowledged unanswered, once it was on disk
         assert "PRAGMA synchronous=FULL" in statements.executed
         assert [r.key for r in spool.unfinished_requests()] == ["m/slow"]
-    finally:
-        writer.close()
-        spool._db = statements.db
-        spool.close()
 
 
 def test_the_writer_calls_after_callbacks_once_per_batch_that_ran_callbacks(tmp_path: Path):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import sqlite3
 import stat
 import subprocess
@@ -26,7 +25,7 @@ from agent.delivery.spool import Spool
 from agent.mqtt.epoch import EpochStore, clock_floor
 from agent.service.agent import Agent
 from tests.conftest import agent_config
-from tests.ops_helpers import wait_until
+from tests.ops_helpers import listen, wait_message, wait_until
 
 Start = Callable[[AgentConfig], Agent]
 
@@ -53,21 +52,6 @@ def client_for(broker: Any) -> Iterator[Callable[[AgentConfig], AgentClient]]:
     yield make
     for client in clients:
         client.close()
-
-
-def _listen(client: AgentClient, topic: str) -> queue.Queue[dict[str, Any]]:
-    messages: queue.Queue[dict[str, Any]] = queue.Queue()
-    client.listen(topic, lambda t, m, raw: messages.put(m) if m is not None else None)
-    return messages
-
-
-def _wait_for(
-    messages: queue.Queue[dict[str, Any]], check: Callable[[dict[str, Any]], bool]
-) -> dict[str, Any]:
-    while True:
-        message = messages.get(timeout=10)
-        if check(message):
-            return message
 
 
 def _mlp_ok(client: AgentClient, rows: int = 1) -> None:
@@ -106,11 +90,11 @@ def test_a_corrupt_spool_is_moved_aside_and_the_agent_serves(
     config.spool.path.parent.mkdir(parents=True)
     damage(config.spool.path)
     client = client_for(config)
-    events = _listen(client, f"{config.root_topic}/events")
+    events = listen(client, f"{config.root_topic}/events")
 
     agent = start(config)
 
-    event = _wait_for(events, lambda m: m.get("type") == "spool_quarantined")
+    event = wait_message(events, lambda m: m.get("type") == "spool_quarantined", timeout=10)
     moved = Path(event["path"])
     assert moved.exists() and moved.name.startswith("spool.sqlite.corrupt-")
     assert event["reason"]
@@ -158,8 +142,10 @@ def _open_with_short_timeout(path: Path) -> None:
 
 
 def _online_epoch(client: AgentClient, config: AgentConfig, above: int) -> int:
-    status = _listen(client, f"{config.root_topic}/status")
-    online = _wait_for(status, lambda m: m.get("state") == "online" and m["epoch"] > above)
+    status = listen(client, f"{config.root_topic}/status")
+    online = wait_message(
+        status, lambda m: m.get("state") == "online" and m["epoch"] > above, timeout=10
+    )
     return int(online["epoch"])
 
 
@@ -177,11 +163,11 @@ def test_a_garbage_epoch_file_never_moves_the_epoch_backwards(
     epoch_file.write_bytes(b"\x00\xffnot a number\n")
     if not backup:  # the state an older agent left: one copy only
         (config.state_dir / "epoch.backup").unlink()
-    events = _listen(client, f"{config.root_topic}/events")
+    events = listen(client, f"{config.root_topic}/events")
 
     again = start(config)
 
-    event = _wait_for(events, lambda m: m.get("type") == "epoch_recovered")
+    event = wait_message(events, lambda m: m.get("type") == "epoch_recovered", timeout=10)
     assert event["source"] == ("backup" if backup else "clock")
     assert again.epoch > before
     assert _online_epoch(client, config, before) == again.epoch  # the retained status

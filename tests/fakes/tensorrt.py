@@ -1048,6 +1048,20 @@ class IProgressMonitor:
         raise NotImplementedError
 
 
+class _NoMonitor:
+    """The fake's stand-in where no progress monitor is set (no such class in TensorRT): hears
+    the phases, never cancels."""
+
+    def phase_start(self, phase_name: str, parent_phase: str | None, num_steps: int) -> None:
+        pass
+
+    def step_complete(self, phase_name: str, step: int) -> bool:
+        return True
+
+    def phase_finish(self, phase_name: str) -> None:
+        pass
+
+
 class IBuilderConfig:
     def __init__(self) -> None:
         self._flags: set[BuilderFlag] = set()
@@ -1281,28 +1295,25 @@ class Builder:
         """The phases a build reports: "Building engine" (2 steps) holding "Tactic
         selection" (a step per layer). ``FakeGPU.build_hook`` runs before each step ends,
         also before 10.0 (no monitor), so a test can hold a build in any TensorRT."""
-        monitor = config._monitor
+        monitor = _NoMonitor() if config._monitor is None else config._monitor
         hook = _gpu.current().build_hook or (lambda phase, step: None)
         layers = max(1, len(network._nodes))
-        if monitor is not None:
-            monitor.phase_start("Building engine", None, 2)
-            monitor.phase_start("Tactic selection", "Building engine", layers)
+        monitor.phase_start("Building engine", None, 2)
+        monitor.phase_start("Tactic selection", "Building engine", layers)
         for step in range(layers):
             hook("Tactic selection", step)
-            if monitor is not None and not monitor.step_complete("Tactic selection", step):
+            if not monitor.step_complete("Tactic selection", step):
                 monitor.phase_finish("Tactic selection")
                 monitor.phase_finish("Building engine")
                 return False
         hook("Building engine", 0)
-        if monitor is not None:
-            monitor.phase_finish("Tactic selection")
-            if not monitor.step_complete("Building engine", 0):
-                monitor.phase_finish("Building engine")
-                return False
-        hook("Building engine", 1)
-        if monitor is not None:
-            monitor.step_complete("Building engine", 1)
+        monitor.phase_finish("Tactic selection")
+        if not monitor.step_complete("Building engine", 0):
             monitor.phase_finish("Building engine")
+            return False
+        hook("Building engine", 1)
+        monitor.step_complete("Building engine", 1)
+        monitor.phase_finish("Building engine")
         return True
 
     @staticmethod
