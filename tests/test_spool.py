@@ -181,7 +181,7 @@ import sys, time
 from pathlib import Path
 from agent.delivery.spool import Spool
 spool = Spool(Path(sys.argv[1]), max_bytes=1 << 30, max_messages=10**7)
-n = 0
+n = 1  # the first line is an "added" one: a kill right after it still leaves one
 while True:
     rid, _ = spool.add("s%d" % (n % 7), "t", b"x" * (n % 3000), 1, False, None)
     if n % 5 == 0:
