@@ -22,6 +22,7 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from agent.demo.broker import EmbeddedBroker
+from agent.mqtt import connection
 from agent.protocol.errors import Limits
 from agent.protocol.payload import decode_payload, encode_payload
 from agent.service.agent import Agent
@@ -123,16 +124,24 @@ def test_qos2_stream_on_311_delivers_every_seq(
     assert run_streams(quota_broker, agent, f"qos2-{paho_kind}") == {}
 
 
+@pytest.mark.parametrize("stalled", [False, True], ids=["", "after-a-stalled-attempt"])
 def test_unfinished_qos2_flows_are_released_on_a_resumed_session(
     make_agent: Callable[..., Agent],
     repository: Path,
     paho_kind: str,
+    stalled: bool,
     caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A connection cut under QoS 2 streams leaves flows the broker keeps in the session. A new
     client's ids start at 1 (a reused id clears the broker's old flow), so flows with high ids
     (a connection that ran a while) would take its quota for good without a PUBREL, and every
-    later publish past what is left would be dropped."""
+    later publish past what is left would be dropped. `stalled`: the first attempt after the
+    cut gets no CONNACK (the broker is stopped) and the next one resumes the session: the
+    flows of the cut connection are still released."""
+    if stalled and paho_kind != "fast":
+        pytest.skip("paho's own client cannot release flows (paho_plain)")
+    monkeypatch.setattr(connection, "CONNECT_TIMEOUT_S", 0.5)  # the stalled attempt's end
     caplog.set_level(logging.INFO, "agent.mqtt.session")
     # The broker's debug log shows each PUBREL it receives, with its packet id.
     broker = EmbeddedBroker(extra_config=[*MOSQUITTO_DEFAULT, "log_type debug"]).start()
@@ -170,8 +179,15 @@ def test_unfinished_qos2_flows_are_released_on_a_resumed_session(
             cut = set(agent.transport._window.qos2)  # the ids whose PUBREL never went out
             _drop_unread(sock)  # lost with the link: the agent must not finish a flow later
             sock.shutdown(socket.SHUT_RDWR)  # lost abruptly: the broker keeps the session
+            if stalled:
+                process.send_signal(signal.SIGSTOP)  # the next attempt's CONNECT goes unread
         finally:
             agent.transport._io_lock.release()
+        if stalled:
+            try:
+                assert wait_until(lambda: "CONNACK" in (agent.transport.last_error or ""), 10)
+            finally:
+                process.send_signal(signal.SIGCONT)
         assert wait_until(lambda: agent.transport.reconnects >= 1, 10)
         assert agent.transport.connected.wait(10)
         assert agent.transport.sessions_lost == 0

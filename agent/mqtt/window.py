@@ -90,8 +90,10 @@ class Window:
 
     def new_connection(self) -> None:
         """A new client: what was in flight is published again from the spool; the QoS 2
-        ids among it are kept to be released if the broker resumes the session."""
-        self.unreleased = set(self.qos2)
+        ids among it are kept to be released if the broker resumes the session. Added to
+        those kept before: an attempt that ends before its CONNACK publishes nothing, and
+        the flows of the last connection that ran still wait for the one that resumes."""
+        self.unreleased |= self.qos2
         self.qos2.clear()
         self.pending.clear()
 
