@@ -5,7 +5,7 @@ stop strings, max_new_tokens, context overflow refused, `stream: false`, tokens_
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -15,6 +15,9 @@ from agent.client import AgentClient, AgentError
 from agent.demo.broker import EmbeddedBroker
 from agent.service.agent import Agent
 from tests.generate_helpers import EOS, REFERENCE, serve
+from tests.test_sources import Subscriber, subscribe
+
+__all__ = ["subscribe"]  # the fixture, used by name
 
 CASES = [(arch, k) for arch in ("gpt2", "llama") for k in range(3)]
 N = 24
@@ -35,8 +38,14 @@ def agent_client(
     yield from serve(broker, tmp_path_factory.mktemp("generate"), models)
 
 
-def generate(client: AgentClient, model: str, inputs: dict[str, Any], **params: Any) -> Any:
-    reply = client.request(model, inputs, params=params or None, timeout=30)
+def generate(
+    client: AgentClient,
+    model: str,
+    inputs: dict[str, Any],
+    request_id: str | None = None,
+    **params: Any,
+) -> Any:
+    reply = client.request(model, inputs, params=params or None, timeout=30, request_id=request_id)
     chunks = list(reply)
     return reply, chunks
 
@@ -211,3 +220,40 @@ def test_a_finished_generate_stream_is_resent(agent_client: tuple[Agent, AgentCl
     assert tokens_of(second) == ref["greedy"][:8]
     assert [c.text for c in second] == [c.text for c in first]
     assert again.end is not None and again.end.finish_reason == "length"
+
+
+def test_reply_compression_applies_to_tokens(
+    agent_client: tuple[Agent, AgentClient],
+    broker: EmbeddedBroker,
+    subscribe: Callable[..., Subscriber],
+) -> None:
+    """`params.reply_compression` as in every mode: each chunk's tokens travel as one zstd
+    byte string (the text beside them, as every other per-chunk key, does not); a value
+    that is not known is refused."""
+    agent, client = agent_client
+    ref = REFERENCE["models"]["gpt2"][1]
+    wire = subscribe(broker, f"{agent.root}/result/gpt2/gen-zstd-1")
+    _reply, chunks = generate(
+        client,
+        "gpt2",
+        {"prompt": ref["prompt"]},
+        max_new_tokens=6,
+        reply_compression="zstd",
+        request_id="gen-zstd-1",
+    )
+    assert tokens_of(chunks) == ref["greedy"][:6]
+    sent = wire.bodies("chunk")
+    assert len(sent) == 6 and all(m["compression"] == "zstd" for m in sent)
+    assert all(isinstance(m["outputs"], bytes) and "text" in m for m in sent)
+    whole = client.request(
+        "gpt2",
+        {"prompt": ref["prompt"]},
+        stream=False,
+        params={"max_new_tokens": 6, "reply_compression": "zstd"},
+        timeout=30,
+    )
+    assert whole.collect()["tokens"].tolist() == ref["greedy"][:6]
+    assert whole.text == "".join(c.text for c in chunks)
+    with pytest.raises(AgentError, match="reply_compression") as refused:
+        generate(client, "gpt2", {"prompt": "hi"}, reply_compression="gzip")
+    assert refused.value.code == "bad_request"

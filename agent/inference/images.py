@@ -30,7 +30,7 @@ from agent.models.resize import Geometry
 from agent.protocol.errors import WireError
 from agent.protocol.images import EncodedImage
 
-__all__ = ["bind_outputs", "decode_image", "is_image", "prepared_inputs"]
+__all__ = ["bind_compression", "bind_outputs", "decode_image", "is_image", "prepared_inputs"]
 
 REPLY_COMPRESSIONS = ("zstd",)
 _UINT8 = np.dtype(np.uint8)
@@ -109,10 +109,8 @@ def prepared_inputs(job: Job, loaded: LoadedVersion) -> tuple[dict[str, Any], Ge
     return {**inputs, target: prepared}, geometry
 
 
-def bind_outputs(job: Job, loaded: LoadedVersion, geometry: Geometry | None) -> None:
-    """The job's postprocess (the version's, bound to `geometry`), its reply's `geometry`
-    and, where `params.reply_compression` asks for it, compression."""
-    reply = job.reply
+def bind_compression(job: Job) -> None:
+    """The reply's compression, as `params.reply_compression` asks (every mode)."""
     asked = job.request.params.get("reply_compression")
     if asked is not None and asked not in REPLY_COMPRESSIONS:
         raise WireError(
@@ -120,7 +118,14 @@ def bind_outputs(job: Job, loaded: LoadedVersion, geometry: Geometry | None) -> 
             f"params.reply_compression must be one of {', '.join(REPLY_COMPRESSIONS)}",
             job.request.id,
         )
-    reply.compression = asked
+    job.reply.compression = asked
+
+
+def bind_outputs(job: Job, loaded: LoadedVersion, geometry: Geometry | None) -> None:
+    """The job's postprocess (the version's, bound to `geometry`), its reply's `geometry`
+    and, where `params.reply_compression` asks for it, compression."""
+    reply = job.reply
+    bind_compression(job)
     reply.extra = {"geometry": geometry.as_wire()} if geometry is not None else None
     post = loaded.postprocess
     if post is None:

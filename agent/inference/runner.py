@@ -137,6 +137,7 @@ class Runner:
         try:
             if loaded.generation is not None:  # mode = "generate": its own inputs and params
                 ask = generate.ask_of(request.inputs, request.params, loaded.generation)
+                images.bind_compression(job)
                 return Member({}, 1, job.cancelled, generation=ask)
             inputs = _checked_inputs(job, loaded)
             if loaded.config.defaults:
