@@ -84,13 +84,17 @@ def bare_loop(session: Any, tokens: int, prompt: list[int]) -> tuple[float, floa
     names = [a.name for a in session.get_inputs()]
     outs = [o.name for o in session.get_outputs()]
     pasts = [n for n in names if n.startswith("past_key_values.")]
+    # [batch, kv heads, past, head size]: the numbers the export fixed, batch 1, past 0
+    past_shapes = {
+        a.name: (1, a.shape[1], 0, a.shape[3]) for a in session.get_inputs() if a.name in pasts
+    }
     positions = "position_ids" in names
     feed: dict[str, Any] = {"input_ids": np.array([prompt], np.int64)}
     feed["attention_mask"] = np.ones((1, len(prompt)), np.int64)
     if positions:
         feed["position_ids"] = np.arange(len(prompt), dtype=np.int64)[None]
     for name in pasts:
-        feed[name] = np.zeros((1, 4, 0, 16), np.float32)
+        feed[name] = np.zeros(past_shapes[name], np.float32)
     started = time.perf_counter()
     result = dict(zip(outs, session.run(None, feed), strict=True))
     prefill = time.perf_counter() - started

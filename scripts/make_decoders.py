@@ -82,13 +82,13 @@ def build(name: str, vocab: int, eos: int) -> Any:
     common = {"vocab_size": vocab, "bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos}
     if name == "gpt2":
         config = GPT2Config(
-            n_layer=2, n_head=4, n_embd=64, n_positions=128, initializer_range=0.2, **common
+            n_layer=4, n_head=4, n_embd=128, n_positions=128, initializer_range=0.2, **common
         )
         return GPT2LMHeadModel(config).eval()
     config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=128,

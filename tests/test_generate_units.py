@@ -113,8 +113,8 @@ def test_layouts_of_real_exports(arch: str, heads: int) -> None:
     )
     assert layout.attention_mask == "attention_mask"
     assert layout.position_ids == "position_ids"
-    assert len(layout.cache) == 4 and layout.cache[0].past_axis == 2
-    assert layout.cache[0].empty(1).shape == (1, heads, 0, 16)
+    assert len(layout.cache) == 8 and layout.cache[0].past_axis == 2  # 4 layers, key and value
+    assert layout.cache[0].empty(1).shape == (1, heads, 0, 32)
 
 
 def test_a_model_that_is_no_decoder_is_refused() -> None:

@@ -319,11 +319,12 @@ def test_example_repository_loads_and_runs() -> None:
     assert repo["decoder"].config is not None and repo["decoder"].config.stream.mode == "steps"
     assert repo["writer"].config is not None and repo["writer"].config.stream.mode == "generate"
     assert repo["mlp"].config is not None and repo["mlp"].config.stream.micro_batch == 4
-    for model in repo.values():
+    for name, model in repo.items():
         assert model.config_error is None
         version = model.versions[1]
         assert version.problem is None and version.model_file is not None
         assert verify_checksum(version) is None
-        assert version.model_file.stat().st_size < 1_000_000
+        # small, the writer "a few MB" (the decoder fixture of the generate issue)
+        assert version.model_file.stat().st_size < (4_000_000 if name == "writer" else 1_000_000)
         warm_up(get_backend(str(version.backend)).load(version.model_file, CPU))
     assert repo["mlp"].versions[1].sha256_expected is not None
