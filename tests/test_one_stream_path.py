@@ -25,23 +25,29 @@ class Clock:
         return self.now
 
 
-def _hold() -> tuple[SendHold, Clock, list[int]]:
+def _hold(hand_offs: list[int] | None = None) -> tuple[SendHold, Clock, list[int]]:
+    """A hold whose kicks (and, given `hand_offs`, hand-offs) are counted."""
     clock = Clock()
     kicks: list[int] = []
-    return SendHold(lambda: kicks.append(1), clock), clock, kicks
+    hand_off = None if hand_offs is None else (lambda: hand_offs.append(1))
+    return SendHold(lambda: kicks.append(1), hand_off, clock), clock, kicks
 
 
 def test_the_first_step_and_slow_steps_are_published_at_once():
-    hold, clock, kicks = _hold()
+    hand_offs: list[int] = []
+    hold, clock, kicks = _hold(hand_offs)
     clock.now += 0.00001
     hold.sent(1, finished=False)  # the first chunk: the time to first chunk stays
-    assert len(kicks) == 1
+    assert len(kicks) == 1 and hand_offs == []
     for _ in range(3):
         clock.now += send_hold.FAST_STEP_S * 1.001  # a step that slow: nothing waits for it
         hold.sent(1, finished=False)
-    assert len(kicks) == 4
+    assert len(kicks) == 1 and len(hand_offs) == 3  # by the io thread, while the next runs
+    clock.now += send_hold.FAST_STEP_S * 1.001
+    hold.sent(1, finished=True)  # the `end`: published by the worker itself, at once
+    assert len(kicks) == 2 and len(hand_offs) == 3
     hold.release()
-    assert len(kicks) == 4  # nothing held: no kick
+    assert len(kicks) == 2  # nothing held: no kick
 
 
 def test_fast_steps_share_a_write_until_the_count_or_the_time_bound():

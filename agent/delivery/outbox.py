@@ -87,6 +87,7 @@ class Outbox:
         self._unwritten = 0  # durable messages queued for the writer, not written yet
         self._unwritten_bytes = 0
         self._on_queued: Callable[[], None] = lambda: None
+        self._wake: Callable[[], None] = lambda: None
         self.rejected = 0  # reserved puts refused because even the headroom was full
         self.writer: SpoolWriter | None = None
         if spool is not None:
@@ -102,10 +103,14 @@ class Outbox:
         if self.writer is not None:
             self.writer.start()
 
-    def set_on_queued(self, on_queued: Callable[[], None]) -> None:
+    def set_on_queued(
+        self, on_queued: Callable[[], None], wake: Callable[[], None] | None = None
+    ) -> None:
         """`on_queued()` is called, outside the lock, on the thread that queued a message:
-        the transport publishes it from there when its connection is free (no hand-off)."""
+        the transport publishes it from there when its connection is free (no hand-off).
+        `wake()` has the transport's own thread publish instead (`hand_off`)."""
         self._on_queued = on_queued
+        self._wake = wake or on_queued
 
     def __len__(self) -> int:
         return len(self._queue) + len(self._background)
@@ -169,6 +174,10 @@ class Outbox:
         """Have what `put_many` queued (or acknowledgements the spool writer's callbacks queued)
         published, from this thread if it can."""
         self._on_queued()
+
+    def hand_off(self) -> None:
+        """Have what `put_many` queued published by the transport's thread, not this one."""
+        self._wake()
 
     def _caps_passed(self, size: int, messages: int = 1) -> bool:
         """Under the lock: (`reject_new`) `messages` more, of `size` stored bytes in all, would

@@ -424,6 +424,10 @@ class ReplySender:
         """Publish what `send(..., kick=False)` queued."""
         self._outbox.kick()
 
+    def hand_off(self) -> None:
+        """Have the io thread publish what `send(..., kick=False)` queued."""
+        self._outbox.hand_off()
+
     def has_room(self, messages: int, size: int) -> bool:
         """Whether `messages` of up to `size` bytes each would be queued without waiting."""
         return self._outbox.has_room(messages, size)

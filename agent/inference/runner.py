@@ -198,7 +198,8 @@ class Runner:
             self._metrics.batch_run(loaded.model, len(members))
         collected: dict[int, list[tuple[int, Arrays]]] = {}
         failure: tuple[str, str] | None = None
-        hold = SendHold(self._sender.kick)  # a fast step's messages join the next's write
+        # a fast step's messages join the next's write; a slow one's go by the io thread
+        hold = SendHold(self._sender.kick, self._sender.hand_off)
         try:
             for pieces in run.pieces():
                 ended = self._emit_all(pieces, jobs, run, collected)

@@ -12,8 +12,11 @@ them all, with one write. Nothing waits longer than one more step after `HOLD_MA
 nothing of a slow model waits at all:
 
 * the first step's messages go at once (the time to first chunk does not change);
-* so do those of a step that finished a request, and every message of a step slower than
-  `FAST_STEP_S` (holding it would add a whole step to the latency);
+* so do those of a step that finished a request (its `end` with them);
+* every message of a step slower than `FAST_STEP_S` goes at once too (holding it would add a
+  whole step to the latency), but handed to the io thread (`hand_off`, a wake-up) rather
+  than published by the worker: the io thread writes it while the worker runs the next step,
+  outside the interpreter lock, on the other core (docs/decisions/0031);
 * held messages go once `HOLD_MAX_MESSAGES` wait, or the oldest waited `HOLD_MAX_S`, or the
   run ends (`release`);
 * anyone else's publishing round (the io thread's after an acknowledgement, another worker's
@@ -38,9 +41,15 @@ class SendHold:
     a kick), `release()` when the run ends."""
 
     def __init__(
-        self, kick: Callable[[], None], clock: Callable[[], float] = time.perf_counter
+        self,
+        kick: Callable[[], None],
+        hand_off: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        """`kick`: publish what is queued from this thread; `hand_off`: have the io thread
+        publish it (None: `kick`)."""
         self._kick = kick
+        self._hand_off = hand_off or kick
         self._clock = clock
         self._step_started = clock()
         self._first = True  # the next `sent` is the run's first step's
@@ -62,11 +71,13 @@ class SendHold:
         if (
             first
             or finished
-            or step_s >= FAST_STEP_S
             or self._held >= HOLD_MAX_MESSAGES
             or now - self._held_since >= HOLD_MAX_S
         ):
             self.release()
+        elif step_s >= FAST_STEP_S:
+            self._held = 0
+            self._hand_off()
 
     def release(self) -> None:
         """Publish what is held (the run ended, or a rule above said so)."""

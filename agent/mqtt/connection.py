@@ -120,7 +120,7 @@ class Transport:
         # Held by whoever drives paho: the io thread except while it waits in select, or a
         # thread that just queued a message and publishes it itself (`_on_queued`).
         self._io_lock = threading.Lock()
-        outbox.set_on_queued(self._on_queued)
+        outbox.set_on_queued(self._on_queued, self.wake)
         self._client = self._inbound.client = self._make_client(client_id)
         self._thread = threading.Thread(target=self._run, name="mqtt-io", daemon=True)
 

@@ -63,6 +63,9 @@ class Sender(Protocol):
     def kick(self) -> None:
         """Publish what was queued without a kick."""
 
+    def hand_off(self) -> None:
+        """Have the io thread publish what was queued without a kick."""
+
 
 class SourceRunner:
     """One source: its thread, its waiting frames, its stream, its counters."""
@@ -299,7 +302,8 @@ class SourceRunner:
         Anything queued meanwhile waits for one frame at most, as behind any running job.
         """
         until = time.monotonic() + CONTINUE_S
-        hold = SendHold(self._sender.kick)  # frames run back to back share socket writes
+        # frames run back to back share socket writes
+        hold = SendHold(self._sender.kick, self._sender.hand_off)
         try:
             self._run_frames(until, hold)
         finally:
