@@ -404,6 +404,46 @@ class GpuCheck:
         ok = err < self.args.tolerance and running.split(",")[0] in wanted
         return ("PASS" if ok else "FAIL"), f"runs on {running}, relative error {err:.2e}", {}
 
+    def ort_generate(self) -> tuple[str, str, dict[str, Any]]:
+        """The generate fixture on the first GPU provider: the cache kept on the device
+        (IOBinding), greedy tokens equal to Hugging Face's, ms a token."""
+        from agent.inference import generate
+        from agent.inference.modes import Member, Run
+        from agent.models.backends.onnxruntime import OnnxRuntimeBackend
+        from agent.models.decoder_layout import open_generation
+        from agent.models.model_config import StreamConfig
+
+        if self.ort is None:
+            return "SKIP", "onnxruntime not importable", {}
+        available = self.ort.get_available_providers()
+        if "CUDAExecutionProvider" not in available:
+            return "SKIP", f"no CUDA execution provider ({', '.join(available)})", {}
+        folder = Path(__file__).resolve().parent.parent / "tests/fixtures/real/decoders/gpt2"
+        reference = json.loads((folder.parent / "reference.json").read_text())
+        case = reference["models"]["gpt2"][0]
+        options = BackendOptions(
+            providers=("CUDAExecutionProvider", "CPUExecutionProvider"),
+            extra={"gpu": {"device_id": self.args.device}},
+        )
+        session = OnnxRuntimeBackend().load(folder / "model.onnx", options)
+        try:
+            setup = open_generation(None, session, folder)
+            ask = generate.ask_of(
+                {"prompt": np.array(case["prompt"], dtype=object)}, {"max_new_tokens": 24}, setup
+            )
+            run = Run(session, StreamConfig(mode="generate"), [Member({}, 1, generation=ask)])
+            started = time.perf_counter()
+            tokens = [
+                int(t) for ps in generate.generate(run) for p in ps for t in p.outputs["tokens"]
+            ]
+            ms = (time.perf_counter() - started) * 1000 / max(len(tokens), 1)
+        finally:
+            session.close()
+        bound = len(setup.device_cache)
+        ok = tokens == case["greedy"] and bound > 0
+        detail = f"{bound} cache outputs kept on the device, {ms:.2f} ms a token"
+        return ("PASS" if ok else "FAIL"), detail + ("" if ok else f", tokens {tokens}"), {}
+
     def run_all(self) -> None:
         r = self.report
         r.run("build engines", self.build)
@@ -421,6 +461,7 @@ class GpuCheck:
         r.run("latency", self.latency)
         r.run("FP16 engine", self.fp16)
         r.run("ONNX Runtime GPU providers", self.ort_gpu)
+        r.run("ONNX Runtime generate, cache on the device", self.ort_generate)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -139,3 +139,49 @@ def test_the_bundled_writer_is_the_gpt2_fixture_in_generate_mode() -> None:
         assert (bundled / "1" / name).read_bytes() == (DECODERS / "gpt2" / name).read_bytes()
     config = parse_model_config((bundled / "config.toml").read_text(), "writer")
     assert config.stream.mode == "generate"
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_the_cache_stays_bound_on_a_device_session(
+    arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU provider the cache is kept where ORT made it (IOBinding) and fed back as
+    `OrtValue`s, never copied to the host. The same path, bound on the CPU here: greedy
+    tokens equal Hugging Face's, and every step after the prefill feeds the cache as the
+    runtime's own values."""
+    from agent.inference import generate
+    from agent.inference.modes import Member, Run
+    from agent.models.backends.base import BackendOptions
+    from agent.models.backends.onnxruntime import OnnxRuntimeBackend, OnnxSession
+    from agent.models.decoder_layout import open_generation
+    from agent.models.model_config import StreamConfig
+    from tests.generate_helpers import REFERENCE
+
+    folder = DECODERS / arch
+    session = OnnxRuntimeBackend().load(folder / "model.onnx", BackendOptions(1))
+    assert session.device == ("cpu", 0) and not session.keeps_on_device
+    assert open_generation(None, session, folder).device_cache == ()  # the CPU: host arrays
+    monkeypatch.setattr(OnnxSession, "keeps_on_device", property(lambda self: True))
+    setup = open_generation(None, session, folder)
+    assert len(setup.device_cache) == 8 and all(
+        n.startswith("present.") for n in setup.device_cache
+    )
+    fed: list[set[type]] = []
+    run_keeping = OnnxSession.run_keeping
+
+    def spy(self: OnnxSession, inputs: dict[str, object], keep: object) -> object:
+        fed.append({type(v) for k, v in inputs.items() if k.startswith("past_key_values.")})
+        return run_keeping(self, inputs, keep)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(OnnxSession, "run_keeping", spy)
+    ref = REFERENCE["models"][arch][0]
+    ask = generate.ask_of(
+        {"prompt": np.array(ref["prompt"], dtype=object)}, {"max_new_tokens": 24}, setup
+    )
+    run = Run(session, StreamConfig(mode="generate"), [Member({}, 1, generation=ask)])
+    tokens = [
+        int(t) for pieces in generate.generate(run) for p in pieces for t in p.outputs["tokens"]
+    ]
+    assert tokens == ref["greedy"]
+    assert len(fed) == 24 and fed[0] == {np.ndarray}  # the prefill's empty cache
+    assert all(kinds == {ort.OrtValue} for kinds in fed[1:])

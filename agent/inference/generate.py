@@ -203,7 +203,7 @@ def _advance(run: Run, position: int, state: _Decoding) -> Piece | None:
             return None
         ask.finish_reason = "cancelled"
         return _piece(position, state)
-    outputs = run.model(state.inputs)
+    outputs = run.model(state.inputs, ask.setup.device_cache)
     token = ask.sampler.choose(_last_logits(outputs, ask))
     ask.sampler.see((token,))
     if ask.first_token_at is None:

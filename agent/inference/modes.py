@@ -32,7 +32,7 @@ A new mode is one more strategy function in `STRATEGIES`: it gets the run, calls
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +41,7 @@ import numpy as np
 from agent.inference import batching
 from agent.inference.job import CancelFlag, Cancelled
 from agent.inference.scan import ScanCursor
-from agent.models.backends.base import Array, InferenceError, Session
+from agent.models.backends.base import Array, DeviceBinding, InferenceError, Session
 from agent.models.model_config import ScanConfig, StreamConfig
 from agent.protocol.errors import WireError, show_value
 
@@ -105,10 +105,15 @@ class Run:
             self._emitted = self.config.emitted(list(outputs))
         return self._emitted
 
-    def model(self, inputs: Mapping[str, Array]) -> Arrays:
-        """One run of the model, timed."""
+    def model(self, inputs: Mapping[str, Array], keep: Collection[str] = ()) -> Arrays:
+        """One run of the model, timed. `keep`: outputs left on the session's device (a
+        `DeviceBinding` session's runtime values, fed back as they are)."""
         started = time.perf_counter()
-        outputs = self.session.run(inputs)
+        if keep:
+            assert isinstance(self.session, DeviceBinding)  # keep is only asked of one
+            outputs = self.session.run_keeping(inputs, keep)
+        else:
+            outputs = self.session.run(inputs)
         self.infer_s += time.perf_counter() - started
         self.runs += 1
         return outputs

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from agent.models.backends.base import ModelLoadError, Session, TensorSpec
+from agent.models.backends.base import DeviceBinding, ModelLoadError, Session, TensorSpec
 from agent.models.generate_config import GenerateConfig
 from agent.models.text_file import read_text_limited
 from agent.models.tokenizer import TextCodec, open_tokenizer
@@ -91,6 +91,9 @@ class Generation:
     max_new_tokens: int  # the config's cap of `params.max_new_tokens`
     tokenizer: TextCodec | None
     vocab: int | None  # the logits' last axis, where fixed
+    # The cache outputs kept on the session's device between steps (IOBinding, a GPU
+    # provider): never copied to the host. Empty on the CPU, where a host copy is the value.
+    device_cache: tuple[str, ...] = ()
 
 
 def open_generation(config: GenerateConfig | None, session: Session, folder: Path) -> Generation:
@@ -108,7 +111,9 @@ def open_generation(config: GenerateConfig | None, session: Session, folder: Pat
     logits = next(spec for spec in session.outputs if spec.name == layout.logits)
     vocab = logits.shape[-1] if logits.shape and isinstance(logits.shape[-1], int) else None
     tokenizer = open_tokenizer(folder)
-    return Generation(layout, eos, context, config.max_new_tokens, tokenizer, vocab)
+    on_device = isinstance(session, DeviceBinding) and session.keeps_on_device
+    device_cache = tuple(slot.output for slot in layout.cache) if on_device else ()
+    return Generation(layout, eos, context, config.max_new_tokens, tokenizer, vocab, device_cache)
 
 
 def recognise(

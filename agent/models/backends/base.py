@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -132,6 +132,23 @@ class Session(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class DeviceBinding(Protocol):
+    """A session that can keep outputs where it made them (ONNX Runtime's IOBinding): a
+    decoder's cache then stays on the GPU from one step to the next."""
+
+    @property
+    def keeps_on_device(self) -> bool:
+        """True where outputs kept by `run_keeping` stay off the host (a GPU provider)."""
+        ...
+
+    def run_keeping(self, inputs: Mapping[str, Any], keep: Collection[str]) -> dict[str, Any]:
+        """Run once; the outputs named in `keep` come back as the runtime's own values, to
+        be given back as inputs as they are, the others as numpy arrays. An input may be
+        such a value or a numpy array. Raises :class:`InferenceError` on failure."""
+        ...
 
 
 def session_metadata(session: object) -> Mapping[str, Any] | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import mmap
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path, PureWindowsPath
 from typing import Any
 
@@ -150,6 +150,18 @@ def gpu_provider_options(extra: Mapping[str, object]) -> dict[str, dict[str, str
     return {TENSORRT_PROVIDER: trt, CUDA_PROVIDER: cuda}
 
 
+def _device_of(session: Any, providers: Sequence[str]) -> tuple[str, int]:
+    """("cuda", its device id) where the session's first provider is a GPU one."""
+    if not providers or providers[0] not in (CUDA_PROVIDER, TENSORRT_PROVIDER):
+        return ("cpu", 0)
+    get_options = getattr(session, "get_provider_options", None)
+    options = get_options().get(providers[0], {}) if get_options is not None else {}
+    try:
+        return ("cuda", int(options.get("device_id", 0) or 0))
+    except (TypeError, ValueError):
+        return ("cuda", 0)
+
+
 def _non_negative(value: object, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ModelLoadError(f"gpu.{key} must be an integer >= 0, got {value!r}")
@@ -188,6 +200,7 @@ class OnnxSession:
         # 12 µs run of a tiny decoder step, docs/decisions/0029).
         self._output_list = list(self._output_names)
         self._providers = tuple(str(p) for p in session.get_providers())
+        self._device = _device_of(session, self._providers)
 
     @property
     def inputs(self) -> Sequence[TensorSpec]:
@@ -221,6 +234,45 @@ class OnnxSession:
         except Exception as exc:
             raise InferenceError(_one_line(exc)) from exc
         return dict(zip(self._output_names, values, strict=True))
+
+    @property
+    def device(self) -> tuple[str, int]:
+        """Where the first provider keeps tensors: ("cuda", device id) for the CUDA and
+        TensorRT providers, ("cpu", 0) otherwise."""
+        return self._device
+
+    @property
+    def keeps_on_device(self) -> bool:
+        return self._device[0] != "cpu"
+
+    def run_keeping(self, inputs: Mapping[str, Any], keep: Collection[str]) -> dict[str, Any]:
+        """Run once with ORT's IOBinding: the outputs in `keep` stay on the session's device
+        as `OrtValue`s (to be bound as inputs of the next run as they are), the others are
+        copied to numpy arrays; any ORT failure is an InferenceError."""
+        session = self._session
+        if session is None:
+            raise InferenceError("session closed")
+        kind, index = self._device
+        try:
+            binding = session.io_binding()
+            for name, value in inputs.items():
+                if isinstance(value, np.ndarray):
+                    binding.bind_cpu_input(name, np.ascontiguousarray(value))
+                else:
+                    binding.bind_ortvalue_input(name, value)
+            for name in self._output_names:
+                if name in keep:
+                    binding.bind_output(name, kind, index)
+                else:
+                    binding.bind_output(name, "cpu", 0)
+            session.run_with_iobinding(binding)
+            values = binding.get_outputs()
+            return {
+                name: value if name in keep else value.numpy()
+                for name, value in zip(self._output_names, values, strict=True)
+            }
+        except Exception as exc:
+            raise InferenceError(_one_line(exc)) from exc
 
     def close(self) -> None:
         """Drop the ORT session now; its memory goes when the last running call returns."""
