@@ -13,12 +13,15 @@ import pytest
 
 from agent.client import AgentClient, AgentError
 from agent.demo.broker import EmbeddedBroker
+from agent.models.tokenizer import open_tokenizer
 from agent.service.agent import Agent
-from tests.generate_helpers import EOS, REFERENCE, serve
+from tests.generate_helpers import DECODERS, EOS, REFERENCE, serve
 from tests.test_sources import Subscriber, subscribe
 
 __all__ = ["subscribe"]  # the fixture, used by name
 
+# Requests queued within 0.2 s share runs: their steps go in lock-step, a row each.
+BATCHING = "[batching]\nmax_batch = 3\nmax_queue_delay_us = 200000\n"
 CASES = [(arch, k) for arch in ("gpt2", "llama") for k in range(3)]
 N = 24
 
@@ -34,6 +37,7 @@ def agent_client(
         "gpt2_ids": ("gpt2", ""),
         "gpt2_eos": ("gpt2", f"[generate]\neos = [{eos_at}]\n"),
         "gpt2_short": ("gpt2", "[generate]\ncontext = 12\nmax_new_tokens = 8\n"),
+        "llama_batched": ("llama", BATCHING),
     }
     yield from serve(broker, tmp_path_factory.mktemp("generate"), models)
 
@@ -257,3 +261,39 @@ def test_reply_compression_applies_to_tokens(
     with pytest.raises(AgentError, match="reply_compression") as refused:
         generate(client, "gpt2", {"prompt": "hi"}, reply_compression="gzip")
     assert refused.value.code == "bad_request"
+
+
+def test_batched_requests_run_in_lock_step_and_get_their_own_tokens(
+    agent_client: tuple[Agent, AgentClient],
+) -> None:
+    """Three prompts of different lengths and limits queued together: one run, the shorter
+    caches left-padded; each request's greedy tokens and text as alone, each its own end."""
+    agent, client = agent_client
+    cases = REFERENCE["models"]["llama"]
+    limits = [N, 5, 13]  # rows leave the batch at different steps
+    replies = [
+        client.request(
+            "llama_batched",
+            {"prompt": case["prompt"]},
+            params={"max_new_tokens": n},
+            timeout=30,
+        )
+        for case, n in zip(cases, limits, strict=True)
+    ]
+    for case, n, reply in zip(cases, limits, replies, strict=True):
+        chunks = list(reply)
+        assert tokens_of(chunks) == case["greedy"][:n]
+        assert "".join(c.text for c in chunks) == codec_text(case["greedy"][:n])
+        assert reply.end.finish_reason == "length"
+        assert reply.end.usage == {"prompt_tokens": len(case["ids"]), "completion_tokens": n}
+    samples = agent.metrics.registry.get_sample_value
+    runs = samples("edge_agent_batch_requests_count", {"model": "llama_batched"})
+    requests = samples("edge_agent_batch_requests_sum", {"model": "llama_batched"})
+    assert (runs, requests) == (1, 3)  # all three in one run
+
+
+def codec_text(tokens: list[int]) -> str:
+    """The fixture tokenizer's decode of `tokens` (what the chunks' text adds up to)."""
+    codec = open_tokenizer(DECODERS / "llama")
+    assert codec is not None
+    return codec.decode(tokens)

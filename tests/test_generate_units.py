@@ -185,3 +185,90 @@ def test_the_cache_stays_bound_on_a_device_session(
     assert tokens == ref["greedy"]
     assert len(fed) == 24 and fed[0] == {np.ndarray}  # the prefill's empty cache
     assert all(kinds == {ort.OrtValue} for kinds in fed[1:])
+
+
+@pytest.mark.parametrize(("arch", "bound"), [("gpt2", False), ("llama", False), ("gpt2", True)])
+def test_members_of_one_run_step_in_lock_step(
+    arch: str, bound: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three prompts of different lengths in one run: each prefill alone, then one run of the
+    model a step for all (the shorter caches left-padded and masked), rows leaving as their
+    limits come; every member's greedy tokens equal Hugging Face's. `bound`: the same with
+    the cache kept as the runtime's values (a GPU provider's path, bound on the CPU)."""
+    from agent.inference import generate
+    from agent.inference.modes import Member, Run
+    from agent.models.backends.base import BackendOptions
+    from agent.models.backends.onnxruntime import OnnxRuntimeBackend, OnnxSession
+    from agent.models.decoder_layout import open_generation
+    from agent.models.model_config import StreamConfig
+    from tests.generate_helpers import REFERENCE
+
+    if bound:
+        monkeypatch.setattr(OnnxSession, "keeps_on_device", property(lambda self: True))
+    folder = DECODERS / arch
+    session = OnnxRuntimeBackend().load(folder / "model.onnx", BackendOptions(1))
+    setup = open_generation(None, session, folder)
+    assert setup.layout.batchable and bool(setup.device_cache) == bound
+    cases, limits = REFERENCE["models"][arch], [24, 7, 15]
+    asks = [
+        generate.ask_of(
+            {"prompt": np.array(c["prompt"], dtype=object)}, {"max_new_tokens": n}, setup
+        )
+        for c, n in zip(cases, limits, strict=True)
+    ]
+    assert len({len(a.prompt) for a in asks}) == 3  # three widths to line up
+    run = Run(session, StreamConfig(mode="generate"), [Member({}, 1, generation=a) for a in asks])
+    tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for pieces in generate.generate(run):
+        for piece in pieces:
+            tokens[piece.member] += [int(t) for t in piece.outputs["tokens"]]
+    for position, (case, n) in enumerate(zip(cases, limits, strict=True)):
+        assert tokens[position] == case["greedy"][:n]
+        assert asks[position].finish_reason == "length"
+    assert run.runs == 3 + 23  # the prefills, then one run a step (alone: 24 + 7 + 15)
+
+
+def test_a_layout_without_positions_is_not_batchable() -> None:
+    session = ort.InferenceSession(str(DECODERS / "gpt2" / "model.onnx"))
+    inputs = [s for s in _specs(session.get_inputs()) if s.name != "position_ids"]
+    layout = recognise(inputs, _specs(session.get_outputs()), GenerateConfig())
+    assert layout.position_ids is None and not layout.batchable
+
+
+def test_a_member_cancelled_mid_lock_step_leaves_and_the_others_go_on() -> None:
+    """`ROOT/cancel` of one row: its stream ends `cancelled` at the next step, its row leaves
+    the batch; a stop of another (the agent stopping) takes it out without a piece; the third
+    still gets all its greedy tokens."""
+    from agent.inference import generate
+    from agent.inference.modes import Member, Run
+    from agent.models.backends.base import BackendOptions
+    from agent.models.backends.onnxruntime import OnnxRuntimeBackend
+    from agent.models.decoder_layout import open_generation
+    from agent.models.model_config import StreamConfig
+    from tests.generate_helpers import REFERENCE
+
+    folder = DECODERS / "gpt2"
+    session = OnnxRuntimeBackend().load(folder / "model.onnx", BackendOptions(1))
+    setup = open_generation(None, session, folder)
+    cases = REFERENCE["models"]["gpt2"]
+    asks = [
+        generate.ask_of(
+            {"prompt": np.array(c["prompt"], dtype=object)}, {"max_new_tokens": 24}, setup
+        )
+        for c in cases
+    ]
+    members = [Member({}, 1, generation=a) for a in asks]
+    run = Run(session, StreamConfig(mode="generate"), members)
+    tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    last: dict[int, bool] = {}
+    for round_, pieces in enumerate(generate.generate(run)):
+        for piece in pieces:
+            tokens[piece.member] += [int(t) for t in piece.outputs["tokens"]]
+            last[piece.member] = piece.last
+        if round_ == 3:
+            members[1].cancelled.set(by_request=True)
+            members[2].cancelled.set()
+    assert asks[1].finish_reason == "cancelled" and last[1]
+    assert tokens[1] == cases[1]["greedy"][:4] and tokens[2] == cases[2]["greedy"][:4]
+    assert 2 in run.failed and not last[2]  # stopped: answered by the runner, not a piece
+    assert tokens[0] == cases[0]["greedy"] and asks[0].finish_reason == "length"

@@ -87,7 +87,8 @@ def batch_spec(request: Request, serving: Serving) -> BatchSpec | None:
     config = serving.batching
     if config is None:
         return None
-    rows = leading_rows(request.inputs)
+    # a generation is one row of its batch, whatever its prompt (agent.inference.generate)
+    rows = 1 if serving.stream.mode == "generate" else leading_rows(request.inputs)
     if rows is None or rows >= config.max_batch:
         return None  # nothing to join (or no room for another request)
     return _shared_batch_spec(

@@ -10,12 +10,16 @@ is chosen outside the graph (`agent.inference.sampling`); the generation ends at
 (`cancelled`). Every `tokens_per_chunk` tokens are one piece, `outputs: {tokens: int64 [k]}`
 and, with a tokenizer, the piece's `text` (`agent.inference.text_stream`).
 
-Members of one run (only ever one: generate models take no `[batching]`) interleave, a token
-each in turn. The cache stays whatever the session returns (numpy on the CPU, fed back as it is,
-without a copy; ONNX Runtime's `OrtValue`s through `run_with_ort_values` measured slower on the
-CPU, the wrapping of each small input costing more than they save). A step allocates nothing
-of its own but the token list: the mask is a view, the token and its position are written into
-arrays made once, greedy takes the arg max of the logits row as it is.
+Members of one run (requests queued together, where the model has `[batching]`) run their
+prefills one by one, then every later step together, a row each
+(`agent.inference.generate_lockstep`); a layout without the mask or explicit positions, which
+left padding needs, has them interleave, a run each in turn. On the CPU the cache stays what
+the session returns (numpy, fed back as it is, without a copy; ONNX Runtime's `OrtValue`s
+through `run_with_ort_values` measured slower there, the wrapping of each small input costing
+more than it saves); on a GPU provider it stays on the device (`Generation.device_cache`).
+A step allocates nothing of its own but the token list: the mask is a view, the token and its
+position are written into arrays made once, greedy takes the arg max of the logits row as it
+is.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from agent.inference import modes
+from agent.inference.generate_lockstep import LockstepBatch
 from agent.inference.job import Cancelled
 from agent.inference.modes import Arrays, Piece, Run
 from agent.inference.sampling import Sampler, SamplingParams
@@ -172,18 +177,65 @@ class _Decoding:
 
 def generate(run: Run) -> Iterator[list[Piece]]:
     states = {p: _Decoding(_ask(run, p)) for p in range(len(run.members))}
+    lockstep = len(states) > 1 and _ask(run, 0).setup.layout.batchable
     while states:
         pieces = []
         for position in list(states):
             state = states[position]
             piece = _advance(run, position, state)
-            # left the run without a last piece (shutdown, refused reply), or finished
-            if position in run.failed or (piece is not None and piece.last):
+            if _gone(run, position, piece):
                 del states[position]
             if piece is not None:
                 pieces.append(piece)
         if pieces:
             yield pieces
+        if lockstep and len(states) > 1:  # the prefills are done: the rest in lock-step
+            yield from _lockstep(run, states)
+            return
+
+
+def _lockstep(run: Run, states: dict[int, _Decoding]) -> Iterator[list[Piece]]:
+    """Every member's later steps in one run of the model each (`agent.inference.
+    generate_lockstep`), each row's token its member's own."""
+    setup = _ask(run, next(iter(states))).setup
+    batch = LockstepBatch.align(
+        setup.layout, [(p, s.inputs, _past(s.ask)) for p, s in states.items()]
+    )
+    while batch.positions:
+        pieces: list[Piece] = []
+        staying = []
+        for position in batch.positions:
+            leaving, piece = _leaving(run, position, states[position])
+            if piece is not None:
+                pieces.append(piece)
+            if not leaving:
+                staying.append(position)
+        batch.keep(staying)
+        if staying:
+            outputs = run.model(batch.inputs, setup.device_cache)
+            logits = outputs[setup.layout.logits]
+            tokens, going = [], []
+            for row, position in enumerate(batch.positions):
+                token, piece = _took(position, states[position], logits[row, -1])
+                tokens.append(token)
+                if piece is not None:
+                    pieces.append(piece)
+                if states[position].ask.finish_reason is None:
+                    going.append(position)
+            batch.advance(outputs, tokens)
+            batch.keep(going)
+        if pieces:
+            yield pieces
+
+
+def _past(ask: GenerateAsk) -> int:
+    """The tokens a member's cache holds before its next run."""
+    return len(ask.prompt) + len(ask.tokens) - 1
+
+
+def _gone(run: Run, position: int, piece: Piece | None) -> bool:
+    """The member left the run without a last piece (shutdown, refused reply), or finished."""
+    return position in run.failed or (piece is not None and piece.last)
 
 
 def _ask(run: Run, position: int) -> GenerateAsk:
@@ -194,17 +246,38 @@ def _ask(run: Run, position: int) -> GenerateAsk:
 
 def _advance(run: Run, position: int, state: _Decoding) -> Piece | None:
     """One new token of one member; its piece where one is due."""
+    leaving, piece = _leaving(run, position, state)
+    if leaving:
+        return piece
+    outputs = run.model(state.inputs, state.ask.setup.device_cache)
+    token, piece = _took(position, state, _last_logits(outputs, state.ask))
+    if state.ask.finish_reason is None:
+        state.inputs = _next_inputs(state, outputs, token)
+    return piece
+
+
+def _leaving(run: Run, position: int, state: _Decoding) -> tuple[bool, Piece | None]:
+    """Before a member's next run: (True, its last piece or None) where it leaves the run
+    (failed meanwhile, cancelled: by `ROOT/cancel` with a last piece, by a stop without)."""
     member, ask = run.members[position], state.ask
     if position in run.failed:
-        return None
+        return True, None
     if member.cancelled.is_set():
         if not member.cancelled.by_request:
             run.failed[position] = Cancelled()
-            return None
+            return True, None
         ask.finish_reason = "cancelled"
-        return _piece(position, state)
-    outputs = run.model(state.inputs, ask.setup.device_cache)
-    token = ask.sampler.choose(_last_logits(outputs, ask))
+        return True, _piece(position, state)
+    return False, None
+
+
+def _took(
+    position: int, state: _Decoding, logits: np.ndarray[Any, Any]
+) -> tuple[int, Piece | None]:
+    """The member's next token chosen from its row of logits, noted; its piece where one is
+    due (`ask.finish_reason` set where the token ended the generation)."""
+    ask = state.ask
+    token = ask.sampler.choose(logits)
     ask.sampler.see((token,))
     if ask.first_token_at is None:
         ask.first_token_at = time.monotonic()
@@ -213,11 +286,9 @@ def _advance(run: Run, position: int, state: _Decoding) -> Piece | None:
     if ask.text is not None:
         state.pending_text += ask.text.push([token])
     ask.finish_reason = _finished(ask, token)
-    if ask.finish_reason is None:
-        state.inputs = _next_inputs(state, outputs, token)
-        if len(state.pending) < ask.tokens_per_chunk:
-            return None
-    return _piece(position, state)
+    if ask.finish_reason is None and len(state.pending) < ask.tokens_per_chunk:
+        return token, None
+    return token, _piece(position, state)
 
 
 def _finished(ask: GenerateAsk, token: int) -> str | None:
@@ -277,7 +348,7 @@ def _next_inputs(state: _Decoding, outputs: Arrays, token: int) -> Arrays:
     """One new token, the past from `present.*`, the mask and the positions one longer."""
     ask = state.ask
     layout = ask.setup.layout
-    past = len(ask.prompt) + len(ask.tokens) - 1  # tokens the cache holds after this run
+    past = _past(ask)  # tokens the cache holds after this run
     state.token[0, 0] = token
     nxt: Arrays = {layout.input_ids: state.token}
     if state.mask is not None and layout.attention_mask is not None:

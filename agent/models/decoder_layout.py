@@ -80,6 +80,17 @@ class DecoderLayout:
     cache: tuple[CacheSlot, ...]
     int_dtypes: dict[str, np.dtype[Any]]  # input_ids, attention_mask, position_ids
 
+    @property
+    def batchable(self) -> bool:
+        """Whether several generations can share runs, a row each
+        (`agent.inference.generate_lockstep`): left padding needs the mask and explicit
+        positions, and every cache tensor a batch axis before its past axis."""
+        return (
+            self.attention_mask is not None
+            and self.position_ids is not None
+            and all(slot.past_axis > 0 for slot in self.cache)
+        )
+
 
 @dataclass(frozen=True)
 class Generation:

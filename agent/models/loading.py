@@ -81,6 +81,11 @@ def open_version(
         generation = None
         if record.config.stream.mode == "generate":
             generation = open_generation(record.config.generate, session, version.model_file.parent)
+            if record.config.batching.enabled and not generation.layout.batchable:
+                raise ModelLoadError(
+                    "[batching] of a generate model needs attention_mask and position_ids "
+                    "inputs (rows are left-padded) and a batch axis before each cache's past"
+                )
         warmed = run_warm_up(
             session,
             record.config.warmup,

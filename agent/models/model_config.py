@@ -131,7 +131,8 @@ class BatchingConfig(_Strict):
     together run as one batch along the leading axis, and each still streams its own replies.
 
     Off unless `max_batch` > 1. Needs a symbolic leading axis on every input and output, and
-    applies to `whole` and `steps` (a `batch` request already runs its own slices).
+    applies to `whole`, `steps` and `generate` (a `batch` request already runs its own
+    slices; a generate request is one row, its steps run in lock-step with the others').
     """
 
     max_batch: int = Field(default=1, ge=1, le=65536)  # leading-axis items in one run
@@ -294,8 +295,6 @@ class ModelConfig(_Strict):
             raise ValueError('mode = "scan" and a [scan] section go together')
         if self.generate is not None and self.stream.mode != "generate":
             raise ValueError('a [generate] section needs mode = "generate"')
-        if self.batching.enabled and self.stream.mode == "generate":
-            raise ValueError('batching does not apply to mode = "generate" (members interleave)')
         return self
 
 

@@ -52,7 +52,7 @@ def check_signature(config: ModelConfig, session: Session) -> list[str]:
     if config.scan is not None:
         problems.extend(_scan_problems(config.scan, inputs))
     problems.extend(default_problems(config.defaults, session.inputs))
-    if config.batching.enabled:
+    if config.batching.enabled and stream.mode != "generate":  # generate: `loading` checks it
         for role, specs in (("input", session.inputs), ("output", session.outputs)):
             for spec in specs:
                 if spec.rank == 0 or isinstance(spec.shape[0], int):

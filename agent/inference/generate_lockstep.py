@@ -1,0 +1,110 @@
+"""Lock-step generation: the members of one generate run share each run of the model.
+
+A generate model with `[batching]` gets the requests queued together as one run
+(`agent.inference.runner`). Each member's prompt is run alone first (the prefills differ in
+length; `agent.inference.generate`), then :class:`LockstepBatch` lines their caches up and every
+later step runs all of them at once, one row each, as Hugging Face's batched `generate` does
+with left padding:
+
+* the shorter caches are padded with zeros on the left of the past axis up to the longest,
+  and those positions are masked (`attention_mask` 0), so no row attends to them;
+* `position_ids` are each row's own (its prompt and tokens so far), not the padded index: the
+  layout must have both inputs (`DecoderLayout.batchable`), else the members interleave;
+* after a step the cache is the batch's `present.*` as it is, the mask one column longer;
+* a member that finishes or leaves takes its row out of every input.
+
+A small decoder's step costs little more for four rows than for one (docs/decisions/0026:
+1.15 and 1.39 times on the CPU for the two fixtures), so concurrent streams gain most of
+their tokens a second. What each row's token is, its sampling, stop strings and pieces, stays
+the member's own (`agent.inference.generate`). Imports numpy and the layout only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from agent.models.decoder_layout import DecoderLayout
+
+__all__ = ["LockstepBatch"]
+
+Arrays = dict[str, Any]  # numpy arrays, or a device session's own values for the cache
+
+
+class LockstepBatch:
+    """The inputs of one step for several members, a row each (`positions`: their places in
+    the run, in row order)."""
+
+    def __init__(self, layout: DecoderLayout, positions: list[int], inputs: Arrays) -> None:
+        self.layout = layout
+        self.positions = positions
+        self.inputs = inputs
+
+    @classmethod
+    def align(cls, layout: DecoderLayout, rows: Sequence[tuple[int, Arrays, int]]) -> LockstepBatch:
+        """From each member's next one-token inputs (`(position, inputs, past)`, `past` the
+        tokens its cache holds): the caches left-padded to the longest, the padding masked."""
+        assert layout.attention_mask is not None and layout.position_ids is not None
+        width = max(past for _, _, past in rows)
+        mask = np.zeros((len(rows), width + 1), dtype=layout.int_dtypes[layout.attention_mask])
+        for row, (_, _, past) in enumerate(rows):
+            mask[row, width - past :] = 1
+        pasts = [[past] for _, _, past in rows]
+        inputs: Arrays = {
+            layout.input_ids: np.concatenate([_host(i[layout.input_ids]) for _, i, _ in rows]),
+            layout.attention_mask: mask,
+            layout.position_ids: np.array(pasts, dtype=layout.int_dtypes[layout.position_ids]),
+        }
+        if layout.cache_branch is not None:
+            inputs[layout.cache_branch] = rows[0][1][layout.cache_branch]
+        for slot in layout.cache:
+            inputs[slot.input] = np.concatenate(
+                [_left_padded(_host(i[slot.input]), slot.past_axis, width) for _, i, _ in rows]
+            )
+        return cls(layout, [position for position, _, _ in rows], inputs)
+
+    def advance(self, outputs: Arrays, tokens: Sequence[int]) -> None:
+        """The next step's inputs after a run: the rows' new tokens, the cache from
+        `present.*`, the mask one column longer, each position one further."""
+        layout, inputs = self.layout, self.inputs
+        assert layout.attention_mask is not None and layout.position_ids is not None
+        ids = inputs[layout.input_ids]
+        inputs[layout.input_ids] = np.array(tokens, dtype=ids.dtype).reshape(len(tokens), 1)
+        mask = inputs[layout.attention_mask]
+        ones = np.ones((mask.shape[0], 1), dtype=mask.dtype)
+        inputs[layout.attention_mask] = np.concatenate([mask, ones], axis=1)
+        inputs[layout.position_ids] = inputs[layout.position_ids] + 1
+        for slot in layout.cache:
+            inputs[slot.input] = outputs[slot.output]
+
+    def keep(self, positions: Sequence[int]) -> None:
+        """Only the rows of `positions` (in their order) from now on."""
+        if list(positions) == self.positions:
+            return
+        rows = [self.positions.index(p) for p in positions]
+        branch = self.layout.cache_branch
+        self.inputs = {
+            name: value if name == branch else _host(value)[rows]
+            for name, value in self.inputs.items()
+        }
+        self.positions = list(positions)
+
+
+def _host(value: Any) -> np.ndarray[Any, Any]:
+    """A numpy array of `value` (a device session's own value copied to the host)."""
+    if isinstance(value, np.ndarray):
+        return value
+    host: np.ndarray[Any, Any] = value.numpy()
+    return host
+
+
+def _left_padded(cache: np.ndarray[Any, Any], axis: int, width: int) -> np.ndarray[Any, Any]:
+    """`cache` with zeros before its entries along `axis`, `width` long."""
+    missing = width - cache.shape[axis]
+    if missing == 0:
+        return cache
+    shape = list(cache.shape)
+    shape[axis] = missing
+    return np.concatenate([np.zeros(shape, dtype=cache.dtype), cache], axis=axis)
