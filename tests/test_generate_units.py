@@ -272,3 +272,24 @@ def test_a_member_cancelled_mid_lock_step_leaves_and_the_others_go_on() -> None:
     assert tokens[1] == cases[1]["greedy"][:4] and tokens[2] == cases[2]["greedy"][:4]
     assert 2 in run.failed and not last[2]  # stopped: answered by the runner, not a piece
     assert tokens[0] == cases[0]["greedy"] and asks[0].finish_reason == "length"
+
+
+def test_generate_batching_needs_onnxruntime_and_a_batchable_layout() -> None:
+    """What a version with `[batching]` is refused for at load: a TensorRT engine (its
+    decoder profiles take one row), a layout that cannot be left-padded."""
+    import dataclasses
+
+    from agent.models.backends.base import BackendOptions
+    from agent.models.backends.onnxruntime import OnnxRuntimeBackend
+    from agent.models.decoder_layout import open_generation
+    from agent.models.loading import _check_generate_batching
+
+    folder = DECODERS / "gpt2"
+    session = OnnxRuntimeBackend().load(folder / "model.onnx", BackendOptions(1))
+    setup = open_generation(None, session, folder)
+    _check_generate_batching(setup, "onnxruntime")  # optimum's export: fine
+    with pytest.raises(ModelLoadError, match="ONNX Runtime"):
+        _check_generate_batching(setup, "tensorrt")
+    no_positions = dataclasses.replace(setup.layout, position_ids=None)
+    with pytest.raises(ModelLoadError, match="position_ids"):
+        _check_generate_batching(dataclasses.replace(setup, layout=no_positions), "onnxruntime")

@@ -81,11 +81,8 @@ def open_version(
         generation = None
         if record.config.stream.mode == "generate":
             generation = open_generation(record.config.generate, session, version.model_file.parent)
-            if record.config.batching.enabled and not generation.layout.batchable:
-                raise ModelLoadError(
-                    "[batching] of a generate model needs attention_mask and position_ids "
-                    "inputs (rows are left-padded) and a batch axis before each cache's past"
-                )
+            if record.config.batching.enabled:
+                _check_generate_batching(generation, version.backend)
         warmed = run_warm_up(
             session,
             record.config.warmup,
@@ -99,3 +96,18 @@ def open_version(
             raise
         raise ModelLoadError(f"warm-up failed: {e}") from e
     return session, warmed, signed, post, generation
+
+
+def _check_generate_batching(generation: Generation, backend: str | None) -> None:
+    """`[batching]` of a generate model: its rows are left-padded (`DecoderLayout.batchable`),
+    and a TensorRT engine's decoder profiles are built for one row."""
+    if backend != "onnxruntime":
+        raise ModelLoadError(
+            f"[batching] of a generate model runs on ONNX Runtime: a {backend} engine's "
+            "decoder profiles take one row"
+        )
+    if not generation.layout.batchable:
+        raise ModelLoadError(
+            "[batching] of a generate model needs attention_mask and position_ids inputs "
+            "(rows are left-padded) and a batch axis before each cache's past"
+        )
