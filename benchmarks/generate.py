@@ -36,6 +36,9 @@ if str(REPO) not in sys.path:
 from agent.demo.broker import EmbeddedBroker  # noqa: E402
 from benchmarks.harness import (  # noqa: E402
     AgentProcess,
+    PayloadSubscriber,
+    close_client,
+    mqtt_client,
     one_request,
     section_main,
     unique_id,
@@ -45,6 +48,9 @@ from benchmarks.harness import (  # noqa: E402
 FIXTURE = REPO / "tests" / "fixtures" / "real" / "decoders" / "gpt2"
 TARGET_RATIO, TARGET_TTFT_MS = 0.9, 2.0
 CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"
+CONCURRENT = 4
+BATCHING = f"[batching]\nmax_batch = {CONCURRENT}\nmax_queue_delay_us = 20000\n"
+PROMPTS = ["The little robot", "Edge boxes stream tokens", "日本語 café 🙂", "Once upon a time"]
 PROMPT = "The little robot"
 
 
@@ -60,6 +66,10 @@ class GenerateResult:
     # agent / bare of each round (the two measured one after the other): their median is the
     # figure, as in the one-stream section, so that the VM's drift falls on both
     round_ratios: list[float] = field(default_factory=list)
+    # CONCURRENT requests at once, tokens/s of them all: the model alone / with `[batching]`
+    # (their steps in lock-step), medians of alternating bursts; 0: not measured
+    concurrent_tokens_s: float = 0.0
+    batched_tokens_s: float = 0.0
     # The same on ONNX Runtime's CUDA provider, where this onnxruntime has one (a GPU box)
     cuda: GenerateResult | None = None
 
@@ -154,8 +164,9 @@ def measure(broker: EmbeddedBroker, workdir: Path, quick: bool) -> GenerateResul
     import onnxruntime as ort
 
     root = workdir / "models"
-    shutil.copytree(FIXTURE, root / "writer" / "1")
-    (root / "writer" / "config.toml").write_text('[stream]\nmode = "generate"\n')
+    for name, extra in (("writer", ""), ("writer_batched", BATCHING)):
+        shutil.copytree(FIXTURE, root / name / "1")
+        (root / name / "config.toml").write_text('[stream]\nmode = "generate"\n' + extra)
     result = measure_on(broker, workdir, root, quick, CPU)
     if CUDA in ort.get_available_providers():
         result.cuda = measure_on(broker, workdir, root, quick, CUDA)
@@ -194,6 +205,7 @@ def measure_on(
             bare_rates.append(rate)
             prefills.append(prefill)
             loop_rates.append(loop())
+        alone, batched = concurrent_rates(broker, agent.root, tokens, 3 if quick else 8)
     med = statistics.median
     ratios = [agent / bare for agent, bare in zip(rates, bare_rates, strict=True)]
     return GenerateResult(
@@ -205,7 +217,47 @@ def measure_on(
         med(loop_rates),
         provider,
         round_ratios=[round(r, 3) for r in ratios],
+        concurrent_tokens_s=alone,
+        batched_tokens_s=batched,
     )
+
+
+def concurrent_rates(
+    broker: EmbeddedBroker, root: str, tokens: int, rounds: int
+) -> tuple[float, float]:
+    """Tokens/s of CONCURRENT requests published at once, all their chunks counted by one C
+    subscriber from the first arrival to the last: to `writer`, then to `writer_batched`
+    (the same file with `[batching]`), alternating; the medians."""
+    rates: dict[str, list[float]] = {"writer": [], "writer_batched": []}
+    for n in range(rounds + 1):  # the first warms
+        for model in ("writer", "writer_batched") if n % 2 else ("writer_batched", "writer"):
+            rate = burst(broker, root, model, tokens)
+            if n:
+                rates[model].append(rate)
+    return statistics.median(rates["writer"]), statistics.median(rates["writer_batched"])
+
+
+def burst(broker: EmbeddedBroker, root: str, model: str, tokens: int) -> float:
+    from agent.protocol.payload import encode_payload
+
+    expect = CONCURRENT * (tokens + 1)
+    subscriber = PayloadSubscriber(broker, f"{root}/result/{model}/+", 1, expect=expect)
+    client = mqtt_client(broker)
+    try:
+        for prompt in PROMPTS[:CONCURRENT]:
+            body = {
+                "id": unique_id("burst"),
+                "inputs": {"prompt": np.array(prompt, dtype=object)},
+                "params": {"max_new_tokens": tokens},
+            }
+            client.publish(f"{root}/infer/{model}", encode_payload(body), 1)
+        if not subscriber.wait_for(expect, 120):
+            raise RuntimeError(f"{model}: {subscriber.count} of {expect} messages arrived")
+    finally:
+        close_client(client)
+        subscriber.close()
+    times = subscriber.times()
+    return (CONCURRENT * tokens - 1) / (times[-1] - times[0])
 
 
 def stream(broker: EmbeddedBroker, root: str, tokens: int) -> tuple[float, float]:
@@ -271,7 +323,27 @@ def section(result: GenerateResult) -> list[str]:
         "the chunk, and the model's run itself slowed by sharing the two cores with the "
         "broker, the subscriber and the agent's other threads.",
         "",
+        *_concurrent_lines(result),
         *_cuda_lines(result.cuda),
+    ]
+
+
+def _concurrent_lines(result: GenerateResult) -> list[str]:
+    """Several requests at once, without and with `[batching]` (lock-step rows)."""
+    if not result.batched_tokens_s:
+        return []
+    gain = result.batched_tokens_s / result.concurrent_tokens_s
+    return [
+        f"{CONCURRENT} requests at once ({result.tokens} tokens each, their chunks counted "
+        "together by `mosquitto_sub`, alternating bursts): the model as it is, and the same "
+        f"file with `[batching] max_batch = {CONCURRENT}`, whose requests step in lock-step, "
+        "a row each (docs/decisions/0026):",
+        "",
+        "| | tokens/s of all | against each on its own |",
+        "|---|---|---|",
+        f"| {CONCURRENT} requests, each on its own | {result.concurrent_tokens_s:.0f} | |",
+        f"| {CONCURRENT} requests, `[batching]` | {result.batched_tokens_s:.0f} | x{gain:.2f} |",
+        "",
     ]
 
 
