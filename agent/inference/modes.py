@@ -34,7 +34,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -109,9 +109,9 @@ class Run:
         """One run of the model, timed. `keep`: outputs left on the session's device (a
         `DeviceBinding` session's runtime values, fed back as they are)."""
         started = time.perf_counter()
-        if keep:
-            assert isinstance(self.session, DeviceBinding)  # keep is only asked of one
-            outputs = self.session.run_keeping(inputs, keep)
+        if keep:  # only asked of a DeviceBinding session (`Generation.device_cache`); a cast,
+            # not isinstance: a runtime protocol check costs ~19 µs, every step
+            outputs = cast(DeviceBinding, self.session).run_keeping(inputs, keep)
         else:
             outputs = self.session.run(inputs)
         self.infer_s += time.perf_counter() - started

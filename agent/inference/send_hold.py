@@ -76,11 +76,14 @@ class SendHold:
         ):
             self.release()
         elif step_s >= FAST_STEP_S:
-            self._held = 0
-            self._hand_off()
+            self._publish(self._hand_off)
 
     def release(self) -> None:
         """Publish what is held (the run ended, or a rule above said so)."""
+        self._publish(self._kick)
+
+    def _publish(self, how: Callable[[], None]) -> None:
+        """What is held goes out, by `how` (this thread's kick, or the io thread)."""
         if self._held:
             self._held = 0
-            self._kick()
+            how()
