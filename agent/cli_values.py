@@ -31,9 +31,7 @@ def parse_inputs(specs: Sequence[str], texts: Sequence[str] = ()) -> dict[str, A
     image, for a model with `[preprocess]`); `texts`: `NAME=TEXT` as a text (`parse_texts`)."""
     inputs: dict[str, Any] = parse_texts(texts)
     for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep:
-            raise SystemExit(f"error: --input needs NAME=FILE.npy, got {spec!r}")
+        name, path = _pair(spec, "--input", "NAME=FILE.npy")
         try:
             if path.lower().endswith(IMAGE_SUFFIXES):
                 with open(path, "rb") as file:
@@ -47,23 +45,23 @@ def parse_inputs(specs: Sequence[str], texts: Sequence[str] = ()) -> dict[str, A
 
 def parse_texts(specs: Sequence[str]) -> dict[str, str]:
     """`NAME=TEXT` as a text input (`prompt` of a generate model with a tokenizer)."""
-    texts: dict[str, str] = {}
-    for spec in specs:
-        name, sep, text = spec.partition("=")
-        if not sep:
-            raise SystemExit("error: --text needs NAME=TEXT")
-        texts[name] = text
-    return texts
+    return dict(_pair(spec, "--text", "NAME=TEXT") for spec in specs)
 
 
 def parse_params(specs: Sequence[str]) -> dict[str, Any]:
     params: dict[str, Any] = {}
     for spec in specs:
-        key, sep, raw = spec.partition("=")
-        if not sep:
-            raise SystemExit(f"error: --param needs KEY=VALUE, got {spec!r}")
+        key, raw = _pair(spec, "--param", "KEY=VALUE")
         try:
             params[key] = json.loads(raw)
         except json.JSONDecodeError:
             params[key] = raw
     return params
+
+
+def _pair(spec: str, option: str, form: str) -> tuple[str, str]:
+    """`spec` split at its first `=`; SystemExit naming `option` and its `form` without one."""
+    name, sep, value = spec.partition("=")
+    if not sep:
+        raise SystemExit(f"error: {option} needs {form}, got {spec!r}")
+    return name, value
