@@ -18,6 +18,7 @@ what delivering a chunk costs.
 
 from __future__ import annotations
 
+import json
 import shutil
 import statistics
 import sys
@@ -84,6 +85,11 @@ class GenerateResult:
         return self.agent_ttft_ms - self.bare_prefill_ms
 
 
+def providers(provider: str) -> list[str]:
+    """`provider`, the CPU's behind it (once)."""
+    return list(dict.fromkeys((provider, CPU)))
+
+
 def bare_session(threads: int, provider: str = CPU) -> Any:
     """An ONNX Runtime session of the fixture with the options the agent's backend sets
     (`agent.models.backends.onnxruntime`), on `provider` (the CPU's behind it)."""
@@ -93,8 +99,7 @@ def bare_session(threads: int, provider: str = CPU) -> Any:
     from agent.models.backends.onnxruntime import OnnxRuntimeBackend
 
     opts = OnnxRuntimeBackend._session_options(ort, BackendOptions(threads))
-    providers = list(dict.fromkeys((provider, CPU)))
-    return ort.InferenceSession(str(FIXTURE / "model.onnx"), opts, providers=providers)
+    return ort.InferenceSession(str(FIXTURE / "model.onnx"), opts, providers=providers(provider))
 
 
 def bare_loop(session: Any, tokens: int, prompt: list[int]) -> tuple[float, float]:
@@ -141,8 +146,8 @@ def generate_loop(threads: int, tokens: int, provider: str = CPU) -> Callable[[]
     from agent.models.decoder_layout import open_generation
     from agent.models.model_config import StreamConfig
 
-    providers = tuple(dict.fromkeys((provider, CPU)))
-    session = OnnxRuntimeBackend().load(FIXTURE / "model.onnx", BackendOptions(threads, providers))
+    options = BackendOptions(threads, tuple(providers(provider)))
+    session = OnnxRuntimeBackend().load(FIXTURE / "model.onnx", options)
     setup = open_generation(None, session, FIXTURE)
     prompt = np.array(PROMPT, dtype=object)
 
@@ -188,8 +193,7 @@ def measure_on(
     assert tokenizer is not None
     prompt_ids = list(tokenizer.encode(PROMPT))
     rates, ttfts, bare_rates, prefills, loop_rates = [], [], [], [], []
-    providers = list(dict.fromkeys((provider, CPU)))
-    env = {"EDGE_AGENT__MODELS__PROVIDERS": repr(providers).replace("'", '"')}
+    env = {"EDGE_AGENT__MODELS__PROVIDERS": json.dumps(providers(provider))}
     name = "bench-generate" if provider == CPU else "bench-generate-gpu"
     with AgentProcess(workdir, broker, root, device_id=name, env=env) as agent:
         threads = intra_op_threads(load_config(agent.config, environ={}))
