@@ -121,9 +121,6 @@ def _host(value: Any) -> np.ndarray[Any, Any]:
 
 def _left_padded(cache: np.ndarray[Any, Any], axis: int, width: int) -> np.ndarray[Any, Any]:
     """`cache` with zeros before its entries along `axis`, `width` long."""
-    missing = width - cache.shape[axis]
-    if missing == 0:
-        return cache
-    shape = list(cache.shape)
-    shape[axis] = missing
-    return np.concatenate([np.zeros(shape, dtype=cache.dtype), cache], axis=axis)
+    before = [(width - cache.shape[axis], 0) if a == axis else (0, 0) for a in range(cache.ndim)]
+    padded: np.ndarray[Any, Any] = np.pad(cache, before)
+    return padded
