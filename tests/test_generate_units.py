@@ -4,19 +4,26 @@ decoder layout read from real exports' signatures, and `[generate]` in config.to
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import numpy as np
 import onnxruntime as ort
 import pytest
 
+from agent.inference import generate
+from agent.inference.modes import Member, Run
 from agent.inference.sampling import Sampler, SamplingParams
 from agent.inference.text_stream import TextStream
-from agent.models.backends.base import ModelLoadError, TensorSpec
-from agent.models.decoder_layout import recognise
+from agent.models.backends.base import BackendOptions, ModelLoadError, TensorSpec
+from agent.models.backends.onnxruntime import OnnxRuntimeBackend, OnnxSession
+from agent.models.decoder_layout import Generation, open_generation, recognise
 from agent.models.generate_config import GenerateConfig
-from agent.models.model_config import ModelConfigError, parse_model_config
+from agent.models.loading import _check_generate_batching
+from agent.models.model_config import ModelConfigError, StreamConfig, parse_model_config
 from agent.models.tokenizer import open_tokenizer
 from agent.protocol.errors import WireError
-from tests.generate_helpers import DECODERS
+from tests.generate_helpers import DECODERS, REFERENCE
 
 TEXT = "日本語 café 🙂 naïve"
 
@@ -149,16 +156,7 @@ def test_the_cache_stays_bound_on_a_device_session(
     `OrtValue`s, never copied to the host. The same path, bound on the CPU here: greedy
     tokens equal Hugging Face's, and every step after the prefill feeds the cache as the
     runtime's own values."""
-    from agent.inference import generate
-    from agent.inference.modes import Member, Run
-    from agent.models.backends.base import BackendOptions
-    from agent.models.backends.onnxruntime import OnnxRuntimeBackend, OnnxSession
-    from agent.models.decoder_layout import open_generation
-    from agent.models.model_config import StreamConfig
-    from tests.generate_helpers import REFERENCE
-
-    folder = DECODERS / arch
-    session = OnnxRuntimeBackend().load(folder / "model.onnx", BackendOptions(1))
+    session, folder = _session(arch), DECODERS / arch
     assert session.device == ("cpu", 0) and not session.keeps_on_device
     assert open_generation(None, session, folder).device_cache == ()  # the CPU: host arrays
     monkeypatch.setattr(OnnxSession, "keeps_on_device", property(lambda self: True))
@@ -175,9 +173,7 @@ def test_the_cache_stays_bound_on_a_device_session(
 
     monkeypatch.setattr(OnnxSession, "run_keeping", spy)
     ref = REFERENCE["models"][arch][0]
-    ask = generate.ask_of(
-        {"prompt": np.array(ref["prompt"], dtype=object)}, {"max_new_tokens": 24}, setup
-    )
+    (ask,) = _asks(setup, [ref], [24])
     run = Run(session, StreamConfig(mode="generate"), [Member({}, 1, generation=ask)])
     tokens = [
         int(t) for pieces in generate.generate(run) for p in pieces for t in p.outputs["tokens"]
@@ -195,27 +191,13 @@ def test_members_of_one_run_step_in_lock_step(
     model a step for all (the shorter caches left-padded and masked), rows leaving as their
     limits come; every member's greedy tokens equal Hugging Face's. `bound`: the same with
     the cache kept as the runtime's values (a GPU provider's path, bound on the CPU)."""
-    from agent.inference import generate
-    from agent.inference.modes import Member, Run
-    from agent.models.backends.base import BackendOptions
-    from agent.models.backends.onnxruntime import OnnxRuntimeBackend, OnnxSession
-    from agent.models.decoder_layout import open_generation
-    from agent.models.model_config import StreamConfig
-    from tests.generate_helpers import REFERENCE
-
     if bound:
         monkeypatch.setattr(OnnxSession, "keeps_on_device", property(lambda self: True))
-    folder = DECODERS / arch
-    session = OnnxRuntimeBackend().load(folder / "model.onnx", BackendOptions(1))
-    setup = open_generation(None, session, folder)
+    session = _session(arch)
+    setup = open_generation(None, session, DECODERS / arch)
     assert setup.layout.batchable and bool(setup.device_cache) == bound
     cases, limits = REFERENCE["models"][arch], [24, 7, 15]
-    asks = [
-        generate.ask_of(
-            {"prompt": np.array(c["prompt"], dtype=object)}, {"max_new_tokens": n}, setup
-        )
-        for c, n in zip(cases, limits, strict=True)
-    ]
+    asks = _asks(setup, cases, limits)
     assert len({len(a.prompt) for a in asks}) == 3  # three widths to line up
     run = Run(session, StreamConfig(mode="generate"), [Member({}, 1, generation=a) for a in asks])
     tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
@@ -239,24 +221,10 @@ def test_a_member_cancelled_mid_lock_step_leaves_and_the_others_go_on() -> None:
     """`ROOT/cancel` of one row: its stream ends `cancelled` at the next step, its row leaves
     the batch; a stop of another (the agent stopping) takes it out without a piece; the third
     still gets all its greedy tokens."""
-    from agent.inference import generate
-    from agent.inference.modes import Member, Run
-    from agent.models.backends.base import BackendOptions
-    from agent.models.backends.onnxruntime import OnnxRuntimeBackend
-    from agent.models.decoder_layout import open_generation
-    from agent.models.model_config import StreamConfig
-    from tests.generate_helpers import REFERENCE
-
-    folder = DECODERS / "gpt2"
-    session = OnnxRuntimeBackend().load(folder / "model.onnx", BackendOptions(1))
-    setup = open_generation(None, session, folder)
+    session = _session("gpt2")
+    setup = open_generation(None, session, DECODERS / "gpt2")
     cases = REFERENCE["models"]["gpt2"]
-    asks = [
-        generate.ask_of(
-            {"prompt": np.array(c["prompt"], dtype=object)}, {"max_new_tokens": 24}, setup
-        )
-        for c in cases
-    ]
+    asks = _asks(setup, cases, [24] * len(cases))
     members = [Member({}, 1, generation=a) for a in asks]
     run = Run(session, StreamConfig(mode="generate"), members)
     tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
@@ -277,19 +245,28 @@ def test_a_member_cancelled_mid_lock_step_leaves_and_the_others_go_on() -> None:
 def test_generate_batching_needs_onnxruntime_and_a_batchable_layout() -> None:
     """What a version with `[batching]` is refused for at load: a TensorRT engine (its
     decoder profiles take one row), a layout that cannot be left-padded."""
-    import dataclasses
-
-    from agent.models.backends.base import BackendOptions
-    from agent.models.backends.onnxruntime import OnnxRuntimeBackend
-    from agent.models.decoder_layout import open_generation
-    from agent.models.loading import _check_generate_batching
-
-    folder = DECODERS / "gpt2"
-    session = OnnxRuntimeBackend().load(folder / "model.onnx", BackendOptions(1))
-    setup = open_generation(None, session, folder)
+    session = _session("gpt2")
+    setup = open_generation(None, session, DECODERS / "gpt2")
     _check_generate_batching(setup, "onnxruntime")  # optimum's export: fine
     with pytest.raises(ModelLoadError, match="ONNX Runtime"):
         _check_generate_batching(setup, "tensorrt")
     no_positions = dataclasses.replace(setup.layout, position_ids=None)
     with pytest.raises(ModelLoadError, match="position_ids"):
         _check_generate_batching(dataclasses.replace(setup, layout=no_positions), "onnxruntime")
+
+
+def _session(arch: str) -> OnnxSession:
+    """A decoder fixture on ONNX Runtime's CPU provider, one thread."""
+    return OnnxRuntimeBackend().load(DECODERS / arch / "model.onnx", BackendOptions(1))
+
+
+def _asks(
+    setup: Generation, cases: list[dict[str, Any]], limits: list[int]
+) -> list[generate.GenerateAsk]:
+    """A generation of each reference case's prompt, `limits` new tokens each."""
+    return [
+        generate.ask_of(
+            {"prompt": np.array(case["prompt"], dtype=object)}, {"max_new_tokens": n}, setup
+        )
+        for case, n in zip(cases, limits, strict=True)
+    ]
