@@ -39,9 +39,16 @@ from typing import Any, cast
 import numpy as np
 
 from agent.inference import batching
+from agent.inference.fed_runs import FedRuns
 from agent.inference.job import CancelFlag, Cancelled
 from agent.inference.scan import ScanCursor
-from agent.models.backends.base import Array, DeviceBinding, InferenceError, Session
+from agent.models.backends.base import (
+    Array,
+    DeviceBinding,
+    InferenceError,
+    Session,
+    StepBinding,
+)
 from agent.models.model_config import ScanConfig, StreamConfig
 from agent.protocol.errors import WireError, show_value
 
@@ -118,6 +125,14 @@ class Run:
         self.runs += 1
         return outputs
 
+    def bound(self, binding: StepBinding) -> Arrays:
+        """One run of a steps loop's bound model (`agent.inference.fed_runs`), timed."""
+        started = time.perf_counter()
+        outputs = binding.run()
+        self.infer_s += time.perf_counter() - started
+        self.runs += 1
+        return outputs
+
     def live(self, positions: Sequence[int]) -> list[int]:
         """`positions` less the members that left: cancelled meanwhile (then noted in
         `failed`), or put in `failed` by the driver."""
@@ -170,6 +185,21 @@ def steps(run: Run) -> Iterator[list[Piece]]:
     active = list(range(len(members)))
     rows = [members[p].rows for p in active] if run.joined else [0]
     inputs = batching.join([m.inputs for m in members]) if run.joined else dict(members[0].inputs)
+    fed_runs = FedRuns(run, dict(links))
+    try:
+        yield from _stepped(run, fed_runs, links, active, rows, inputs)
+    finally:
+        fed_runs.close()
+
+
+def _stepped(
+    run: Run,
+    fed_runs: FedRuns,
+    links: Sequence[tuple[str, str]],
+    active: list[int],
+    rows: list[int],
+    inputs: Arrays,
+) -> Iterator[list[Piece]]:
     step = 0
     while True:
         live = run.live(active)
@@ -178,7 +208,7 @@ def steps(run: Run) -> Iterator[list[Piece]]:
         if len(live) < len(active):
             (inputs,), rows = _keep_rows(rows, [active.index(p) for p in live], inputs)
             active = live
-        outputs = run.model(inputs)
+        outputs = fed_runs.model(inputs)
         if run.joined:
             batching.check_rows(outputs, sum(rows))
         pieces = _step_pieces(run, outputs, active, rows, step)

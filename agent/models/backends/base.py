@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -149,6 +149,38 @@ class DeviceBinding(Protocol):
         be given back as inputs as they are, the others as numpy arrays. An input may be
         such a value or a numpy array. Raises :class:`InferenceError` on failure."""
         ...
+
+
+class StepBinding(Protocol):
+    """A steps loop's runs bound once (ONNX Runtime's IOBinding): each run reads the fed
+    inputs from the buffers the run before it wrote, and writes its outputs into the other
+    of two sets, so nothing is bound, allocated or checked again a step."""
+
+    def run(self) -> dict[str, Array]:
+        """One step; every output a new array (the buffers stay the binding's). Raises
+        :class:`InferenceError`; the binding is then spent."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def bind_steps(
+    session: object,
+    inputs: Mapping[str, Array],
+    outputs: Mapping[str, Array],
+    links: Mapping[str, str],
+) -> StepBinding | None:
+    """A :class:`StepBinding` for the next runs of a steps loop, or None where the session
+    cannot bind (it has no ``bind_steps``: TensorRT's, a test's fake) or not these tensors.
+
+    `inputs` are the next run's, whose input `target` of each `links` entry is the output
+    `source` in `outputs` (the last run's); the other inputs stay as they are. Optional, so
+    not part of :class:`Session`, as :func:`session_metadata`."""
+    bind = getattr(session, "bind_steps", None)
+    if bind is None:
+        return None
+    binding = bind(inputs, outputs, links)
+    return cast(StepBinding | None, binding)
 
 
 def session_metadata(session: object) -> Mapping[str, Any] | None:

@@ -23,6 +23,7 @@ from agent.models.backends.base import (
     ModelLoadError,
     TensorSpec,
 )
+from agent.models.backends.ort_steps import OrtStepBinding, bindable
 from agent.models.onnx_header import model_metadata
 
 __all__ = [
@@ -273,6 +274,28 @@ class OnnxSession:
             }
         except Exception as exc:
             raise InferenceError(_one_line(exc)) from exc
+
+    def bind_steps(
+        self, inputs: Mapping[str, Any], outputs: Mapping[str, Any], links: Mapping[str, str]
+    ) -> OrtStepBinding | None:
+        """The next runs of a steps loop bound once (:mod:`agent.models.backends.ort_steps`);
+        None on a GPU provider, for tensors a host buffer cannot hold, or where binding fails
+        (the loop then runs unbound, as before)."""
+        if self._device[0] != "cpu" or set(outputs) != set(self._output_names):
+            return None
+        if not bindable(inputs, outputs, links):
+            return None
+        try:
+            return OrtStepBinding(self._live, inputs, outputs, links, _one_line)
+        except Exception as exc:  # an ORT build without host binding: run unbound
+            log.debug("%s: steps run unbound: %s", self.model_file, _one_line(exc))
+            return None
+
+    def _live(self) -> Any:
+        session = self._session
+        if session is None:
+            raise InferenceError("session closed")
+        return session
 
     def close(self) -> None:
         """Drop the ORT session now; its memory goes when the last running call returns."""
