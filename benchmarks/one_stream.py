@@ -170,19 +170,30 @@ def _agent_round(agent: AgentProcess, broker: EmbeddedBroker, qos: int, steps: i
 
 
 def model_alone(path: Path, seconds: float) -> float:
-    """Steps/s of the decoder step alone: `InferenceSession.run` in this process, with the
-    agent's thread count, each step's `next_token` and `h_out` fed back, no chunk made."""
-    session = speed._session(path)
-    hidden = DIMS[2]
-    feed = {"token": np.array([[1]], dtype=np.int64), "h": np.zeros((1, hidden), np.float32)}
+    """Steps/s of the decoder step alone, run as the agent runs it (its ONNX Runtime backend
+    and threads, the steps bound once, `next_token` copied out: docs/decisions/0032), each
+    step's `next_token` and `h_out` fed back, no chunk made, in this process."""
+    from agent.models.backends.base import BackendOptions, bind_steps
+    from agent.models.backends.onnxruntime import OnnxRuntimeBackend
+
+    session = OnnxRuntimeBackend().load(path, BackendOptions(speed._threads()))
+    links = {"token": "next_token", "h": "h_out"}
+    inputs = {"token": np.array([[1]], dtype=np.int64), "h": np.zeros((1, DIMS[2]), np.float32)}
+    outputs = session.run(inputs)
+    binding = bind_steps(session, {"token": outputs["next_token"], "h": outputs["h_out"]},
+                         outputs, links)  # fmt: skip
+    assert binding is not None
     steps = 0
     started = time.perf_counter()
-    while time.perf_counter() - started < seconds:
-        for _ in range(200):
-            next_token, _logits, h_out = session.run(None, feed)
-            feed = {"token": next_token, "h": h_out}
-        steps += 200
-    return steps / (time.perf_counter() - started)
+    try:
+        while time.perf_counter() - started < seconds:
+            for _ in range(200):
+                binding.run(("next_token",))
+            steps += 200
+        return steps / (time.perf_counter() - started)
+    finally:
+        binding.close()
+        session.close()
 
 
 def first_chunk_ms(agent: AgentProcess, broker: EmbeddedBroker, repeats: int) -> float:
@@ -274,7 +285,8 @@ def section(result: OneStreamResult) -> list[str]:
         raws = {q: statistics.median(r.raw for r in result.of(q)) for q in (1, 0) if result.of(q)}
         ceilings = "; ".join(f"QoS {q}: {model / raw:.2f}" for q, raw in raws.items())
         lines.append(
-            "| steps/s of the model alone (`Session.run`, outputs fed back, no chunk) / raw "
+            "| steps/s of the model alone (run as the agent runs it, bound once, outputs fed "
+            "back, no chunk) / raw "
             f"paho: the ceiling of the ratios above | {model:.0f} steps/s | | {ceilings} | "
             + ", ".join(f"{r.model:.0f}" for r in result.of(1))
             + " | report |"
@@ -284,7 +296,7 @@ def section(result: OneStreamResult) -> list[str]:
         f"{result.first_chunk_ms:.2f} ms | | | | report |",
         "",
         "The agent runs the model once a chunk, so its rate cannot pass the model's own: "
-        "where one `Session.run` of the step costs more than a raw paho publish, no design "
+        "where one run of the step costs more than a raw paho publish, no design "
         "that runs the model once a chunk reaches the ratio of 1.",
         "",
         "Per chunk and agent thread, median of the rounds: CPU (µs; `/proc/PID/task/*/stat`, "

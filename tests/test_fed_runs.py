@@ -5,7 +5,7 @@ changing shape, a closed session) runs unbound or fails as it did before."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,10 +98,10 @@ class Counting(Unbound):
         counter = self
 
         class Counted:
-            def run(self) -> dict[str, Array]:
+            def run(self, copied: Collection[str]) -> dict[str, Array]:
                 counter.bound_runs += 1
                 assert binding is not None
-                return binding.run()
+                return binding.run(copied)
 
             def close(self) -> None:
                 assert binding is not None
@@ -161,6 +161,30 @@ def test_bound_steps_give_the_unbound_outputs_and_each_piece_its_own_arrays(
             np.testing.assert_array_equal(kept[name], copied[name])
     hidden = [kept["h_out"] for *_, kept in bound]
     assert len({id(h) for h in hidden}) == len(hidden)
+
+
+def test_a_state_only_fed_back_is_not_copied_and_the_steps_stay_exact(tmp_path: Path) -> None:
+    """`emit` the token alone: `h_out` and `logits` stay the binding's buffers, fed in place."""
+    session = _gru(tmp_path)
+    config = StreamConfig(
+        mode="steps",
+        feed={"token": "next_token"},
+        state={"h": "h_out"},
+        emit=["next_token"],
+        max_steps=64,
+    )
+    counting = Counting(session)
+    bound = _outputs(counting, config, [_member(5, 50)])
+    _same(bound, _outputs(Unbound(session), config, [_member(5, 50)]))
+    assert counting.bound_runs == 49
+    assert all(kept.keys() == {"next_token"} for *_, kept in bound)
+    # A member asking for the state (`params.outputs`) gets it copied, every step its own.
+    asking = modes.Member(_member(5, 50).inputs, max_steps=50, select=["next_token", "h_out"])
+    selected = _outputs(Counting(session), config, [asking])
+    hidden = [kept["h_out"] for *_, kept in selected]
+    assert len({id(h) for h in hidden}) == len(hidden)
+    for *_, copied, kept in selected:
+        np.testing.assert_array_equal(kept["h_out"], copied["h_out"])
 
 
 def test_a_joined_run_rebinds_after_a_member_leaves(tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ class FedRuns:
         self._binding: StepBinding | None = None
         self._may_bind = bool(links)
         self._last: tuple[Arrays, Arrays] | None = None  # the last run's inputs and outputs
+        self._kept: frozenset[str] = frozenset()  # outputs copied out of a bound run
 
     def model(self, inputs: Arrays) -> Arrays:
         """One run of the model on `inputs`, bound where they continue the last run."""
@@ -75,12 +76,22 @@ class FedRuns:
             if self._binding is None:
                 self._may_bind = False
                 return None
+            self._kept = self._carried(self._last[1])
         try:
-            return self._run.bound(self._binding)
+            return self._run.bound(self._binding, self._kept)
         except InferenceError:  # e.g. an output changed shape: the unbound run says why
             self._drop()
             self._may_bind = False
             return None
+
+    def _carried(self, outputs: Arrays) -> frozenset[str]:
+        """The outputs some member's chunks carry (`_chosen`): the ones kept past the step.
+        The rest (a state only fed back, logits nobody asked for) are never copied."""
+        run = self._run
+        names: set[str] = set()
+        for member in run.members:
+            names.update(member.select or run.emitted(outputs))
+        return frozenset(names)
 
     def _drop(self) -> None:
         assert self._binding is not None

@@ -125,10 +125,11 @@ class Run:
         self.runs += 1
         return outputs
 
-    def bound(self, binding: StepBinding) -> Arrays:
-        """One run of a steps loop's bound model (`agent.inference.fed_runs`), timed."""
+    def bound(self, binding: StepBinding, copied: Collection[str]) -> Arrays:
+        """One run of a steps loop's bound model (`agent.inference.fed_runs`), timed;
+        `copied`: the outputs that may outlive the run after next."""
         started = time.perf_counter()
-        outputs = binding.run()
+        outputs = binding.run(copied)
         self.infer_s += time.perf_counter() - started
         self.runs += 1
         return outputs

@@ -156,9 +156,11 @@ class StepBinding(Protocol):
     inputs from the buffers the run before it wrote, and writes its outputs into the other
     of two sets, so nothing is bound, allocated or checked again a step."""
 
-    def run(self) -> dict[str, Array]:
-        """One step; every output a new array (the buffers stay the binding's). Raises
-        :class:`InferenceError`; the binding is then spent."""
+    def run(self, copied: Collection[str]) -> dict[str, Array]:
+        """One step. The outputs named in `copied` are new arrays; the others are the
+        binding's own buffers, written again by the run after next: to be read (fed back,
+        checked) before that, never kept. Raises :class:`InferenceError`; the binding is
+        then spent."""
         ...
 
     def close(self) -> None: ...

@@ -4,8 +4,9 @@
 call: for a tiny decoder step that is a third of the call. :class:`OrtStepBinding` binds
 two runs once, on the host: run A writes its outputs into buffer set A and reads its fed
 inputs from set B, run B the other way round, and the inputs that are not fed stay bound
-as they were. A step is then `run_with_iobinding` and a copy of each output (the caller
-keeps outputs past the next step: `stream: false`, a joined batch's rows), never a buffer.
+as they were. A step is then `run_with_iobinding`, and a copy of each output its caller
+keeps past the next step (what a chunk carries: `stream: false` stacks them); the others (a
+state only fed back, logits nobody asked for) are handed over as the buffers themselves.
 
 Host buffers only: where a GPU provider runs the model, ORT copies the bound host buffers
 to the device and back, which is what `run` does too, so only CPU sessions are bound.
@@ -13,7 +14,7 @@ to the device and back, which is what `run` does too, so only CPU sessions are b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -87,7 +88,7 @@ class OrtStepBinding:
             )
         return binding
 
-    def run(self) -> dict[str, Array]:
+    def run(self, copied: Collection[str]) -> dict[str, Array]:
         k = self._next
         session = self._live_session()
         try:
@@ -95,7 +96,10 @@ class OrtStepBinding:
         except Exception as exc:
             raise InferenceError(self._one_line(exc)) from exc
         self._next = 1 - k
-        return {name: buffer.copy() for name, buffer in self._buffers[k].items()}
+        return {
+            name: buffer.copy() if name in copied else buffer
+            for name, buffer in self._buffers[k].items()
+        }
 
     def close(self) -> None:
         """Let go of the bindings and their buffers (the session keeps running)."""
