@@ -65,6 +65,7 @@ class ScanResult:
     agent_wps: float
     ratio: float
     path: str = "source"  # "source": a pcm source; "request": one scan request
+    infer_us: float | None = None  # request: the model's run a window inside the agent
 
     @property
     def overhead_us(self) -> float:
@@ -177,10 +178,13 @@ def measure(broker: EmbeddedBroker, workdir: Path, quick: bool) -> list[ScanResu
     s16 = recording(seconds)
     windows = windows_of(s16)
     before = bare_wps(windows)
-    agent = request_wps(workdir, broker, repository, s16, len(windows), 3 if quick else 5)
+    agent, infer_us = request_wps(workdir, broker, repository, s16, len(windows), 3 if quick else 5)
     bare = (before + bare_wps(windows)) / 2
-    results.append(ScanResult(1, len(windows), bare, agent, agent / bare, "request"))
-    print(f"scan request: agent {agent:.0f} windows/s, bare {bare:.0f} (x{agent / bare:.2f})")
+    results.append(ScanResult(1, len(windows), bare, agent, agent / bare, "request", infer_us))
+    print(
+        f"scan request: agent {agent:.0f} windows/s, bare {bare:.0f} (x{agent / bare:.2f}); "
+        f"the model's run in the agent {infer_us:.0f} µs a window, bare {1e6 / bare:.0f}"
+    )
     return results
 
 
@@ -191,14 +195,15 @@ def request_wps(
     s16: np.ndarray,
     windows: int,
     rounds: int,
-) -> float:
+) -> tuple[float, float]:
     """Windows a second of the recording sent as one scan request (one window a chunk), the
     median of `rounds`, each from the chunks' arrival at `mosquitto_sub`, the first 5 % left
-    out."""
+    out; and the median time of the model's run a window inside the agent (µs, from the
+    `end`'s `timing.infer_ms`)."""
     from benchmarks.harness import AgentProcess, one_request, unique_id, wait_online
 
     audio = (s16.astype(np.float32) / 32768)[None, :]
-    rates = []
+    rates, infer_us = [], []
     with AgentProcess(workdir / "request", broker, repository, device_id="bench-scan-r") as agent:
         wait_online(broker, agent.root, agent.started)
         for _ in range(rounds + 1):  # the first warms
@@ -207,7 +212,8 @@ def request_wps(
             arrived = subscriber.times()[:windows]
             skip = len(arrived) // 20
             rates.append((len(arrived) - 1 - skip) / (arrived[-1] - arrived[skip]))
-    return statistics.median(rates[1:])
+            infer_us.append(subscriber.bodies()[-1]["timing"]["infer_ms"] * 1000 / windows)
+    return statistics.median(rates[1:]), statistics.median(infer_us[1:])
 
 
 def to_json(results: list[ScanResult]) -> dict[str, Any]:
@@ -260,9 +266,29 @@ def section(results: list[ScanResult]) -> list[str]:
         "message costs the agent (encoding, the spool, the publish): at one window a message "
         "the agent's fixed cost per message bounds the rate, and several windows a message "
         "(`windows_per_chunk`) share it.",
+        *_model_share(results),
         "",
     ]
     return lines
+
+
+def _model_share(results: list[ScanResult]) -> list[str]:
+    """How much of the request row's cost per window is the model running slower in the
+    agent than in the bare loop (the `end`'s `timing.infer_ms`)."""
+    request = next((r for r in results if r.path == "request" and r.infer_us), None)
+    if request is None or request.infer_us is None or request.overhead_us <= 0:
+        return []
+    bare_us = 1e6 / request.bare_wps
+    slower = request.infer_us - bare_us
+    return [
+        "",
+        f"Of the request row's {request.overhead_us:.0f} µs a window, the model's own run "
+        f"accounts for {slower:.0f}: inside the agent it took {request.infer_us:.0f} µs a "
+        f"window (the `end`'s `timing.infer_ms`), {bare_us:.0f} µs in the bare loop. The same "
+        "session alone in a loop runs at the bare speed; run with a few MB of memory touched "
+        "between its runs, as the agent's other work on the two cores does, it slows the same "
+        "way (docs/decisions/0032).",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
