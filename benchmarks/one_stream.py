@@ -180,8 +180,8 @@ def model_alone(path: Path, seconds: float) -> float:
     links = {"token": "next_token", "h": "h_out"}
     inputs = {"token": np.array([[1]], dtype=np.int64), "h": np.zeros((1, DIMS[2]), np.float32)}
     outputs = session.run(inputs)
-    binding = bind_steps(session, {"token": outputs["next_token"], "h": outputs["h_out"]},
-                         outputs, links)  # fmt: skip
+    fed = {"token": outputs["next_token"], "h": outputs["h_out"]}
+    binding = bind_steps(session, fed, outputs, links)
     assert binding is not None
     steps = 0
     started = time.perf_counter()

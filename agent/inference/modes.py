@@ -121,15 +121,16 @@ class Run:
             outputs = cast(DeviceBinding, self.session).run_keeping(inputs, keep)
         else:
             outputs = self.session.run(inputs)
-        self.infer_s += time.perf_counter() - started
-        self.runs += 1
-        return outputs
+        return self._counted(started, outputs)
 
     def bound(self, binding: StepBinding, copied: Collection[str]) -> Arrays:
         """One run of a steps loop's bound model (`agent.inference.fed_runs`), timed;
         `copied`: the outputs that may outlive the run after next."""
         started = time.perf_counter()
-        outputs = binding.run(copied)
+        return self._counted(started, binding.run(copied))
+
+    def _counted(self, started: float, outputs: Arrays) -> Arrays:
+        """A run that began at `started` (perf_counter) ended with `outputs`: counted."""
         self.infer_s += time.perf_counter() - started
         self.runs += 1
         return outputs
