@@ -233,3 +233,66 @@ def test_acknowledgements_go_at_once_or_when_deferred_on_their_connection_only()
     acks[5]()
     inbound.send_deferred(client)  # type: ignore[arg-type]
     assert len(client.sent) == 4 and not inbound.deferred
+
+
+def _stream(outbox: Outbox, topic: str, qos: int, batches: int, stop: threading.Event) -> None:
+    """A streaming worker's publishing: 16 messages a step-batch, each batch followed by the
+    send hold's kick (`kick(read=True)`), about a millisecond apart."""
+    for batch in range(batches):
+        outbox.put_many([OutMessage(topic, f"{batch}/{n}".encode(), qos) for n in range(16)])
+        outbox.kick(read=True)
+        if stop.wait(0.001):
+            return
+
+
+@pytest.mark.parametrize("qos", [1, 0])
+def test_a_streaming_workers_kicks_read_the_socket_while_messages_are_in_flight(
+    broker: EmbeddedBroker, transport: Callable[..., tuple[Transport, Outbox]], qos: int
+):
+    """While a worker's stream has QoS 1 messages in flight, its kicks read what the broker
+    sent: acknowledgements, and requests, handled on the worker's thread while the io thread
+    leaves the socket to it; every message still arrives, in order, acknowledged. At QoS 0
+    (nothing in flight) the kicks do not read. Once the worker stops, the io thread reads
+    again."""
+    topic = f"t/{uuid.uuid4().hex[:8]}"
+    peer = Peer(broker, f"{topic}/out")
+    readers: list[tuple[str, str]] = []  # (request payload, thread that handled it)
+
+    def on_message(incoming: Incoming) -> None:
+        readers.append((incoming.payload.decode(), threading.current_thread().name))
+
+    connection, outbox = transport(on_message, [(f"{topic}/in", 1)], max_inflight=64)
+    sender = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"s-{topic[-8:]}")
+    sender.connect(broker.host, broker.port)
+    sender.loop_start()
+    stop = threading.Event()
+    worker = threading.Thread(
+        target=_stream, args=(outbox, f"{topic}/out", qos, 300, stop), name="test-worker"
+    )
+    try:
+        worker.start()
+        for n in range(20):  # requests arriving while the stream runs
+            sender.publish(f"{topic}/in", f"during-{n}".encode(), qos=1).wait_for_publish(5)
+            time.sleep(0.01)
+        worker.join(30)
+        assert not worker.is_alive()
+        sender.publish(f"{topic}/in", b"after", qos=1).wait_for_publish(5)
+        assert connection.flush(10)
+        got = peer.wait_for(300 * 16)
+        assert [m[1] for m in got] == [f"{b}/{n}".encode() for b in range(300) for n in range(16)]
+        assert connection.acked == (300 * 16 if qos else 0)
+        deadline = time.monotonic() + 5
+        while len(readers) < 21 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(p for p, _ in readers) == sorted(
+            ["after", *(f"during-{n}" for n in range(20))]
+        )
+        during = {thread for payload, thread in readers if payload != "after"}
+        assert ("test-worker" in during) is (qos == 1)
+        assert dict(readers)["after"] == "mqtt-io"
+    finally:
+        stop.set()
+        worker.join(5)
+        sender.disconnect()
+        sender.loop_stop()
+        peer.close()

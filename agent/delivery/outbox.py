@@ -16,8 +16,8 @@ see `agent.delivery.spool_writer`).
   queue answers `overloaded`. Nothing is dropped silently.
 * Error replies produced on the network thread must never block it, so they may use a
   reserved headroom above the normal bound.
-* Memory is bounded in payload bytes as well as in messages (`max_bytes`): one integer added
-  and subtracted per message. Durable messages past it go to disk only; QoS 0 producers wait.
+* Memory is bounded in payload bytes as well as in messages (`max_bytes`). Durable messages
+  past it go to disk only; QoS 0 producers wait.
   Resends (the background lane) have their own byte cap, `background_bytes`: a resend that
   does not fit is not queued (the subscriber asks again), so a flood of asks for large
   messages cannot grow the process.
@@ -42,6 +42,7 @@ __all__ = ["OutMessage", "Outbox", "OutboxClosed"]
 REFILL_BATCH = 256
 MAX_BYTES = 64 * 1024 * 1024  # payload bytes queued in memory (live), by default
 BACKGROUND_BYTES = 8 * 1024 * 1024  # payload bytes of resends queued, by default
+Call = Callable[[], None]  # the transport's hooks (`set_on_queued`)
 
 
 class OutboxClosed(Exception):
@@ -86,8 +87,9 @@ class Outbox:
         self._generation = 0  # a rewind makes refills asked before it void
         self._unwritten = 0  # durable messages queued for the writer, not written yet
         self._unwritten_bytes = 0
-        self._on_queued: Callable[[], None] = lambda: None
-        self._wake: Callable[[], None] = lambda: None
+        self._on_queued: Call = lambda: None
+        self._wake: Call = lambda: None
+        self._drive: Call = lambda: None
         self.rejected = 0  # reserved puts refused because even the headroom was full
         self.writer: SpoolWriter | None = None
         if spool is not None:
@@ -104,13 +106,14 @@ class Outbox:
             self.writer.start()
 
     def set_on_queued(
-        self, on_queued: Callable[[], None], wake: Callable[[], None] | None = None
+        self, on_queued: Call, wake: Call | None = None, drive: Call | None = None
     ) -> None:
         """`on_queued()` is called, outside the lock, on the thread that queued a message:
-        the transport publishes it from there when its connection is free (no hand-off).
-        `wake()` has the transport's own thread publish instead (`hand_off`)."""
+        the transport publishes it from there when its connection is free (no hand-off);
+        `wake()` has its own thread publish instead (`hand_off`); `drive()`: see `kick`."""
         self._on_queued = on_queued
         self._wake = wake or on_queued
+        self._drive = drive or on_queued
 
     def __len__(self) -> int:
         return len(self._queue) + len(self._background)
@@ -136,8 +139,7 @@ class Outbox:
         self._on_queued()
 
     def put_many(self, messages: Sequence[OutMessage]) -> None:
-        """`put` each, in order, in one round of the lock (a batch run's replies); blocks as
-        `put` does. The caller calls `kick()` after it."""
+        """`put` each, in order, in one round of the lock; blocks as `put` does. `kick` after."""
         with self._lock:
             for message in messages:
                 self._put_locked(message, None)
@@ -170,10 +172,11 @@ class Outbox:
                 self.writer.nudge(prompt=True)  # room comes from the writer (or from acks)
             self._cond.wait(0.1 if remaining is None else min(remaining, 0.1))
 
-    def kick(self) -> None:
+    def kick(self, read: bool = False) -> None:
         """Have what `put_many` queued (or acknowledgements the spool writer's callbacks queued)
-        published, from this thread if it can."""
-        self._on_queued()
+        published, from this thread if it can. `read`: a streaming worker's kick; the transport
+        also reads the broker's answers on this thread (`drive`, docs/decisions/0034)."""
+        (self._drive if read else self._on_queued)()
 
     def hand_off(self) -> None:
         """Have what `put_many` queued published by the transport's thread, not this one."""
@@ -447,13 +450,10 @@ class Outbox:
 
     def rewind(self, unack_since: float | None = None) -> int:
         """Before a new connection: read every pending spooled message back from disk, in
-        order, and (with `unack_since`) also those the broker acknowledged since then.
-
-        A broker acknowledges before it saves: after a crash, its last acknowledged messages
-        may be gone, so they are published again; subscribers drop duplicates by (id, seq).
-        Durable messages in memory are dropped and re-read, so the order holds. Returns the
-        number of pending spooled messages.
-        """
+        order, and (with `unack_since`) also those the broker acknowledged since then: a
+        broker acknowledges before it saves, so after its crash they are published again
+        (subscribers drop duplicates by (id, seq)). Durable messages in memory are dropped
+        and re-read, so the order holds. Returns the number of pending spooled messages."""
         if self._spool is None:
             return 0
         self.flush_acks()  # what the old connection published and got acknowledged is settled

@@ -421,8 +421,9 @@ class ReplySender:
             self._outbox.kick()
 
     def kick(self) -> None:
-        """Publish what `send(..., kick=False)` queued."""
-        self._outbox.kick()
+        """Publish what `send(..., kick=False)` queued, and read the broker's answers on this
+        thread meanwhile (`Outbox.kick`): a stream's kick, every few of its steps."""
+        self._outbox.kick(read=True)
 
     def hand_off(self) -> None:
         """Have the io thread publish what `send(..., kick=False)` queued."""

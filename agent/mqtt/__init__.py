@@ -4,6 +4,7 @@ Owns: connecting, the will and birth messages, reconnects with jitter, the epoch
 requests off the socket and publishing what the outbox holds within the broker's limits.
 
 * `connection`: `Transport`, the io thread and lock, connect/reconnect, keepalive;
+* `socket_wait`: what the io thread waits on (the socket, a wake-up);
 * `window`: the in-flight window, publishing the outbox, settling acknowledgements;
 * `inbound`: received messages to the handler, acknowledged at once or deferred;
 * `messages`: `Incoming`, `RequestProperties`, `parse_publish`, `correlation_properties`;

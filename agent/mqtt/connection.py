@@ -15,10 +15,12 @@ selector), never `loop_start`, and only by the holder of one lock, the io lock:
   time, keeps at most `max_inflight` QoS 1/2 messages unacknowledged and writes the batch with
   one `loop_write`; every holder looks at the outbox again after releasing the lock, so
   nothing queued meanwhile is left behind.
+* a worker streaming at QoS 1/2 also reads in its kick (`_drive`), as a lone paho publisher's
+  one thread does; the io thread leaves the socket to it until it stops or the window fills.
 
 Why not paho's own thread: with `loop_start`, every publish from another thread is a hand-off
-(a wake-up byte, a `select`, a thread switch, a GIL hand-over) per message. One lock also
-keeps per-stream order (the outbox is FIFO) and frees the in-flight window from locks.
+(a wake-up, a thread switch, a GIL hand-over) per message. One lock also keeps per-stream
+order (the outbox is FIFO) and frees the in-flight window from locks.
 
 The client (`agent.mqtt.paho_fast.new_client`: fast, or paho's own) is used by its interface.
 """
@@ -28,8 +30,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
-import selectors
-import socket
 import ssl
 import threading
 import time
@@ -53,11 +53,13 @@ from agent.mqtt.paho_fast import FastClient, new_client
 from agent.mqtt.paho_plain import Client
 from agent.mqtt.reconnect import CONNECT_TIMEOUT_S, backoff_delays, next_attempt, prepare
 from agent.mqtt.session import BrokerSession, closed_early_text, no_connack_text, refusal_text
+from agent.mqtt.socket_wait import SocketWait
 from agent.mqtt.window import Window
 
 log = logging.getLogger(__name__)
 
 MISC_S = 0.5  # keepalive, acknowledgement timeout and CONNACK deadline checks
+DRIVEN_S = 0.003  # the io thread does not read this long after a worker's (`_drive`)
 
 
 class Transport:
@@ -114,13 +116,12 @@ class Transport:
         self.reconnects = 0
         self.lost_at: float | None = None  # wall time the last connection was lost
         self.last_error: str | None = None
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
+        self._driven_until = 0.0  # a worker reads the socket until then (monotonic): `_drive`
+        self._waiter = SocketWait()
         # Held by whoever drives paho: the io thread except while it waits in select, or a
         # thread that just queued a message and publishes it itself (`_on_queued`).
         self._io_lock = threading.Lock()
-        outbox.set_on_queued(self._on_queued, self.wake)
+        outbox.set_on_queued(self._on_queued, self.wake, self._drive)
         self._client = self._inbound.client = self._make_client(client_id)
         self._thread = threading.Thread(target=self._run, name="mqtt-io", daemon=True)
 
@@ -151,23 +152,24 @@ class Transport:
 
     def wake(self) -> None:
         """Interrupt the io thread's wait (any thread; cheap, never blocks)."""
-        with contextlib.suppress(OSError):  # full: a wake-up is already pending
-            self._wake_w.send(b"\0")
+        self._waiter.wake()
 
     def defer(self, incoming: Incoming) -> Callable[[], None]:
         """Take over the acknowledgement of `incoming` (QoS 1/2): see `Inbound.defer`."""
         return self._inbound.defer(incoming)
 
-    def _on_queued(self) -> None:
+    def _on_queued(self, read: bool = False) -> None:
         """A message (or an acknowledgement) was queued on this thread: publish it from here
         when nobody drives the connection (the io thread waits in select), so a chunk goes to
         the socket without a hand-off. When the lock is taken, its holder publishes it: every
-        holder looks at the outbox again after releasing the lock."""
+        holder looks at the outbox again after releasing the lock. `read`: see `_drive`."""
         while self._io_lock.acquire(blocking=False):
             try:
                 client = self._client
                 if self._stop.is_set() or client.socket() is None:
                     return
+                if read and self._pending and not self._read_here(client):
+                    return  # the connection was lost: the io thread was woken for it
                 self._pump(client)
                 blocked = client.want_write()
             finally:
@@ -177,6 +179,19 @@ class Transport:
                 return
             if not self._work_waiting():
                 return
+
+    def _drive(self) -> None:
+        """A worker's kick while it streams (`ReplySender.kick`, at most every 2 ms): as
+        `_on_queued`, but while QoS 1/2 messages are in flight, what the broker sent
+        (acknowledgements, requests) is first read and handled on this thread, and the io
+        thread leaves the socket to it for `DRIVEN_S`: no wake-up and two hand-offs of the
+        interpreter lock every few acknowledgements (docs/decisions/0034)."""
+        self._on_queued(read=True)
+
+    def _read_here(self, client: Client) -> bool:
+        """Under the io lock: `_drive`'s read. False when it lost the connection."""
+        self._driven_until = time.monotonic() + DRIVEN_S
+        return client.loop_read() == MQTTErrorCode.MQTT_ERR_SUCCESS
 
     def _work_waiting(self) -> bool:
         """Something this connection could send now."""
@@ -257,10 +272,7 @@ class Transport:
         sock = client.socket()
         if sock is None:
             return
-        selector = selectors.DefaultSelector()
-        selector.register(self._wake_r, selectors.EVENT_READ)
-        selector.register(sock, selectors.EVENT_READ)
-        watching_write = False
+        self._waiter.watch(sock)
         connect_deadline = time.monotonic() + CONNECT_TIMEOUT_S
         next_misc = time.monotonic() + MISC_S
         pending_tls = getattr(sock, "pending", None)
@@ -270,39 +282,33 @@ class Transport:
                 busy = self._pump(client)
                 if client.socket() is None:
                     break  # lost while writing: paho called on_disconnect
-                wants_write = client.want_write()  # the socket took only part of it
-                if wants_write != watching_write:
-                    events = selectors.EVENT_READ | (selectors.EVENT_WRITE if wants_write else 0)
-                    selector.modify(sock, events)
-                    watching_write = wants_write
                 now = time.monotonic()
                 if now >= next_misc:
                     next_misc = now + MISC_S
                     if not self._misc(client, now, connect_deadline):
                         break
+                # A worker reading the socket (`_drive`) is left to it, unless the window is full
+                reading = now >= self._driven_until or self._window.full()
+                wait = (next_misc if reading else min(next_misc, self._driven_until)) - now
                 tls_buffered = pending_tls is not None and pending_tls() > 0
+                writing = client.want_write()  # the socket took only part of the last write
                 self._io_lock.release()
                 try:
                     # Looked at after the release: a message queued before it is seen here,
                     # one queued after it is published by the thread that queued it.
                     idle = not (busy or tls_buffered or self._work_waiting())
-                    ready = selector.select(max(0.0, next_misc - now) if idle else 0.0)
+                    readable, writable = self._waiter.wait(
+                        wait if idle else 0.0, read=reading, write=writing
+                    )
                 finally:
                     self._io_lock.acquire()
-                readable = tls_buffered
-                for key, mask in ready:
-                    if key.fileobj is self._wake_r:
-                        with contextlib.suppress(OSError):
-                            self._wake_r.recv(4096)
-                        continue
-                    readable = readable or bool(mask & selectors.EVENT_READ)
-                    if mask & selectors.EVENT_WRITE and client.loop_write():
-                        return  # connection lost: paho called on_disconnect
-                if readable and client.loop_read():
+                if writable and client.loop_write():
+                    return  # connection lost: paho called on_disconnect
+                if (readable or tls_buffered) and client.loop_read():
                     return
         finally:
             self._io_lock.release()
-            selector.close()
+            self._waiter.unwatch()
 
     def _pump(self, client: Client) -> bool:
         """Under the io lock: deferred acknowledgements, then the outbox up to the window,
@@ -424,8 +430,7 @@ class Transport:
     # -- health and stop -------------------------------------------------------------------
 
     def thread_problem(self) -> str | None:
-        """Whether the connection's thread died (for the systemd watchdog). A broker outage
-        is not a problem (the thread reconnects and the outbox spools); a dead thread is."""
+        """Whether the connection's thread died (for the systemd watchdog; an outage is not)."""
         if self._thread.ident is not None and not self._thread.is_alive():
             return f"the {self._thread.name} thread died"
         return None
@@ -492,5 +497,4 @@ class Transport:
         if self._thread.is_alive():
             self._thread.join(timeout)
         self._outbox.close()
-        self._wake_r.close()
-        self._wake_w.close()
+        self._waiter.close()
