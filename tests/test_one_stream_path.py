@@ -91,6 +91,28 @@ def test_a_finished_request_and_the_end_of_the_run_release_what_is_held():
     assert len(kicks) == 3
 
 
+def test_a_run_that_goes_on_drives_and_its_end_kicks():
+    """The releases of a run that goes on (its first step, the bounds) read the broker's
+    answers on the worker's thread (`drive`, docs/decisions/0034); a step that finished a
+    request and the run's end only kick, so a one-step request never takes the reading."""
+    clock = Clock()
+    calls: list[str] = []
+    hold = SendHold(lambda: calls.append("kick"), None, clock, drive=lambda: calls.append("drive"))
+    hold.sent(1, finished=False)  # a stream's first step
+    for _ in range(send_hold.HOLD_MAX_MESSAGES):  # fast steps up to the count bound
+        clock.now += 0.00001
+        hold.sent(1, finished=False)
+    clock.now += 0.00001
+    hold.sent(1, finished=True)  # its `end`
+    clock.now += 0.00001
+    hold.sent(1, finished=False)
+    hold.release()  # the run ends
+    assert calls == ["drive", "drive", "kick", "kick"]
+    one_step = SendHold(lambda: calls.append("kick"), None, clock, drive=lambda: 1 / 0)
+    one_step.sent(1, finished=True)  # a request answered in one run: no drive
+    assert calls[-1] == "kick"
+
+
 def _message(spool_id: int, stream: str = "m/r") -> OutMessage:
     out = OutMessage(f"t/{stream}", b"x" * 100, 1, stream=stream)
     out.spool_id = spool_id

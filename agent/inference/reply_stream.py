@@ -421,8 +421,12 @@ class ReplySender:
             self._outbox.kick()
 
     def kick(self) -> None:
-        """Publish what `send(..., kick=False)` queued, and read the broker's answers on this
-        thread meanwhile (`Outbox.kick`): a stream's kick, every few of its steps."""
+        """Publish what `send(..., kick=False)` queued."""
+        self._outbox.kick()
+
+    def drive(self) -> None:
+        """`kick` from a stream that goes on: the broker's answers are read on this thread
+        too (`Outbox.kick(read=True)`, docs/decisions/0034)."""
         self._outbox.kick(read=True)
 
     def hand_off(self) -> None:

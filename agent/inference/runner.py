@@ -199,7 +199,8 @@ class Runner:
         collected: dict[int, list[tuple[int, Arrays]]] = {}
         failure: tuple[str, str] | None = None
         # a fast step's messages join the next's write; a slow one's go by the io thread
-        hold = SendHold(self._sender.kick, self._sender.hand_off)
+        sender = self._sender
+        hold = SendHold(sender.kick, sender.hand_off, drive=sender.drive)
         try:
             for pieces in run.pieces():
                 ended = self._emit_all(pieces, jobs, run, collected)

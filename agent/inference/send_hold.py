@@ -20,7 +20,10 @@ nothing of a slow model waits at all:
 * held messages go once `HOLD_MAX_MESSAGES` wait, or the oldest waited `HOLD_MAX_S`, or the
   run ends (`release`);
 * anyone else's publishing round (the io thread's after an acknowledgement, another worker's
-  kick) takes them along meanwhile: holding only ever skips a kick.
+  kick) takes them along meanwhile: holding only ever skips a kick;
+* a release while the run goes on (its first step, the bounds) `drive`s: the kick also reads
+  the broker's acknowledgements on this thread (docs/decisions/0034); the step that finished
+  a request and the run's end only kick.
 """
 
 from __future__ import annotations
@@ -45,11 +48,14 @@ class SendHold:
         kick: Callable[[], None],
         hand_off: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        drive: Callable[[], None] | None = None,
     ) -> None:
         """`kick`: publish what is queued from this thread; `hand_off`: have the io thread
-        publish it (None: `kick`)."""
+        publish it (None: `kick`); `drive`: `kick` while the run goes on, and read the
+        broker's acknowledgements on this thread too (docs/decisions/0034; None: `kick`)."""
         self._kick = kick
         self._hand_off = hand_off or kick
+        self._drive = drive or kick
         self._clock = clock
         self._step_started = clock()
         self._first = True  # the next `sent` is the run's first step's
@@ -68,13 +74,10 @@ class SendHold:
         if not self._held:
             self._held_since = now
         self._held += messages
-        if (
-            first
-            or finished
-            or self._held >= HOLD_MAX_MESSAGES
-            or now - self._held_since >= HOLD_MAX_S
-        ):
+        if finished:
             self.release()
+        elif first or self._held >= HOLD_MAX_MESSAGES or now - self._held_since >= HOLD_MAX_S:
+            self._publish(self._drive)  # the run goes on: its acknowledgements are read here
         elif step_s >= FAST_STEP_S:
             self._publish(self._hand_off)
 

@@ -59,7 +59,7 @@ from agent.mqtt.window import Window
 log = logging.getLogger(__name__)
 
 MISC_S = 0.5  # keepalive, acknowledgement timeout and CONNACK deadline checks
-DRIVEN_S = 0.003  # the io thread does not read this long after a worker's (`_drive`)
+DRIVEN_S = 0.003  # the io thread does not read this long after a worker's kick (`_drive`)
 
 
 class Transport:
@@ -168,9 +168,11 @@ class Transport:
                 client = self._client
                 if self._stop.is_set() or client.socket() is None:
                     return
-                if read and self._pending and not self._read_here(client):
+                if read and self._pending and client.loop_read() != MQTTErrorCode.MQTT_ERR_SUCCESS:
                     return  # the connection was lost: the io thread was woken for it
                 self._pump(client)
+                if read and self._pending:  # its acknowledgements are this thread's to read
+                    self._driven_until = time.monotonic() + DRIVEN_S
                 blocked = client.want_write()
             finally:
                 self._io_lock.release()
@@ -183,15 +185,10 @@ class Transport:
     def _drive(self) -> None:
         """A worker's kick while it streams (`ReplySender.kick`, at most every 2 ms): as
         `_on_queued`, but while QoS 1/2 messages are in flight, what the broker sent
-        (acknowledgements, requests) is first read and handled on this thread, and the io
-        thread leaves the socket to it for `DRIVEN_S`: no wake-up and two hand-offs of the
-        interpreter lock every few acknowledgements (docs/decisions/0034)."""
+        (acknowledgements, requests) is first read and handled on this thread, and after it
+        published them the io thread leaves the socket to it for `DRIVEN_S`: no wake-up and
+        two hand-offs of the interpreter lock every few acknowledgements (decision 0034)."""
         self._on_queued(read=True)
-
-    def _read_here(self, client: Client) -> bool:
-        """Under the io lock: `_drive`'s read. False when it lost the connection."""
-        self._driven_until = time.monotonic() + DRIVEN_S
-        return client.loop_read() == MQTTErrorCode.MQTT_ERR_SUCCESS
 
     def _work_waiting(self) -> bool:
         """Something this connection could send now."""

@@ -66,6 +66,9 @@ class Sender(Protocol):
     def hand_off(self) -> None:
         """Have the io thread publish what was queued without a kick."""
 
+    def drive(self) -> None:
+        """`kick`, reading the broker's answers on this thread too."""
+
 
 class SourceRunner:
     """One source: its thread, its waiting frames, its stream, its counters."""
@@ -303,7 +306,7 @@ class SourceRunner:
         """
         until = time.monotonic() + CONTINUE_S
         # frames run back to back share socket writes
-        hold = SendHold(self._sender.kick, self._sender.hand_off)
+        hold = SendHold(self._sender.kick, self._sender.hand_off, drive=self._sender.drive)
         try:
             self._run_frames(until, hold)
         finally:
