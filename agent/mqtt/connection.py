@@ -183,7 +183,7 @@ class Transport:
                 return
 
     def _drive(self) -> None:
-        """A worker's kick while it streams (`ReplySender.kick`, at most every 2 ms): as
+        """A worker's kick while it streams (`ReplySender.drive`, at most every 2 ms): as
         `_on_queued`, but while QoS 1/2 messages are in flight, what the broker sent
         (acknowledgements, requests) is first read and handled on this thread, and after it
         published them the io thread leaves the socket to it for `DRIVEN_S`: no wake-up and
