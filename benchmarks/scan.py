@@ -126,8 +126,8 @@ def run_agent(
         f"sample_rate = {RATE}\nwindows_per_chunk = {per_chunk}\nqos = 1\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen(
-        [sys.executable, "-m", "agent.cli", "run", "--config", str(config)], env=env
+    return subprocess.Popen(  # cwd: `-m` puts it first on sys.path, before PYTHONPATH
+        [sys.executable, "-m", "agent.cli", "run", "--config", str(config)], env=env, cwd=REPO
     )
 
 

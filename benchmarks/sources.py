@@ -215,8 +215,8 @@ def run_agent(
         + source
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen(
-        [sys.executable, "-m", "agent.cli", "run", "--config", str(config)], env=env
+    return subprocess.Popen(  # cwd: `-m` puts it first on sys.path, before PYTHONPATH
+        [sys.executable, "-m", "agent.cli", "run", "--config", str(config)], env=env, cwd=REPO
     )
 
 

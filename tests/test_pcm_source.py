@@ -4,6 +4,7 @@ with its state carried, compared with a plain onnxruntime loop over the same win
 from __future__ import annotations
 
 import shutil
+import statistics
 import sys
 import threading
 import time
@@ -20,9 +21,10 @@ from agent.demo.broker import EmbeddedBroker
 from agent.models.backends.base import InferenceError, TensorSpec
 from agent.models.model_config import parse_model_config
 from agent.models.records import LoadedVersion
+from agent.protocol.errors import Limits
 from agent.service.agent import Agent
 from agent.sources.pcm import CarriedState
-from agent.sources.readers.pcm import PcmRecord, WindowPlan, to_float
+from agent.sources.readers.pcm import RECORD_CHUNKS, PcmReader, PcmRecord, WindowPlan, to_float
 from tests.conftest import agent_config
 from tests.test_sources import Subscriber, outputs, subscribe, write_config
 
@@ -202,7 +204,7 @@ class Counter:
         pass
 
 
-def test_a_failing_window_costs_its_record_and_the_state_goes_on_from_the_last_good_one() -> None:
+def test_a_failing_window_costs_its_chunk_and_the_state_goes_on_from_the_last_good_one() -> None:
     text = '[stream]\nmode = "scan"\nstate = { state = "stateN" }\n'
     text += f'[scan]\ninput = "input"\nwindow = 4\nhop = 2\n[defaults]\nsr = {RATE}\n'
     config = parse_model_config(text, "c.toml")
@@ -211,16 +213,75 @@ def test_a_failing_window_costs_its_record_and_the_state_goes_on_from_the_last_g
     carried = CarriedState(source)
     plan = WindowPlan("input", 4, 2, 0, "drop", 2, False)
 
-    def record(first: float, fresh: bool = False) -> PcmRecord:
-        windows = np.full((2, 1, 4), first, dtype=np.float32)
-        return PcmRecord({"input": windows}, plan=plan, fresh=fresh)
+    def record(*firsts: float, fresh: bool = False) -> PcmRecord:
+        """A chunk of two windows for each of `firsts`, every sample of a chunk that value."""
+        windows = np.repeat(np.array(firsts, np.float32), 2 * 4).reshape(-1, 1, 4)
+        return PcmRecord({"input": windows}, plan=plan, fresh=fresh, count=len(firsts))
 
-    out = carried.run(loaded, record(1, fresh=True))["output"]
-    np.testing.assert_array_equal(out[:, 0, 0], [4, 5])  # stacked: two windows, state 0 then 1
+    def run(r: PcmRecord, chunk: int = 0) -> list[float]:
+        return list(carried.run(loaded, r, chunk)["output"][:, 0, 0])
+
+    assert run(record(1, fresh=True)) == [4, 5]  # stacked: two windows, state 0 then 1
     with pytest.raises(InferenceError):
-        carried.run(loaded, record(-1))
-    np.testing.assert_array_equal(carried.run(loaded, record(1))["output"][:, 0, 0], [6, 7])
-    np.testing.assert_array_equal(carried.run(loaded, record(1, True))["output"][:, 0, 0], [4, 5])
+        run(record(-1))
+    assert run(record(1)) == [6, 7]
+    assert run(record(1, fresh=True)) == [4, 5]
+    several = record(1, -1, 2, fresh=True)  # one read made three chunks: one record
+    assert run(several, 0) == [4, 5]
+    with pytest.raises(InferenceError):
+        run(several, 1)
+    assert run(several, 2) == [10, 11]  # 8 + state 2, 3: the failed chunk moved nothing
+
+
+class FileContext:
+    """What a reader needs from its runner, for a pcm file."""
+
+    def __init__(self, path: Path, per_chunk: int) -> None:
+        self.config = SourceConfig(
+            name="f",
+            kind="pcm",
+            model="vad",
+            path=path,
+            sample_rate=RATE,
+            windows_per_chunk=per_chunk,
+        )
+        self.limits = Limits()
+        self.stop_event = threading.Event()
+
+    def idle(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("per_chunk", [1, 3])
+def test_a_read_becomes_records_of_whole_chunks_with_their_offsets(
+    recording: tuple[Path, np.ndarray], per_chunk: int
+) -> None:
+    """Each 64 kB read of a file gives its whole chunks, at most RECORD_CHUNKS a record; a
+    chunk's windows and offset are those of cutting the whole signal at once."""
+    path, samples = recording
+    padded = np.concatenate([np.zeros(LEAD, np.float32), samples])
+    total = (len(padded) - WINDOW) // HOP + 1
+    plan = WindowPlan("input", WINDOW, HOP, LEAD, "drop", per_chunk, False)
+    reader = PcmReader(FileContext(path, per_chunk), plan)
+    try:
+        records = list(reader.records())
+    finally:
+        reader.close()
+    assert all(isinstance(r, PcmRecord) and 1 <= r.count <= RECORD_CHUNKS for r in records)
+    assert max(r.count for r in records) == RECORD_CHUNKS  # a 64 kB read holds more
+    chunks = [(r, c) for r in records for c in range(r.count)]
+    assert len(chunks) == -(-total // per_chunk)
+    for n, (r, c) in enumerate(chunks):
+        assert isinstance(r, PcmRecord)
+        first = n * per_chunk
+        assert r.chunk_extra(c) == {"offset": first * HOP}
+        want = [
+            padded[k * HOP : k * HOP + WINDOW] for k in range(first, min(first + per_chunk, total))
+        ]
+        np.testing.assert_array_equal(r.windows(c)[:, 0], np.stack(want))
+    assert [r.fresh for r in records] == [True] + [False] * (len(records) - 1)
+    cut = records[0].first(2)
+    assert cut.count == 2 and len(cut.fields["input"]) == 2 * per_chunk
 
 
 # --------------------------------------------------------------------------- through an agent
@@ -319,3 +380,83 @@ def test_a_sample_rate_the_model_does_not_take_refuses_the_source(
     client.infer("mlp", {"x": np.zeros((1, 16), dtype=np.float32)}, timeout=10)
     assert agent.sources.runner("mic").snapshot()["state"] == "failed"
     assert not sub.bodies("chunk")
+
+
+def test_max_frames_cuts_a_record_of_several_chunks(
+    broker: EmbeddedBroker,
+    vad_repository: Path,
+    recording: tuple[Path, np.ndarray],
+    tmp_path: Path,
+    make_agent: Callable[..., Agent],
+    subscribe: Callable[..., Subscriber],
+) -> None:
+    """One read of the file makes records of RECORD_CHUNKS chunks; `max_frames` counts chunks
+    (the stream's messages) and ends the source after exactly that many."""
+    path, samples = recording
+    want = reference(samples)[:7]
+    toml = pcm_source("cut", f'path = "{path}"', max_frames=7)
+    config = agent_config(tmp_path, broker, vad_repository, toml)
+    events = subscribe(broker, f"{config.root_topic}/events")
+    sub = subscribe(broker, f"{config.root_topic}/stream/cut")
+    make_agent(broker, vad_repository, toml=toml, DEVICE_ID=f'"{config.device_id}"')
+    assert events.wait_for(lambda ms: any(m["type"] == "source_finished" for m in ms), 30)
+    finished = next(m for m in events.bodies() if m["type"] == "source_finished")
+    assert finished["frames"] == 7
+    assert sub.wait_for(lambda ms: len(ms) >= 7, 10)
+    time.sleep(0.3)  # nothing more comes
+    chunks = chunks_of(sub)
+    assert [m["index"] for m in chunks] == list(range(7))
+    assert [m["offset"] for m in chunks] == [k * HOP for k in range(7)]
+    for m, expected in zip(chunks, want, strict=True):
+        np.testing.assert_allclose(outputs(m)["output"], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_requests_overtake_a_busy_pcm_source_between_the_chunks_of_a_record(
+    broker: EmbeddedBroker,
+    tmp_path: Path,
+    make_agent: Callable[..., Agent],
+    make_client: Callable[..., Any],
+) -> None:
+    """A read of a file makes records of many windows; with the one worker kept busy by them,
+    a request still waits for one window's run at most, not for the rest of the record."""
+    from tests.test_sources import matmul_chain, run_time_ms
+
+    repository = tmp_path / "models"
+    per_link = run_time_ms(matmul_chain(2)) / 2
+    slow = matmul_chain(max(1, round(10.0 / max(per_link, 0.01))))  # ~10 ms a window
+    (repository / "slowscan" / "1").mkdir(parents=True)
+    demo_models.save(slow, repository / "slowscan" / "1" / "model.onnx")
+    (repository / "slowscan" / "config.toml").write_text(
+        '[stream]\nmode = "scan"\n[scan]\ninput = "x"\nwindow = 256\nhop = 256\n'
+    )
+    (repository / "mlp" / "1").mkdir(parents=True)
+    demo_models.save(demo_models.mlp(), repository / "mlp" / "1" / "model.onnx")
+    audio = tmp_path / "long.s16"
+    audio.write_bytes(np.zeros(RATE * 8, dtype="<i2").tobytes())  # 500 windows
+    source = pcm_source("busy", f'path = "{audio}"', priority=0, qos=0)
+    agent = make_agent(
+        broker,
+        repository,
+        toml=source.replace('model = "vad"', 'model = "slowscan"'),
+        SCHEDULER__WORKERS="1",
+        MODELS__INTRA_OP_THREADS="1",
+    )
+    client = make_client(broker, agent)
+    x = {"x": np.zeros((1, 16), dtype=np.float32)}
+    client.infer("mlp", x, timeout=10)
+    runner = agent.sources.runner("busy")
+    deadline = time.monotonic() + 10
+    while runner.snapshot()["published"] < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    overtaken = []  # windows the source finished while each request was on its way
+    for _ in range(20):
+        waited_from = runner.snapshot()["published"]
+        client.infer("mlp", x, timeout=10)
+        overtaken.append(runner.snapshot()["published"] - waited_from)
+        time.sleep(0.005)
+    assert runner.snapshot()["max_pending"] >= 1 and runner.state == "running"
+    # Counted in windows, not milliseconds (as for frames in tests/test_sources.py): the one
+    # in the model, and the next may finish before the reply reaches the client; a request
+    # that waited for the rest of a record would see up to RECORD_CHUNKS.
+    assert statistics.median(overtaken) <= 2, overtaken
+    assert max(overtaken) <= 4 < RECORD_CHUNKS, overtaken

@@ -24,6 +24,10 @@ Why it is built this way:
   frame in the model, and results leave in frame order, so `index` grows with `seq`. While
   nothing else waits, the worker goes on with the next frame itself (warm caches), and
   the results of frames run back to back share socket writes (`agent.inference.send_hold`).
+  A pcm record is the whole chunks one read completed (up to 16), each its own message and
+  index: one hand-over between the threads for all of them; a request that comes to wait
+  for a worker meanwhile runs between two chunks, the rest of the record after it
+  (docs/decisions/0035).
 * **Bounded everywhere.** `latest` holds one waiting frame (a newer one replaces it and the
   old one is counted as dropped); `all` holds up to `queue` frames and then the source
   thread waits, which pushes back on a pipe's writer or a folder's scan. A full outbox

@@ -49,6 +49,19 @@ class Record:
     error: str | None = None
     extra: dict[str, Any] | None = None  # more fields of its stream message (pcm: `offset`)
     geometry: Geometry | None = None  # where preprocessed: for `[[postprocess]]` boxes
+    count: int = 1  # frames it stands for, each its own stream message and index (pcm: chunks)
+
+    def chunk_extra(self, chunk: int) -> dict[str, Any] | None:
+        """More fields of the stream message of its frame `chunk` (0 .. count - 1)."""
+        return self.extra
+
+    def first(self, count: int) -> Record:
+        """The record cut to its first `count` frames (a source's `max_frames`)."""
+        return self
+
+    def rest(self, chunk: int) -> Record:
+        """The record from its frame `chunk` on (the frames a worker left for later)."""
+        return self
 
 
 class ReaderContext(Protocol):

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from agent.config import SourceConfig
+from agent.inference.send_hold import SendHold
 from agent.models.backends.base import Array, InferenceError, TensorSpec
 from agent.models.defaults import default_arrays
 from agent.models.manager import LoadedVersion
@@ -156,13 +157,14 @@ class CarriedState:
     def _feed(self, plan: WindowPlan, window: Array) -> dict[str, Array]:
         return {**self.fixed, plan.input: window, **self.state}
 
-    def run(self, loaded: LoadedVersion, record: PcmRecord) -> dict[str, Array]:
-        """The record's windows through the model in order, the state fed back after each;
-        the emitted outputs of one window, or of several stacked on a new leading axis."""
+    def run(self, loaded: LoadedVersion, record: PcmRecord, chunk: int = 0) -> dict[str, Array]:
+        """The windows of the record's `chunk` through the model in order, the state fed back
+        after each; the emitted outputs of one window, or of several stacked on a new leading
+        axis."""
         plan = record.plan
         assert plan is not None
-        windows = record.fields[plan.input]
-        if record.fresh or loaded.version != self.version:
+        windows = record.windows(chunk)
+        if (record.fresh and chunk == 0) or loaded.version != self.version:
             self.restart(loaded, plan, windows[0])
         run = loaded.session.run
         results: list[dict[str, Array]] = []
@@ -191,29 +193,46 @@ class PcmSourceRunner(SourceRunner):
             plan = window_plan(self.config, lease.loaded)
         return PcmReader(self, plan)
 
-    def _infer(self, frame: Frame) -> tuple[dict[str, Array], int, float] | None:
-        """On the worker: the record's windows, in order, with the carried state. A window
-        that fails costs its record one error; the state goes on from the last good one."""
+    def _process(self, frame: Frame, hold: SendHold) -> None:
+        """On the worker: the record's chunks in order, with the carried state, each queued on
+        the stream as soon as it ran; where something else waits for a worker, the chunks
+        left go back to wait for the source's next turn, as frames of their own would. A
+        window that fails costs its chunk one error; the state goes on from the last good
+        one."""
         record = frame.record
         if not isinstance(record, PcmRecord):
-            return super()._infer(frame)
+            super()._process(frame, hold)
+            return
         try:
             lease = self._models.lease(self.config.model)
         except WireError as e:
             self._errors.frame_failed(frame, e.message, retry=True)
-            return None
+            return
         with lease:
-            started = time.perf_counter()
-            try:
-                outputs = self._carried.run(lease.loaded, record)
-            except WireError as e:
-                self._errors.frame_failed(frame, e.message, bad_input=True)
-                return None
-            except InferenceError as e:
-                self._errors.frame_failed(frame, f"model_error: {e}", bad_input=True)
-                return None
-            except Exception as e:
-                log.exception("source %s: the model failed on record %d", self.name, frame.index)
-                self._errors.frame_failed(frame, f"model_error: {type(e).__name__}: {e}")
-                return None
-            return outputs, lease.loaded.version, time.perf_counter() - started
+            for chunk in range(record.count):
+                if chunk and self._others_wait():
+                    self._put_back(frame, chunk)
+                    return
+                result = self._run_chunk(frame, record, lease.loaded, chunk)
+                if result is not None:
+                    self._publish(frame, *result, hold, chunk=chunk)
+
+    def _run_chunk(
+        self, frame: Frame, record: PcmRecord, loaded: LoadedVersion, chunk: int
+    ) -> tuple[dict[str, Array], int, float] | None:
+        started = time.perf_counter()
+        try:
+            outputs = self._carried.run(loaded, record, chunk)
+        except WireError as e:
+            self._errors.frame_failed(frame, e.message, bad_input=True)
+            return None
+        except InferenceError as e:
+            self._errors.frame_failed(frame, f"model_error: {e}", bad_input=True)
+            return None
+        except Exception as e:
+            log.exception(
+                "source %s: the model failed on record %d", self.name, frame.index + chunk
+            )
+            self._errors.frame_failed(frame, f"model_error: {type(e).__name__}: {e}")
+            return None
+        return outputs, loaded.version, time.perf_counter() - started

@@ -223,10 +223,14 @@ class SourceRunner:
         return specs
 
     def _take(self, record: Record) -> None:
-        """Number, stamp and queue one record (on the source thread)."""
+        """Number, stamp and queue one record (on the source thread): a frame, or `count` of
+        them (a pcm source's chunks), numbered one after the other."""
+        limit = self.config.max_frames
+        if limit is not None:
+            record = record.first(limit - self._index)
         index = self._index
-        self._index += 1
-        self.stats.frames += 1
+        self._index += record.count
+        self.stats.frames += record.count
         if record.error is not None:
             self._errors.bad_record(f"record {index}: {record.error}")
             self._errors.bad_streak(record.error)
@@ -323,9 +327,7 @@ class SourceRunner:
                     return
             go_on = False
             try:
-                result = self._infer(frame)
-                if result is not None:
-                    self._publish(frame, *result, hold)
+                self._process(frame, hold)
             finally:
                 with self._cond:
                     go_on = bool(
@@ -340,6 +342,26 @@ class SourceRunner:
                         self._kick_locked()
             if not go_on:
                 return
+
+    def _others_wait(self) -> bool:
+        """Between the frames of one record: something else waits for a worker (a request,
+        another source), or the source stops; the record's other frames then wait too."""
+        return self._waiting() > 0 or self.stop_event.is_set()
+
+    def _put_back(self, frame: Frame, chunk: int) -> None:
+        """The frame's record from its frame `chunk` on, first in line again: a new ticket
+        (`_run_frames`) runs it after what waits."""
+        rest = Frame(
+            frame.index + chunk, frame.record.rest(chunk), frame.captured_ns, frame.captured
+        )
+        with self._cond:
+            self._pending.appendleft(rest)
+
+    def _process(self, frame: Frame, hold: SendHold) -> None:
+        """The frame through the model, its result queued on the stream."""
+        result = self._infer(frame)
+        if result is not None:
+            self._publish(frame, *result, hold)
 
     def _infer(self, frame: Frame) -> tuple[dict[str, Array], int, float] | None:
         """The frame's outputs, the version that ran and the time in the model; None when
@@ -380,17 +402,19 @@ class SourceRunner:
         version: int,
         infer_s: float,
         hold: SendHold,
+        chunk: int = 0,
     ) -> None:
-        """Queue the frame's result on the stream (published now, or with the next frame's
-        where this one ran fast: `hold`)."""
+        """Queue the result of the frame's `chunk` (of its record's `count`) on the stream
+        (published now, or with the next one's where this one ran fast: `hold`)."""
         extra: dict[str, Any] = {"frame_ts": frame.captured_ns}
         if frame.record.file is not None:
             extra["file"] = frame.record.file
-        if frame.record.extra:
-            extra.update(frame.record.extra)
+        more = frame.record.chunk_extra(chunk)
+        if more:
+            extra.update(more)
         self.stream.version = version
         try:
-            messages = self.stream.frame(outputs, frame.index, extra)
+            messages = self.stream.frame(outputs, frame.index + chunk, extra)
             self._sender.send(self.stream.drain(), kick=False)
             hold.sent(messages, finished=False)
         except OutboxClosed:

@@ -15,7 +15,7 @@ import select
 import stat
 import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -27,6 +27,10 @@ from agent.sources.base import ReaderContext, Record, SourceError
 log = logging.getLogger(__name__)
 
 READ_BLOCK = 64 * 1024  # bytes a read: 2 s of 16 kHz mono s16, or less when less is there
+# Chunks one record carries at most: all a read made complete, up to this many, go to a worker
+# as one frame of the source (one hand-over between the threads, one lease of the model) and
+# are run and published one chunk after the other (docs/decisions/0035).
+RECORD_CHUNKS = 16
 POLL_MS = 200  # the reader looks at the stop flag this often while nothing arrives
 STDERR_KEPT = 2048  # the command's last words, for the error when it exits
 EXIT_WAIT_S = 2.0  # after its stdout closed, how long the command may take to exit
@@ -49,11 +53,47 @@ class WindowPlan:
 
 @dataclass
 class PcmRecord(Record):
-    """A record of `plan.per_chunk` windows (fewer at the end of a stream); `fresh` on the
-    first of an opening: the state carried through the windows starts again from zeros."""
+    """The windows one read made complete: `count` chunks of `plan.per_chunk` windows each
+    (the last fewer at the end of a stream), their stream messages numbered one a chunk;
+    `fresh` on the first of an opening: the state carried through the windows starts again
+    from zeros."""
 
     plan: WindowPlan | None = None
     fresh: bool = False
+
+    def windows(self, chunk: int) -> Array:
+        """The windows of chunk `chunk` (0 .. count - 1) of this record."""
+        assert self.plan is not None
+        per_chunk = self.plan.per_chunk
+        windows: Array = self.fields[self.plan.input][chunk * per_chunk : (chunk + 1) * per_chunk]
+        return windows
+
+    def chunk_extra(self, chunk: int) -> dict[str, Any] | None:
+        """`offset` of the chunk's first window: the record's, one hop a window further."""
+        assert self.plan is not None and self.extra is not None
+        offset = int(self.extra["offset"]) + chunk * self.plan.per_chunk * self.plan.hop
+        return {**self.extra, "offset": offset}
+
+    def rest(self, chunk: int) -> PcmRecord:
+        """The record from its chunk `chunk` on (the chunks a worker left for later)."""
+        assert self.plan is not None
+        windows = self.fields[self.plan.input][chunk * self.plan.per_chunk :]
+        extra = self.chunk_extra(chunk)
+        return replace(
+            self,
+            fields={self.plan.input: windows},
+            extra=extra,
+            count=self.count - chunk,
+            fresh=False,
+        )
+
+    def first(self, count: int) -> PcmRecord:
+        """The record cut to its first `count` chunks (a source's `max_frames`)."""
+        if count >= self.count:
+            return self
+        assert self.plan is not None
+        windows = self.fields[self.plan.input][: count * self.plan.per_chunk]
+        return replace(self, fields={self.plan.input: windows}, count=count)
 
 
 def to_float(data: bytes | memoryview, fmt: str, channels: int) -> Array:
@@ -149,7 +189,8 @@ class PcmReader:
             self._open()
 
     def _one_opening(self) -> Iterator[PcmRecord]:
-        """The windows of everything read until the end of the stream, offsets from 0."""
+        """The windows of everything read until the end of the stream, offsets from 0: after
+        each read, the whole chunks it completed, up to RECORD_CHUNKS a record."""
         plan = self.plan
         windower = Windower(plan.window, plan.hop, plan.lead)
         group: list[tuple[int, Array]] = []
@@ -160,11 +201,10 @@ class PcmReader:
             leftover = bytes(data[usable:])
             if usable:
                 view = memoryview(data)[:usable]
-                for item in windower.push(to_float(view, self.format, self.channels)):
-                    group.append(item)
-                    if len(group) == plan.per_chunk:
-                        yield self._record(group)
-                        group = []
+                group.extend(windower.push(to_float(view, self.format, self.channels)))
+                whole = len(group) - len(group) % plan.per_chunk
+                yield from self._records(group[:whole])
+                del group[:whole]
         if self.ctx.stop_event.is_set():
             return  # stopping: the tail is not worth a window
         if leftover:
@@ -174,11 +214,17 @@ class PcmReader:
                 len(leftover),
             )
         group.extend(windower.finish(plan.tail))
-        for start in range(0, len(group), plan.per_chunk):
-            yield self._record(group[start : start + plan.per_chunk])
+        yield from self._records(group)
+
+    def _records(self, group: list[tuple[int, Array]]) -> Iterator[PcmRecord]:
+        """`group`'s windows as records of up to RECORD_CHUNKS chunks (whole chunks but for
+        the last one of a stream)."""
+        most = RECORD_CHUNKS * self.plan.per_chunk
+        for start in range(0, len(group), most):
+            yield self._record(group[start : start + most])
 
     def _record(self, group: list[tuple[int, Array]]) -> PcmRecord:
-        windows = np.stack([w for _, w in group])  # [k, channels, window]
+        windows = np.stack([w for _, w in group])  # [n, channels, window]
         if self.plan.mono_rank1:
             windows = windows[:, 0]
         offset = group[0][0]
@@ -186,6 +232,7 @@ class PcmReader:
             {self.plan.input: windows},
             prepared=True,
             extra={"offset": offset},
+            count=-(-len(group) // self.plan.per_chunk),
             plan=self.plan,
             fresh=offset == 0,
         )
