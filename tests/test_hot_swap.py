@@ -274,6 +274,8 @@ def test_polling_observer_fallback(broker, make_agent, tmp_path):
     assert agent.watcher.backend == "PollingObserver"
     drop_version(root, "mlp", 2, mlp_bytes(102))
     assert wait_for(lambda: serving(agent) == 2)
+    names = {t.name for t in threading.enumerate()}
+    assert {"model-watcher", "model-watcher-events", "model-watcher-emitter"} <= names
 
 
 def test_a_leased_version_is_closed_only_after_its_last_lease(tmp_path):

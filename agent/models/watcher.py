@@ -69,6 +69,7 @@ class RepositoryWatcher:
             try:
                 observer = Observer()
                 observer.schedule(handler, str(self._root), recursive=True)
+                _name_threads(observer)
                 observer.start()
                 self.backend = type(observer).__name__
                 return observer
@@ -78,6 +79,7 @@ class RepositoryWatcher:
                 log.warning("watcher: native file events unavailable (%s); polling instead", e)
         observer = PollingObserver(timeout=self._poll_interval_s)
         observer.schedule(handler, str(self._root), recursive=True)
+        _name_threads(observer)
         observer.start()
         self.backend = "PollingObserver"
         return observer
@@ -125,6 +127,14 @@ class RepositoryWatcher:
             self._observer.join(5)
         if self._thread.is_alive():
             self._thread.join(5)
+
+
+def _name_threads(observer: Any) -> None:
+    """watchdog's dispatching thread and its emitters (one per watched folder) named for what
+    they serve, so that thread listings (py-spy, `threading.enumerate`) say whose they are."""
+    observer.name = "model-watcher-events"
+    for emitter in observer.emitters:
+        emitter.name = "model-watcher-emitter"
 
 
 class _Handler(FileSystemEventHandler):  # type: ignore[misc, unused-ignore]
