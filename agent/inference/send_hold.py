@@ -31,10 +31,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-# The bounds, measured side by side (docs/decisions/0030): a token of a small decoder (a step
-# of ~0.2 ms in the agent) is "fast", a step of the demo's decoder (~1.3 ms) is not; a chunk
-# waits at most HOLD_MAX_S plus one fast step, 2.5 ms.
-FAST_STEP_S = 0.0005  # a step at least this slow publishes at once
+# The bounds, measured side by side (docs/decisions/0030, 0036): a token of the bundled decoder
+# (a step of ~0.5-0.7 ms in the agent) is "fast", a step of the demo's decoder (~1.3 ms) is
+# not; a chunk waits at most HOLD_MAX_S plus one fast step, 3 ms.
+FAST_STEP_S = 0.001  # a step at least this slow publishes at once
 HOLD_MAX_S = 0.002  # the oldest held message waits at most this long (plus one fast step)
 HOLD_MAX_MESSAGES = 64  # one socket write carries at most about this many held messages
 
