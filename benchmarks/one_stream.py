@@ -35,7 +35,8 @@ TARGETS = {"1": 0.8, "0": 0.9}  # agent / raw, one stream alone
 TTFC_REPEATS = 20
 TTFC_STEPS = 8
 
-# Names each thread in the kernel as Python names it (15 bytes at most), for /proc.
+# Names each thread in the kernel as Python names it (15 bytes at most), for /proc: the agent
+# does it itself since agent/threads.py; this keeps older trees (benchmarks/history.py) named.
 THREAD_NAMES = """\
 import ctypes
 import threading

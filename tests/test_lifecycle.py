@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import queue
+import sys
+import threading
 import time
+from pathlib import Path
 
 import numpy as np
+import pytest
 
 from agent.config import load_config
 from agent.protocol.payload import encode_payload
@@ -140,3 +144,16 @@ def test_intra_op_threads_fit_the_cores(tmp_path):
     assert intra_op_threads(config) * config.scheduler.workers <= max(cores, 2)
     pinned = load_config(None, {"EDGE_AGENT__MODELS__INTRA_OP_THREADS": "3"})
     assert intra_op_threads(pinned) == 3
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="kernel thread names: Linux")
+def test_the_agents_threads_carry_their_names_in_the_kernel(broker, repository, make_agent):
+    """`top -H` and /proc show each thread's own name, not `python` for all of them."""
+    make_agent(broker, repository)
+    wanted = {"mqtt-io", "spool-writer", "infer-worker-0", "model-watcher", "housekeeping"}
+    python_names = {t.name for t in threading.enumerate()}
+    assert wanted <= python_names  # the agent runs them (guards the test itself)
+    kernel_names = {
+        (task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()
+    }
+    assert wanted <= kernel_names, kernel_names

@@ -44,6 +44,7 @@ from agent.delivery.spool_items import (
     settled_prefix,
     unacknowledged_tail,
 )
+from agent.threads import NamedThread
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class SpoolWriter:
         self.problem: str | None = None
         self._retry_at = 0.0
         self._failure_logged = -FAILURE_LOG_S
-        self._thread = threading.Thread(target=self._run, name="spool-writer", daemon=True)
+        self._thread = NamedThread(target=self._run, name="spool-writer", daemon=True)
 
     def start(self) -> None:
         self._thread.start()

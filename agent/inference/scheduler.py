@@ -26,6 +26,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from agent.threads import NamedThread
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -101,7 +103,7 @@ class Scheduler(Generic[T]):
         self._busy = 0
         self._heartbeat = [time.monotonic()] * workers
         self._threads = [
-            threading.Thread(target=self._work, args=(i,), name=f"{name}-{i}", daemon=True)
+            NamedThread(target=self._work, args=(i,), name=f"{name}-{i}", daemon=True)
             for i in range(workers)
         ]
 

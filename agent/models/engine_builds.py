@@ -44,6 +44,7 @@ from agent.models.loading import verify_files
 from agent.models.records import Event, Fingerprint
 from agent.models.repository import VersionInfo
 from agent.models.trust import TrustPolicy
+from agent.threads import NamedThread
 
 __all__ = [
     "BUILD_KEYS",
@@ -253,7 +254,7 @@ class EngineBuilds:
             return
         for name, target in (("engine-build", self._work), ("engine-build-ticker", self._tick)):
             # daemon: TensorRT before 10 cannot cancel a build; close() waits JOIN_TIMEOUT_S
-            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread = NamedThread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
 

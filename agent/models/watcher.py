@@ -17,6 +17,8 @@ from typing import Any, Literal, Protocol
 
 from watchdog.events import FileSystemEventHandler
 
+from agent.threads import NamedThread
+
 log = logging.getLogger(__name__)
 
 WatchMode = Literal["auto", "inotify", "poll", "off"]
@@ -53,7 +55,7 @@ class RepositoryWatcher:
         self._observer: Any = None
         self.backend = "off"
         self.syncs = 0
-        self._thread = threading.Thread(target=self._run, name="model-watcher", daemon=True)
+        self._thread = NamedThread(target=self._run, name="model-watcher", daemon=True)
 
     def start(self) -> None:
         if self._mode != "off":

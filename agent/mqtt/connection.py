@@ -55,6 +55,7 @@ from agent.mqtt.reconnect import CONNECT_TIMEOUT_S, backoff_delays, next_attempt
 from agent.mqtt.session import BrokerSession, closed_early_text, no_connack_text, refusal_text
 from agent.mqtt.socket_wait import SocketWait
 from agent.mqtt.window import Window
+from agent.threads import NamedThread
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ class Transport:
         self._io_lock = threading.Lock()
         outbox.set_on_queued(self._on_queued, self.wake, self._drive)
         self._client = self._inbound.client = self._make_client(client_id)
-        self._thread = threading.Thread(target=self._run, name="mqtt-io", daemon=True)
+        self._thread = NamedThread(target=self._run, name="mqtt-io", daemon=True)
 
     # -- setup ---------------------------------------------------------------------------
 

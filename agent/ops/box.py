@@ -26,6 +26,7 @@ from prometheus_client.registry import Collector
 from agent.ops.energy import EnergyMeter
 from agent.ops.jetson import BoxReader, BoxSample, Zone
 from agent.ops.nvml import THROTTLING, NvmlReader
+from agent.threads import NamedThread
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class BoxMonitor(Collector):
         self._latest: tuple[BoxSample, list[dict[str, Any]]] | None = None
         self.sample_s = 0.0  # the last sample's cost
         self._closing = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="box-sampler", daemon=True)
+        self._thread = NamedThread(target=self._run, name="box-sampler", daemon=True)
 
     def start(self) -> None:
         """Discover the nodes (logged once), take a first sample, start the sampler."""

@@ -22,6 +22,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
+from agent.threads import NamedThread
+
 Health = Callable[[], tuple[bool, dict[str, Any]]]
 
 REQUEST_TIMEOUT_S = 5.0  # one socket operation (a read, a write) of a request
@@ -74,7 +76,7 @@ class _Server(WSGIServer):
                 refused = True
             else:
                 refused = False
-                thread = threading.Thread(
+                thread = NamedThread(
                     target=self._serve_one,
                     args=(request, client_address),
                     name=f"{THREAD_NAME}-conn-{next(self._names)}",
@@ -150,7 +152,7 @@ class MetricsServer:
         self._server.set_app(self._app)
         self.host = host
         self.port: int = self._server.server_address[1]
-        self._thread = threading.Thread(
+        self._thread = NamedThread(
             target=self._server.serve_forever,
             kwargs={"poll_interval": 0.2},
             name=THREAD_NAME,

@@ -24,6 +24,7 @@ from agent.ops.metrics import AgentMetrics
 from agent.ops.systemd import ServiceReporter
 from agent.service.announce import Announcer
 from agent.service.health import Health
+from agent.threads import NamedThread
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class Housekeeping:
         self._health = health
         self._telemetry = telemetry
         self._spool_maintained = 0.0
-        self._thread = threading.Thread(target=self._run, name="housekeeping", daemon=True)
+        self._thread = NamedThread(target=self._run, name="housekeeping", daemon=True)
         self.box = _box_monitor(config, metrics, announcer)
         health.box = self.box
 

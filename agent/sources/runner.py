@@ -27,6 +27,7 @@ from agent.sources.frames import Frame, model_inputs, postprocessed, select_outp
 from agent.sources.readers import open_reader
 from agent.sources.seq import SeqStore
 from agent.sources.stream import SourceStream
+from agent.threads import NamedThread
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ class SourceRunner:
             stream_key=f"source/{config.name}",
         )
         self._sender = sender
-        self.thread = threading.Thread(target=self._main, name=f"source-{config.name}", daemon=True)
+        self.thread = NamedThread(target=self._main, name=f"source-{config.name}", daemon=True)
 
     # -- the source thread -----------------------------------------------------------------
 
