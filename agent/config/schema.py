@@ -291,8 +291,9 @@ class SourceConfig(_Section):
     outputs: list[str] | None = None  # default: the model's `[stream] emit`, else all
     preprocess: bool = True  # false: the data already fits the model (skip [preprocess])
     # latest: keep only the newest frame waiting (older ones are dropped and counted);
-    # all: queue up to `queue` frames, then the source waits. Default: latest for cameras,
-    # URLs and synthetic, all for video files, folder and pipe (folder must be all).
+    # all: queue up to `queue` frames, then the source waits (a pcm record counts as its
+    # chunks, and goes in whole). Default: latest for cameras, URLs and synthetic, all for
+    # video files, folder, pipe and pcm (folder and pcm must be all).
     policy: Literal["latest", "all"] | None = None
     queue: int = Field(default=8, ge=1, le=4096)
     priority: int = Field(default=2, ge=0, le=9)  # requests default to 4: they go first

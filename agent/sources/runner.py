@@ -101,6 +101,7 @@ class SourceRunner:
         self._latest = config.policy == "latest"
         self._bound = 1 if self._latest else config.queue
         self._pending: deque[Frame] = deque()
+        self._pending_frames = 0  # the frames the records in `_pending` stand for (`count`)
         self._cond = threading.Condition()
         self._scheduled = False  # a ticket is queued, or a worker runs the source's frames
         self._closed = False
@@ -262,16 +263,18 @@ class SourceRunner:
             if self._latest:
                 if self._pending:
                     dropped = self._pending.popleft()
+                    self._pending_frames -= dropped.record.count
                     self.stats.dropped += 1
             else:
-                while len(self._pending) >= self._bound and not self.stop_event.is_set():
+                while self._pending_frames >= self._bound and not self.stop_event.is_set():
                     self._kick_locked()  # a ticket refused earlier: try again
                     self._cond.wait(0.1)
                 if self.stop_event.is_set():
                     dropped = frame
             if dropped is not frame:
                 self._pending.append(frame)
-                self.stats.max_pending = max(self.stats.max_pending, len(self._pending))
+                self._pending_frames += frame.record.count
+                self.stats.max_pending = max(self.stats.max_pending, self._pending_frames)
             self._kick_locked()
         if dropped is not None:
             dropped.finish("dropped")
@@ -296,7 +299,7 @@ class SourceRunner:
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
+        return self._pending_frames
 
     # -- the worker side -------------------------------------------------------------------
 
@@ -322,6 +325,8 @@ class SourceRunner:
         while True:
             with self._cond:
                 frame = self._pending.popleft() if self._pending else None
+                if frame is not None:
+                    self._pending_frames -= frame.record.count
                 self._cond.notify_all()  # room for a waiting source thread (policy all)
                 if frame is None:
                     self._scheduled = False
@@ -357,6 +362,7 @@ class SourceRunner:
         )
         with self._cond:
             self._pending.appendleft(rest)
+            self._pending_frames += rest.record.count
 
     def _process(self, frame: Frame, hold: SendHold) -> None:
         """The frame through the model, its result queued on the stream."""
@@ -458,6 +464,7 @@ class SourceRunner:
             self._closed = True
             waiting = list(self._pending)
             self._pending.clear()
+            self._pending_frames = 0
         for frame in waiting:
             frame.finish("retry")
         if self._seqs is not None:
