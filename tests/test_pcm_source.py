@@ -26,7 +26,13 @@ from agent.service.agent import Agent
 from agent.sources.pcm import CarriedState
 from agent.sources.readers.pcm import RECORD_CHUNKS, PcmReader, PcmRecord, WindowPlan, to_float
 from tests.conftest import agent_config
-from tests.test_sources import Subscriber, outputs, subscribe, write_config
+from tests.test_sources import (
+    Subscriber,
+    outputs,
+    overtaken_by_requests,
+    subscribe,
+    write_config,
+)
 
 __all__ = ["subscribe"]  # the fixture, used by name
 
@@ -448,12 +454,7 @@ def test_requests_overtake_a_busy_pcm_source_between_the_chunks_of_a_record(
     deadline = time.monotonic() + 10
     while runner.snapshot()["published"] < 5 and time.monotonic() < deadline:
         time.sleep(0.01)
-    overtaken = []  # windows the source finished while each request was on its way
-    for _ in range(20):
-        waited_from = runner.snapshot()["published"]
-        client.infer("mlp", x, timeout=10)
-        overtaken.append(runner.snapshot()["published"] - waited_from)
-        time.sleep(0.005)
+    overtaken = overtaken_by_requests(client, runner, x)  # windows, one frame each
     snapshot = runner.snapshot()
     assert snapshot["max_pending"] >= 1 and runner.state == "running"
     # `queue` (8) bounds the frames read ahead, a record counting as its chunks: at most 7

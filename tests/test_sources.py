@@ -203,6 +203,20 @@ def unique_seqs(messages: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 # --------------------------------------------------------------------------- configuration
 
 
+def overtaken_by_requests(
+    client: Any, runner: Any, x: dict[str, np.ndarray], requests: int = 20
+) -> list[int]:
+    """For each of `requests` requests to `mlp` in turn: the frames the source finished
+    while the request was on its way (published between sending it and its reply)."""
+    overtaken = []
+    for _ in range(requests):
+        waited_from = runner.snapshot()["published"]
+        client.infer("mlp", x, timeout=10)
+        overtaken.append(runner.snapshot()["published"] - waited_from)
+        time.sleep(0.005)
+    return overtaken
+
+
 def write_config(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "agent.toml"
     path.write_text(text)
@@ -472,12 +486,7 @@ def test_requests_overtake_a_busy_source(
     runner = agent.sources.runner("busy")
     time.sleep(0.3)
     before = runner.snapshot()["published"]
-    overtaken = []  # frames the source finished while each request was on its way
-    for _ in range(20):
-        waited_from = runner.snapshot()["published"]
-        client.infer("mlp", x, timeout=10)
-        overtaken.append(runner.snapshot()["published"] - waited_from)
-        time.sleep(0.005)
+    overtaken = overtaken_by_requests(client, runner, x)
     busy = runner.snapshot()["published"] - before
     assert busy >= 10, busy  # the source kept the only worker busy meanwhile
     # A request waits for the frame being run at most, never for a queue of frames: counted
