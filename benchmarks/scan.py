@@ -66,6 +66,9 @@ class ScanResult:
     ratio: float
     path: str = "source"  # "source": a pcm source; "request": one scan request
     infer_us: float | None = None  # request: the model's run a window inside the agent
+    # request: the same at QoS 0, and with `stream: false` (no chunk at all); 0: not measured
+    infer_qos0_us: float = 0.0
+    infer_whole_us: float = 0.0
 
     @property
     def overhead_us(self) -> float:
@@ -178,12 +181,26 @@ def measure(broker: EmbeddedBroker, workdir: Path, quick: bool) -> list[ScanResu
     s16 = recording(seconds)
     windows = windows_of(s16)
     before = bare_wps(windows)
-    agent, infer_us = request_wps(workdir, broker, repository, s16, len(windows), 3 if quick else 5)
+    agent, infer = request_wps(workdir, broker, repository, s16, len(windows), 3 if quick else 5)
+    infer_us = infer["qos1"]
     bare = (before + bare_wps(windows)) / 2
-    results.append(ScanResult(1, len(windows), bare, agent, agent / bare, "request", infer_us))
+    results.append(
+        ScanResult(
+            1,
+            len(windows),
+            bare,
+            agent,
+            agent / bare,
+            "request",
+            infer_us,
+            infer_qos0_us=infer["qos0"],
+            infer_whole_us=infer["whole"],
+        )
+    )
     print(
         f"scan request: agent {agent:.0f} windows/s, bare {bare:.0f} (x{agent / bare:.2f}); "
-        f"the model's run in the agent {infer_us:.0f} µs a window, bare {1e6 / bare:.0f}"
+        f"the model's run in the agent {infer_us:.0f} µs a window (QoS 0 {infer['qos0']:.0f}, "
+        f"stream false {infer['whole']:.0f}), bare {1e6 / bare:.0f}"
     )
     return results
 
@@ -195,25 +212,39 @@ def request_wps(
     s16: np.ndarray,
     windows: int,
     rounds: int,
-) -> tuple[float, float]:
-    """Windows a second of the recording sent as one scan request (one window a chunk), the
-    median of `rounds`, each from the chunks' arrival at `mosquitto_sub`, the first 5 % left
-    out; and the median time of the model's run a window inside the agent (µs, from the
-    `end`'s `timing.infer_ms`)."""
+) -> tuple[float, dict[str, float]]:
+    """Windows a second of the recording sent as one scan request (one window a chunk, QoS 1),
+    the median of `rounds`, each from the chunks' arrival at `mosquitto_sub`, the first 5 %
+    left out; and the median time of the model's run a window inside the agent (µs, from the
+    `end`'s `timing.infer_ms`) for that request ("qos1"), the same at QoS 0 ("qos0") and with
+    `stream: false` ("whole"), sent in turn in every round."""
     from benchmarks.harness import AgentProcess, one_request, unique_id, wait_online
 
     audio = (s16.astype(np.float32) / 32768)[None, :]
-    rates, infer_us = [], []
+    rates: list[float] = []
+    infer_us: dict[str, list[float]] = {"qos1": [], "qos0": [], "whole": []}
+    variants: dict[str, dict[str, Any]] = {
+        "qos1": {},
+        "qos0": {"qos": 0},
+        "whole": {"stream": False},
+    }
     with AgentProcess(workdir / "request", broker, repository, device_id="bench-scan-r") as agent:
         wait_online(broker, agent.root, agent.started)
-        for _ in range(rounds + 1):  # the first warms
-            body = {"id": unique_id("scan"), "inputs": {"input": audio}}
-            subscriber = one_request(broker, agent.root, MODEL, body, windows + 1)
-            arrived = subscriber.times()[:windows]
-            skip = len(arrived) // 20
-            rates.append((len(arrived) - 1 - skip) / (arrived[-1] - arrived[skip]))
-            infer_us.append(subscriber.bodies()[-1]["timing"]["infer_ms"] * 1000 / windows)
-    return statistics.median(rates[1:]), statistics.median(infer_us[1:])
+        for n in range(rounds + 1):  # the first warms
+            for name, extra in variants.items():
+                body = {"id": unique_id("scan"), "inputs": {"input": audio}, **extra}
+                messages = 1 if name == "whole" else windows + 1
+                subscriber = one_request(broker, agent.root, MODEL, body, messages)
+                if not n:
+                    continue
+                infer_us[name].append(
+                    subscriber.bodies()[-1]["timing"]["infer_ms"] * 1000 / windows
+                )
+                if name == "qos1":
+                    arrived = subscriber.times()[:windows]
+                    skip = len(arrived) // 20
+                    rates.append((len(arrived) - 1 - skip) / (arrived[-1] - arrived[skip]))
+    return statistics.median(rates), {k: statistics.median(v) for k, v in infer_us.items()}
 
 
 def to_json(results: list[ScanResult]) -> dict[str, Any]:
@@ -274,21 +305,27 @@ def section(results: list[ScanResult]) -> list[str]:
 
 def _model_share(results: list[ScanResult]) -> list[str]:
     """How much of the request row's cost per window is the model running slower in the
-    agent than in the bare loop (the `end`'s `timing.infer_ms`)."""
+    agent than in the bare loop (the `end`'s `timing.infer_ms`), and when it does."""
     request = next((r for r in results if r.path == "request" and r.infer_us), None)
     if request is None or request.infer_us is None or request.overhead_us <= 0:
         return []
     bare_us = 1e6 / request.bare_wps
     slower = request.infer_us - bare_us
-    return [
+    lines = [
         "",
         f"Of the request row's {request.overhead_us:.0f} µs a window, the model's own run "
         f"accounts for {slower:.0f}: inside the agent it took {request.infer_us:.0f} µs a "
-        f"window (the `end`'s `timing.infer_ms`), {bare_us:.0f} µs in the bare loop. The same "
-        "session alone in a loop runs at the bare speed; run with a few MB of memory touched "
-        "between its runs, as the agent's other work on the two cores does, it slows the same "
-        "way (docs/decisions/0032).",
+        f"window (the `end`'s `timing.infer_ms`), {bare_us:.0f} µs in the bare loop.",
     ]
+    if request.infer_qos0_us and request.infer_whole_us:
+        lines[-1] += (
+            f" The same request run in turn at QoS 0 took {request.infer_qos0_us:.0f} µs a "
+            f"window, and with `stream: false` (no chunk at all) {request.infer_whole_us:.0f}: "
+            "the model sharing the two cores with the rest of the path (the broker, the "
+            "subscriber, the agent's other threads) runs slower than alone, more so the more "
+            "messages and acknowledgements go with it."
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
