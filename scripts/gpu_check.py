@@ -18,6 +18,7 @@ import argparse
 import json
 import platform
 import resource
+import shutil
 import sys
 import tempfile
 import threading
@@ -444,6 +445,49 @@ class GpuCheck:
         detail = f"{bound} cache outputs kept on the device, {ms:.2f} ms a token"
         return ("PASS" if ok else "FAIL"), detail + ("" if ok else f", tokens {tokens}"), {}
 
+    def trt_generate(self) -> tuple[str, str, dict[str, Any]]:
+        """The generate fixture built into an engine by the agent's builder and run by its
+        own TensorRT session: the cache kept in the session's device arrays, greedy tokens
+        equal to Hugging Face's, ms a token."""
+        from agent.inference import generate
+        from agent.inference.modes import Member, Run
+        from agent.models.backends.tensorrt import TensorRTBackend
+        from agent.models.decoder_layout import open_generation
+        from agent.models.engine_builder import BuildOptions, build_engine
+        from agent.models.model_config import StreamConfig
+
+        fixture = Path(__file__).resolve().parent.parent / "tests/fixtures/real/decoders/gpt2"
+        reference = json.loads((fixture.parent / "reference.json").read_text())
+        case = reference["models"]["gpt2"][0]
+        folder = self.repo / "writer" / "1"
+        shutil.copytree(fixture, folder, dirs_exist_ok=True)
+        plan = build_engine(
+            folder / "model.onnx",
+            folder.parent,
+            BuildOptions(cache_dir=self.cache, device=self.args.device),
+        )
+        session = TensorRTBackend().load(plan, BackendOptions())
+        try:
+            setup = open_generation(None, session, folder)
+            ask = generate.ask_of(
+                {"prompt": np.array(case["prompt"], dtype=object)}, {"max_new_tokens": 24}, setup
+            )
+            run = Run(session, StreamConfig(mode="generate"), [Member({}, 1, generation=ask)])
+            started = time.perf_counter()
+            tokens = [
+                int(t) for ps in generate.generate(run) for p in ps for t in p.outputs["tokens"]
+            ]
+            ms = (time.perf_counter() - started) * 1000 / max(len(tokens), 1)
+            kept = session.device_bytes
+        finally:
+            session.close()
+        bound = len(setup.device_cache)
+        ok = tokens == case["greedy"] and bound > 0
+        detail = (
+            f"{bound} cache outputs kept on the device ({kept // 1024} KiB), {ms:.2f} ms a token"
+        )
+        return ("PASS" if ok else "FAIL"), detail + ("" if ok else f", tokens {tokens}"), {}
+
     def run_all(self) -> None:
         r = self.report
         r.run("build engines", self.build)
@@ -462,6 +506,7 @@ class GpuCheck:
         r.run("FP16 engine", self.fp16)
         r.run("ONNX Runtime GPU providers", self.ort_gpu)
         r.run("ONNX Runtime generate, cache on the device", self.ort_generate)
+        r.run("TensorRT generate, cache in the session's device arrays", self.trt_generate)
 
 
 def main(argv: list[str] | None = None) -> int:

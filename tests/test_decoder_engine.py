@@ -8,6 +8,7 @@ against the engine's profile as TensorRT does; not on a GPU.
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -146,3 +147,85 @@ def test_the_agents_build_options_take_a_context() -> None:
     # a model's [generate] context where tensorrt.build.context is not set; the latter wins
     assert build_options(BackendOptions(), context=96).context == 96
     assert build_options(BackendOptions(extra=extra), context=96).context == 64
+
+
+def _greedy(session: Any, setup: Any, ids: list[int], tokens: int) -> list[int]:
+    ask = generate.ask_of({"input_ids": np.array(ids)}, {"max_new_tokens": tokens}, setup)
+    run = Run(session, StreamConfig(mode="generate"), [Member({}, 1, generation=ask)])
+    for _ in generate.generate(run):
+        pass
+    return list(ask.tokens)
+
+
+def _copied_bytes(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Bytes the fake driver copies host to device and back, counted from now on."""
+    import pycuda.driver as driver  # the fake (the fixture put it in sys.modules)
+
+    counts = {"htod": 0, "dtoh": 0}
+    for kind, name in (("htod", "memcpy_htod_async"), ("dtoh", "memcpy_dtoh_async")):
+        real = getattr(driver, name)
+
+        def counted(dest: Any, src: Any, stream: Any = None, _real: Any = real, _k: str = kind):
+            host = src if _k == "htod" else dest
+            counts[_k] += int(np.asarray(host).nbytes)
+            _real(dest, src, stream)
+
+        monkeypatch.setattr(driver, name, counted)
+    return counts
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_the_cache_stays_on_the_device_from_token_to_token(
+    fake_gpu: FakeGPU, tmp_path: Path, arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent's TensorRT session keeps `present.*` on the device and reads them back as the
+    next step's past: the same greedy tokens as with the cache on the host, a fraction of
+    the bytes copied between host and device, and its memory reused, then freed at close."""
+    onnx = decoder_version(tmp_path, arch)
+    session = TensorRTBackend().load(build(tmp_path, onnx), BackendOptions())
+    try:
+        setup = open_generation(None, session, onnx.parent)
+        assert setup.device_cache == tuple(slot.output for slot in setup.layout.cache)
+        case = REFERENCE["models"][arch][0]
+        copied = _copied_bytes(monkeypatch)
+        on_device = _greedy(session, setup, case["ids"], 40)
+        device_traffic = copied["htod"] + copied["dtoh"]
+        copied.update(htod=0, dtoh=0)
+        on_host = _greedy(session, replace(setup, device_cache=()), case["ids"], 40)
+        host_traffic = copied["htod"] + copied["dtoh"]
+        assert on_device == on_host and on_device[: len(case["greedy"])] == case["greedy"]
+        assert device_traffic * 4 < host_traffic, (device_traffic, host_traffic)
+        held = session.device_bytes
+        assert _greedy(session, setup, case["ids"], 40) == on_device
+        assert session.device_bytes == held  # the second request reused the first's memory
+    finally:
+        session.close()
+    leaked = [r for r in fake_gpu.live("device") if r.label == "mem_alloc"]
+    assert not leaked, leaked
+
+
+def test_a_kept_array_goes_only_to_the_session_that_made_it(
+    fake_gpu: FakeGPU, tmp_path: Path
+) -> None:
+    onnx = decoder_version(tmp_path, "gpt2")
+    plan = build(tmp_path, onnx)
+    first = TensorRTBackend().load(plan, BackendOptions())
+    second = TensorRTBackend().load(plan, BackendOptions())
+    try:
+        setup = open_generation(None, first, onnx.parent)
+        inputs = generate._prefill_inputs(
+            generate.ask_of({"input_ids": np.array([1, 2, 3])}, {}, setup)
+        )
+        outputs = first.run_keeping(inputs, setup.device_cache)
+        slot = setup.layout.cache[0]
+        kept = outputs[slot.output]
+        assert not isinstance(kept, np.ndarray) and kept.shape[slot.past_axis] == 3
+        host = first.run(inputs)[slot.output]
+        np.testing.assert_array_equal(kept.numpy(), host)  # what lock-step batching reads
+        step = {name: value for name, value in inputs.items()}
+        step[slot.input] = kept
+        with pytest.raises(InferenceError, match="kept by another session"):
+            second.run(step)
+    finally:
+        first.close()
+        second.close()

@@ -396,6 +396,7 @@ def test_gpu_check_script_runs_on_the_fakes(
     assert gpu_check.main(argv) == 0
     checks = {c["name"]: c["status"] for c in json.loads(results.read_text())["checks"]}
     assert checks["compare mlp (FP32)"] == "PASS" and checks["4 engine swaps"] == "PASS"
+    assert checks["TensorRT generate, cache in the session's device arrays"] == "PASS"
     assert "FAIL" not in checks.values()
     assert fake_gpu.device_bytes == 0
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ import numpy.typing as npt
 
 from agent.models.backends import cuda
 from agent.models.backends.base import InferenceError, TensorSpec
+from agent.models.backends.device_arrays import DeviceArray, DevicePool
 from agent.models.backends.tensorrt.runtime import (
     SharedRuntime,
     TensorRTOptions,
@@ -81,6 +82,7 @@ class TensorRTSession:
         self._active = 0
         self._closing = False
         self._closed = False
+        self._kept = DevicePool(self._device)  # outputs kept on the device (`run_keeping`)
 
     # -- the Session protocol ---------------------------------------------------------------
 
@@ -113,17 +115,34 @@ class TensorRTSession:
 
     @property
     def device_bytes(self) -> int:
-        """Device memory held by this session's buffers (not TensorRT's own)."""
+        """Device memory held by this session's buffers and kept outputs (not TensorRT's)."""
         with self._lock:
-            return sum(w.buffers.device_bytes for w in self._workers)
+            buffers = sum(w.buffers.device_bytes for w in self._workers)
+        return buffers + self._kept.device_bytes
+
+    @property
+    def kept_device_bytes(self) -> int:
+        """Device memory of the outputs kept by `run_keeping` (and their spares)."""
+        return self._kept.device_bytes
 
     def run(self, inputs: Mapping[str, npt.NDArray[Any]]) -> dict[str, npt.NDArray[Any]]:
         """Run once; every failure is an :class:`InferenceError` with one line of reason."""
+        return self.run_keeping(inputs, ())
+
+    @property
+    def keeps_on_device(self) -> bool:
+        """Kept outputs stay on the GPU (`agent.models.backends.base.DeviceBinding`)."""
+        return True
+
+    def run_keeping(self, inputs: Mapping[str, Any], keep: Collection[str]) -> dict[str, Any]:
+        """Run once; the outputs named in `keep` come back as :class:`DeviceArray`s, written
+        there by TensorRT and read from there when given back as inputs (a decoder's cache:
+        no copy to the host and back a token); the others as numpy arrays."""
         shapes = self._check_inputs(inputs)
         self._enter()
         try:
             with self._device.activate():
-                return self._run_checked_out(inputs, shapes)
+                return self._run_checked_out(inputs, shapes, keep)
         except InferenceError:
             raise
         except Exception as exc:
@@ -164,6 +183,8 @@ class TensorRTSession:
         shapes: dict[str, Shape] = {}
         for t in self._in:
             array = inputs[t.name]
+            if isinstance(array, DeviceArray) and not array.owned_by(self._kept):
+                raise InferenceError(f"input {t.name!r} was kept by another session")
             if array.dtype != t.dtype:
                 raise InferenceError(
                     f"input {t.name!r} is {array.dtype}, the engine takes {t.dtype}"
@@ -179,14 +200,14 @@ class TensorRTSession:
         return shapes
 
     def _run_checked_out(
-        self, inputs: Mapping[str, npt.NDArray[Any]], shapes: Mapping[str, Shape]
-    ) -> dict[str, npt.NDArray[Any]]:
+        self, inputs: Mapping[str, Any], shapes: Mapping[str, Shape], keep: Collection[str]
+    ) -> dict[str, Any]:
         """Take a context, run, give it back; a context that failed oddly is discarded."""
         self._logger.take_errors()  # start this request with a clean slate
         worker = self._checkout()
         reusable = False
         try:
-            result = self._execute(worker, inputs, shapes)
+            result = self._execute(worker, inputs, shapes, keep)
             reusable = True
             return result
         except InferenceError:
@@ -199,16 +220,28 @@ class TensorRTSession:
                 self._discard(worker)
 
     def _execute(
-        self, worker: _Worker, inputs: Mapping[str, npt.NDArray[Any]], shapes: Mapping[str, Shape]
-    ) -> dict[str, npt.NDArray[Any]]:
-        """Shapes, copies in, launch, copies out, synchronize; the outputs as fresh arrays."""
+        self,
+        worker: _Worker,
+        inputs: Mapping[str, Any],
+        shapes: Mapping[str, Shape],
+        keep: Collection[str],
+    ) -> dict[str, Any]:
+        """Shapes, copies in, launch, copies out, synchronize; the outputs as fresh arrays
+        (those in `keep` as the device arrays TensorRT wrote them to)."""
         stream = self._device.stream()
         try:
             out_shapes = self._set_shapes(worker, shapes, stream)
-            self._launch(worker, inputs, out_shapes, stream)
+            kept = self._launch(worker, inputs, out_shapes, stream, keep)
         finally:
             stream.synchronize()  # never leave work in flight on buffers we hand out again
-        return {t.name: worker.buffers[t.name].read(t.dtype, out_shapes[t.name]) for t in self._out}
+        if keep:
+            self._kept.trim()
+        return {
+            t.name: kept[t.name]
+            if t.name in kept
+            else worker.buffers[t.name].read(t.dtype, out_shapes[t.name])
+            for t in self._out
+        }
 
     # worker.context is never bound to a local in these methods: a traceback kept after a
     # failed run must not keep the context (and through it the engine) alive past close().
@@ -237,20 +270,38 @@ class TensorRTSession:
     def _launch(
         self,
         worker: _Worker,
-        inputs: Mapping[str, npt.NDArray[Any]],
+        inputs: Mapping[str, Any],
         out_shapes: Mapping[str, Shape],
         stream: Any,
-    ) -> None:
-        """Enqueue the input copies, the inference and the output copies on ``stream``."""
+        keep: Collection[str],
+    ) -> dict[str, DeviceArray]:
+        """Enqueue the input copies, the inference and the output copies on ``stream``; a
+        device array given as an input is read where it is, a kept output written to a new
+        one (returned): neither is copied."""
+        addresses: dict[str, int] = {}
         for t in self._in:
-            worker.buffers[t.name].upload(inputs[t.name], stream)
+            value = inputs[t.name]
+            if isinstance(value, DeviceArray):
+                addresses[t.name] = value.ptr
+            else:
+                worker.buffers[t.name].upload(value, stream)
+        kept = {
+            t.name: self._kept.array(out_shapes[t.name], t.dtype)
+            for t in self._out
+            if t.name in keep
+        }
+        addresses.update((name, array.ptr) for name, array in kept.items())
         for t in self._tensors:
-            if not worker.context.set_tensor_address(t.name, worker.buffers[t.name].device_ptr):
+            address = addresses.get(t.name, worker.buffers[t.name].device_ptr)
+            if not worker.context.set_tensor_address(t.name, address):
                 raise self._failure(f"tensor {t.name!r}: address refused")
         if not worker.context.execute_async_v3(stream.handle):
             raise self._failure("execute_async_v3 failed")
         for t in self._out:
-            worker.buffers[t.name].download(volume(out_shapes[t.name]) * t.dtype.itemsize, stream)
+            if t.name not in kept:
+                nbytes = volume(out_shapes[t.name]) * t.dtype.itemsize
+                worker.buffers[t.name].download(nbytes, stream)
+        return kept
 
     def _failure(self, what: str) -> InferenceError:
         """An InferenceError carrying what TensorRT logged on this thread about it."""
@@ -419,6 +470,10 @@ class TensorRTSession:
                     worker.buffers.free_all()
                 except Exception as exc:
                     first = first or exc
+            try:
+                self._kept.free_all()
+            except Exception as exc:
+                first = first or exc
         log.debug("%s: released %d execution context(s)", self.model_file, len(workers))
         if first is not None:
             raise first

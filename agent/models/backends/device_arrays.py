@@ -1,0 +1,169 @@
+"""Tensors kept on the GPU between runs: a decoder's cache under the agent's own TensorRT session.
+
+The generate loop asks a device session to keep the `present.*` outputs where they were
+made and gives them back as the next step's `past_key_values.*` (`run_keeping`,
+`agent.models.backends.base.DeviceBinding`); ONNX Runtime's providers do it with their
+`OrtValue`s. For TensorRT the kept values are :class:`DeviceArray`s: TensorRT writes a kept
+output straight into one (its address set on the context) and reads a fed-back input from
+it, so a token costs no copy of the cache to the host and back.
+
+Memory: the generate loop drops a step's arrays when it has fed them back, at any moment and
+on any thread, while CUDA memory may only be freed with the context current at a known
+moment (`agent.models.backends.cuda`). So a dropped array's allocation goes back to its
+:class:`DevicePool` (a queue append, no CUDA call), which reuses it for a later array of the
+same size class (a power of two: a cache that grows by one token a step reuses what the
+step before it left). After every run, `trim` frees the spare allocations of the classes no
+run asked for in the last `KEEP_RUNS` runs (a cache that grew past a power of two leaves its
+smaller ones behind), so what the pool holds follows what the running requests use; `free_all`
+frees the rest when the session is released.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from agent.models.backends.cuda import ALIGNMENT, CudaDevice, CudaError
+
+__all__ = ["DeviceArray", "DevicePool"]
+
+KEEP_RUNS = 4  # spare allocations of a class no run asked for in this many runs are freed
+
+
+def size_class(nbytes: int) -> int:
+    """The allocation for `nbytes`: the next power of two, at least ALIGNMENT."""
+    return max(ALIGNMENT, 1 << max(0, nbytes - 1).bit_length())
+
+
+class DeviceArray:
+    """A tensor on the device (`shape`, `dtype`, its address `ptr`), from a :class:`DevicePool`.
+
+    `numpy()` copies it to the host (lock-step batching pads caches there). Dropping it gives
+    its memory back to the pool.
+    """
+
+    __slots__ = ("_allocation", "_pool", "_size", "dtype", "ptr", "shape")
+
+    def __init__(
+        self,
+        pool: DevicePool,
+        allocation: Any,
+        size: int,
+        shape: tuple[int, ...],
+        dtype: np.dtype[Any],
+    ) -> None:
+        self._pool = pool
+        self._allocation = allocation
+        self._size = size
+        self.shape = shape
+        self.dtype = dtype
+        self.ptr = int(allocation)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def owned_by(self, pool: DevicePool) -> bool:
+        return self._pool is pool
+
+    def numpy(self) -> npt.NDArray[Any]:
+        """A host copy (makes the context current itself)."""
+        return self._pool.read(self)
+
+    def __del__(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.give_back(self._size, self._allocation)
+
+    def __repr__(self) -> str:
+        return f"<DeviceArray {list(self.shape)} {self.dtype} at {self.ptr:#x}>"
+
+
+class DevicePool:
+    """The device memory of one session's kept tensors, reused by size class; see the module."""
+
+    def __init__(self, device: CudaDevice) -> None:
+        self._device = device
+        self._lock = threading.Lock()
+        self._free: dict[int, list[Any]] = {}
+        # Given back by dropped arrays, on any thread and maybe inside a garbage collection
+        # that interrupted this pool's own code: a deque append needs no lock (and so cannot
+        # deadlock); `array` moves them to the free lists under the lock.
+        self._returned: deque[tuple[int, Any]] = deque()
+        self._held: list[tuple[int, Any]] = []  # every allocation, for `free_all`
+        self._last_asked: dict[int, int] = {}  # size class -> the run that last asked for it
+        self._runs = 0
+        self._closed = False
+
+    def array(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> DeviceArray:
+        """A new array's memory (uninitialised). Call with the context current."""
+        size = size_class(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+        with self._lock:
+            if self._closed:
+                raise CudaError("the session's device memory was released")
+            self._collect()
+            self._last_asked[size] = self._runs
+            free = self._free.get(size)
+            allocation = free.pop() if free else None
+            if allocation is None:
+                allocation = self._device.driver.mem_alloc(size)
+                self._held.append((size, allocation))
+        return DeviceArray(self, allocation, size, shape, dtype)
+
+    def _collect(self) -> None:
+        while self._returned:
+            size, allocation = self._returned.popleft()
+            self._free.setdefault(size, []).append(allocation)
+
+    def trim(self) -> None:
+        """After a run: free the spare allocations of classes not asked for in the last
+        KEEP_RUNS runs. Call with the context current."""
+        with self._lock:
+            self._runs += 1
+            self._collect()
+            stale = [s for s in self._free if self._runs - self._last_asked.get(s, 0) > KEEP_RUNS]
+            freed = [a for s in stale for a in self._free.pop(s)]
+            for size in stale:
+                self._last_asked.pop(size, None)
+            ids = {id(a) for a in freed}
+            self._held = [(size, a) for size, a in self._held if id(a) not in ids]
+        for allocation in freed:
+            allocation.free()
+
+    def give_back(self, size: int, allocation: Any) -> None:
+        """A dropped array's memory (any thread; no CUDA call)."""
+        if not self._closed:
+            self._returned.append((size, allocation))
+
+    def read(self, array: DeviceArray) -> npt.NDArray[Any]:
+        host: npt.NDArray[Any] = np.empty(array.shape, array.dtype)
+        if host.nbytes:
+            with self._device.activate():
+                self._device.driver.memcpy_dtoh(host, array.ptr)
+        return host
+
+    @property
+    def device_bytes(self) -> int:
+        with self._lock:
+            return sum(size for size, _ in self._held)
+
+    def free_all(self) -> None:
+        """Free every allocation, arrays still alive included (the session is gone). Call
+        with the context current; re-raises the first failure after freeing the others."""
+        with self._lock:
+            self._closed = True
+            held, self._held = self._held, []
+            self._free.clear()
+            self._returned.clear()
+        first: BaseException | None = None
+        for _, allocation in held:
+            try:
+                allocation.free()
+            except Exception as exc:
+                first = first or exc
+        if first is not None:
+            raise first
