@@ -408,11 +408,7 @@ class GpuCheck:
     def ort_generate(self) -> tuple[str, str, dict[str, Any]]:
         """The generate fixture on the first GPU provider: the cache kept on the device
         (IOBinding), greedy tokens equal to Hugging Face's, ms a token."""
-        from agent.inference import generate
-        from agent.inference.modes import Member, Run
         from agent.models.backends.onnxruntime import OnnxRuntimeBackend
-        from agent.models.decoder_layout import open_generation
-        from agent.models.model_config import StreamConfig
 
         if self.ort is None:
             return "SKIP", "onnxruntime not importable", {}
@@ -428,16 +424,7 @@ class GpuCheck:
         )
         session = OnnxRuntimeBackend().load(folder / "model.onnx", options)
         try:
-            setup = open_generation(None, session, folder)
-            ask = generate.ask_of(
-                {"prompt": np.array(case["prompt"], dtype=object)}, {"max_new_tokens": 24}, setup
-            )
-            run = Run(session, StreamConfig(mode="generate"), [Member({}, 1, generation=ask)])
-            started = time.perf_counter()
-            tokens = [
-                int(t) for ps in generate.generate(run) for p in ps for t in p.outputs["tokens"]
-            ]
-            ms = (time.perf_counter() - started) * 1000 / max(len(tokens), 1)
+            setup, tokens, ms = _greedy_tokens(session, folder, case["prompt"])
         finally:
             session.close()
         bound = len(setup.device_cache)
@@ -449,12 +436,8 @@ class GpuCheck:
         """The generate fixture built into an engine by the agent's builder and run by its
         own TensorRT session: the cache kept in the session's device arrays, greedy tokens
         equal to Hugging Face's, ms a token."""
-        from agent.inference import generate
-        from agent.inference.modes import Member, Run
         from agent.models.backends.tensorrt import TensorRTBackend
-        from agent.models.decoder_layout import open_generation
         from agent.models.engine_builder import BuildOptions, build_engine
-        from agent.models.model_config import StreamConfig
 
         fixture = Path(__file__).resolve().parent.parent / "tests/fixtures/real/decoders/gpt2"
         reference = json.loads((fixture.parent / "reference.json").read_text())
@@ -468,16 +451,7 @@ class GpuCheck:
         )
         session = TensorRTBackend().load(plan, BackendOptions())
         try:
-            setup = open_generation(None, session, folder)
-            ask = generate.ask_of(
-                {"prompt": np.array(case["prompt"], dtype=object)}, {"max_new_tokens": 24}, setup
-            )
-            run = Run(session, StreamConfig(mode="generate"), [Member({}, 1, generation=ask)])
-            started = time.perf_counter()
-            tokens = [
-                int(t) for ps in generate.generate(run) for p in ps for t in p.outputs["tokens"]
-            ]
-            ms = (time.perf_counter() - started) * 1000 / max(len(tokens), 1)
+            setup, tokens, ms = _greedy_tokens(session, folder, case["prompt"])
             kept = session.device_bytes
         finally:
             session.close()
@@ -507,6 +481,22 @@ class GpuCheck:
         r.run("ONNX Runtime GPU providers", self.ort_gpu)
         r.run("ONNX Runtime generate, cache on the device", self.ort_generate)
         r.run("TensorRT generate, cache in the session's device arrays", self.trt_generate)
+
+
+def _greedy_tokens(session: Any, folder: Path, prompt: str) -> tuple[Any, list[int], float]:
+    """The generate loop on `session` for the fixture in `folder`: 24 greedy tokens of
+    `prompt`; (the generation setup, the tokens, ms a token)."""
+    from agent.inference import generate
+    from agent.inference.modes import Member, Run
+    from agent.models.decoder_layout import open_generation
+    from agent.models.model_config import StreamConfig
+
+    setup = open_generation(None, session, folder)
+    ask = generate.ask_of({"prompt": np.array(prompt, dtype=object)}, {"max_new_tokens": 24}, setup)
+    run = Run(session, StreamConfig(mode="generate"), [Member({}, 1, generation=ask)])
+    started = time.perf_counter()
+    tokens = [int(t) for ps in generate.generate(run) for p in ps for t in p.outputs["tokens"]]
+    return setup, tokens, (time.perf_counter() - started) * 1000 / max(len(tokens), 1)
 
 
 def main(argv: list[str] | None = None) -> int:
