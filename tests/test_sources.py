@@ -476,7 +476,7 @@ def test_requests_overtake_a_busy_source(
         broker,
         repository,
         toml='[[sources]]\nname = "busy"\nkind = "synthetic"\nmodel = "slow"\nrate_hz = 500\n'
-        "priority = 0\nqos = 0\n",
+        'priority = 0\nqos = 0\npolicy = "all"\nqueue = 8\n',  # 8 frames always waiting
         SCHEDULER__WORKERS="1",
         MODELS__INTRA_OP_THREADS="1",  # a core left for the network threads (2-core CI)
     )
@@ -489,11 +489,11 @@ def test_requests_overtake_a_busy_source(
     overtaken = overtaken_by_requests(client, runner, x)
     busy = runner.snapshot()["published"] - before
     assert busy >= 10, busy  # the source kept the only worker busy meanwhile
-    # A request waits for the frame being run at most, never for a queue of frames: counted
-    # in frames, not milliseconds, so a slower moment of the machine cannot fail it. (The
-    # frame after the request may finish before the reply reaches the client: 2 at most.)
-    assert statistics.median(overtaken) <= 1, overtaken
-    assert max(overtaken) <= 2, overtaken
+    # A request waits for the frame being run at most, never for the 8 frames queued behind
+    # it: counted in frames, not milliseconds. The frame after the request may finish before
+    # the reply reaches the client, and on a loaded machine the one after that.
+    assert statistics.median(overtaken) <= 2, overtaken
+    assert max(overtaken) <= 4, overtaken
 
 
 def test_synthetic_frames_go_through_the_models_preprocessing(
