@@ -11,11 +11,12 @@ Memory: the generate loop drops a step's arrays when it has fed them back, at an
 on any thread, while CUDA memory may only be freed with the context current at a known
 moment (`agent.models.backends.cuda`). So a dropped array's allocation goes back to its
 :class:`DevicePool` (a queue append, no CUDA call), which reuses it for a later array of the
-same size class (a power of two: a cache that grows by one token a step reuses what the
-step before it left). After every run, `trim` frees the spare allocations of the classes no
-run asked for in the last `KEEP_RUNS` runs (a cache that grew past a power of two leaves its
-smaller ones behind), so what the pool holds follows what the running requests use; `free_all`
-frees the rest when the session is released.
+same size class (an eighth of a power of two, at most a quarter more than asked: a cache
+that grows by one token a step reuses what the step before it left). After every run, `trim`
+frees the spare allocations of the classes no run asked for in the last `KEEP_RUNS` runs (a
+cache that grew into a larger class leaves its smaller ones behind), so what the pool holds
+follows what the running requests use; `free_all` frees the rest when the session is
+released.
 """
 
 from __future__ import annotations
@@ -35,8 +36,11 @@ KEEP_RUNS = 4  # spare allocations of a class no run asked for in this many runs
 
 
 def size_class(nbytes: int) -> int:
-    """The allocation for `nbytes`: the next power of two, at least ALIGNMENT."""
-    return max(ALIGNMENT, 1 << max(0, nbytes - 1).bit_length())
+    """The allocation for `nbytes`: rounded up to an eighth of the next power of two (so at
+    most a quarter more than asked), and to ALIGNMENT."""
+    wanted = max(nbytes, ALIGNMENT)
+    step = max(ALIGNMENT, (1 << (wanted - 1).bit_length()) // 8)
+    return -(-wanted // step) * step
 
 
 class DeviceArray:
