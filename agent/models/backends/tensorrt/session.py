@@ -120,11 +120,6 @@ class TensorRTSession:
             buffers = sum(w.buffers.device_bytes for w in self._workers)
         return buffers + self._kept.device_bytes
 
-    @property
-    def kept_device_bytes(self) -> int:
-        """Device memory of the outputs kept by `run_keeping` (and their spares)."""
-        return self._kept.device_bytes
-
     def run(self, inputs: Mapping[str, npt.NDArray[Any]]) -> dict[str, npt.NDArray[Any]]:
         """Run once; every failure is an :class:`InferenceError` with one line of reason."""
         return self.run_keeping(inputs, ())
