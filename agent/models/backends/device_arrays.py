@@ -67,10 +67,6 @@ class DeviceArray:
         self.dtype = dtype
         self.ptr = int(allocation)
 
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-
     def owned_by(self, pool: DevicePool) -> bool:
         return self._pool is pool
 
@@ -98,7 +94,7 @@ class DevicePool:
         # that interrupted this pool's own code: a deque append needs no lock (and so cannot
         # deadlock); `array` moves them to the free lists under the lock.
         self._returned: deque[tuple[int, Any]] = deque()
-        self._held: list[tuple[int, Any]] = []  # every allocation, for `free_all`
+        self._held: dict[int, tuple[int, Any]] = {}  # id -> (size, allocation): all of them
         self._last_asked: dict[int, int] = {}  # size class -> the run that last asked for it
         self._runs = 0
         self._closed = False
@@ -115,7 +111,7 @@ class DevicePool:
             allocation = free.pop() if free else None
             if allocation is None:
                 allocation = self._device.driver.mem_alloc(size)
-                self._held.append((size, allocation))
+                self._held[id(allocation)] = (size, allocation)
         return DeviceArray(self, allocation, size, shape, dtype)
 
     def _collect(self) -> None:
@@ -133,8 +129,8 @@ class DevicePool:
             freed = [a for s in stale for a in self._free.pop(s)]
             for size in stale:
                 self._last_asked.pop(size, None)
-            ids = {id(a) for a in freed}
-            self._held = [(size, a) for size, a in self._held if id(a) not in ids]
+            for allocation in freed:
+                del self._held[id(allocation)]
         for allocation in freed:
             allocation.free()
 
@@ -153,14 +149,14 @@ class DevicePool:
     @property
     def device_bytes(self) -> int:
         with self._lock:
-            return sum(size for size, _ in self._held)
+            return sum(size for size, _ in self._held.values())
 
     def free_all(self) -> None:
         """Free every allocation, arrays still alive included (the session is gone). Call
         with the context current; re-raises the first failure after freeing the others."""
         with self._lock:
             self._closed = True
-            held, self._held = self._held, []
+            held, self._held = list(self._held.values()), {}
             self._free.clear()
             self._returned.clear()
         first: BaseException | None = None
