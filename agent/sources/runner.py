@@ -339,8 +339,7 @@ class SourceRunner:
                     go_on = bool(
                         self._pending
                         and not self._closed
-                        and not self.stop_event.is_set()
-                        and self._waiting() == 0
+                        and not self._others_wait()
                         and time.monotonic() < until
                     )
                     if not go_on:
@@ -350,8 +349,9 @@ class SourceRunner:
                 return
 
     def _others_wait(self) -> bool:
-        """Between the frames of one record: something else waits for a worker (a request,
-        another source), or the source stops; the record's other frames then wait too."""
+        """Something else waits for a worker (a request, another source), or the source
+        stops: the worker goes no further with this source's frames, not even with the rest
+        of a record (they wait for the source's next ticket)."""
         return self._waiting() > 0 or self.stop_event.is_set()
 
     def _put_back(self, frame: Frame, chunk: int) -> None:
