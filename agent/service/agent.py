@@ -47,6 +47,7 @@ from agent.ops.endpoint import MetricsServer
 from agent.ops.metrics import AgentMetrics
 from agent.ops.systemd import Notifier, ServiceReporter
 from agent.service.announce import Announcer
+from agent.service.connection_hooks import ConnectionHooks
 from agent.service.health import Health
 from agent.service.housekeeping import Housekeeping
 from agent.service.ingress import Ingress, RequestReader
@@ -72,7 +73,6 @@ class Agent:
         """`notifier`: sd_notify target (the CLI passes `$NOTIFY_SOCKET`'s); None: silent."""
         self.config = config
         self.root = config.root_topic
-        self.epoch = 0
         self.counters = Counters()
         self._stop = threading.Event()
         started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -99,7 +99,7 @@ class Agent:
                 extra=dict(config.models.backend_options),
             ),
             on_event=self.publish_event,
-            on_inventory=self._publish_inventory,
+            on_inventory=lambda: self.hooks.publish_inventory(),
         )
         self.metrics = AgentMetrics(
             lambda: self.health.gauges(),
@@ -109,6 +109,15 @@ class Agent:
         )
         self.announcer = Announcer(
             config, self.outbox, counters=self.counters, metrics=self.metrics, started_at=started_at
+        )
+        self.hooks = ConnectionHooks(
+            config,
+            outbox=self.outbox,
+            announcer=self.announcer,
+            models=self.models,
+            counters=self.counters,
+            publish_event=self.publish_event,
+            connected=lambda: self.transport.connected.is_set(),
         )
         self.resender = self._make_resender()
         self.watcher = RepositoryWatcher(
@@ -227,11 +236,11 @@ class Agent:
                 (f"{self.root}/cancel", 1),
             ],
             will=lambda epoch: self.announcer.status_message("offline", epoch),
-            on_connected=self._on_connected,
-            on_new_session=self._on_new_session,
+            on_connected=self.hooks.on_connected,
+            on_new_session=self.hooks.on_new_session,
             epoch=self.epoch_store,
-            on_publish_refused=self._publish_refused,
-            on_session_lost=self._broker_session_lost,
+            on_publish_refused=self.hooks.publish_refused,
+            on_session_lost=self.hooks.session_lost,
             packet_limit=self.reader.packet_limit,
         )
 
@@ -315,6 +324,11 @@ class Agent:
             )
             self.ingress.on_message(incoming, replay=True)
 
+    @property
+    def epoch(self) -> int:
+        """The current connection's epoch (0 before the first connection)."""
+        return self.hooks.epoch
+
     def wait_ready(self, timeout: float) -> bool:
         """True once the broker is connected (models are loaded before `start` returns)."""
         return self.transport.connected.wait(timeout)
@@ -385,42 +399,7 @@ class Agent:
         else:
             self.runner.cancel(job)
 
-    # -- the connection's hooks (mqtt-io thread) ---------------------------------------------
-
-    def _on_connected(self, epoch: int) -> None:
-        """Birth message and inventory go out before anything queued."""
-        self.epoch = epoch
-        self.outbox.unget(self.announcer.inventory_message(self.models.inventory()))
-        self.outbox.unget(self.announcer.status_message("online", epoch))
-
-    def _on_new_session(self, lost_at: float | None) -> None:
-        """Before a new connection: what was in flight goes out again from the spool, and so
-        does what the broker acknowledged just before the connection was lost (it may have
-        crashed before saving it)."""
-        window = self.config.mqtt.replay_after_reconnect_s
-        since = None if lost_at is None or window <= 0 else lost_at - window
-        pending = self.outbox.rewind(unack_since=since)
-        if pending:
-            log.info("mqtt: %d spooled message(s) to publish on the new connection", pending)
-
-    def _publish_inventory(self) -> None:
-        # While disconnected nothing is queued: the next connection publishes the current one.
-        if self.transport.connected.is_set():
-            self.announcer.inventory(self.models.inventory())
-
-    def _publish_refused(self, topic: str, reason: str, first: bool) -> None:
-        """A message quarantined (never published again): counted; the first on its topic
-        is reported on `ROOT/events` (the topic as text, undecodable characters escaped)."""
-        self.counters.add("messages_quarantined")
-        if first:
-            shown = topic[:300].encode("utf-8", "backslashreplace").decode("utf-8")
-            self.publish_event({"type": "publish_refused", "topic": shown, "reason": reason})
-
-    def _broker_session_lost(self) -> None:
-        """The broker kept no session for the agent (`agent.mqtt.session`): counted, and
-        reported on `ROOT/events` (requests published while it was away may be lost)."""
-        self.counters.add("broker_session_lost")
-        self.publish_event({"type": "broker_session_lost"})
+    # -- events and the spool writer ---------------------------------------------------------
 
     def publish_event(self, event: dict[str, Any]) -> None:
         self.announcer.event(event)
@@ -461,7 +440,7 @@ class Agent:
         merged, applied, restart = plan_reload(self.config, new)
         if "log_level" in applied or "log_format" in applied:
             logs.reconfigure(merged.log_level, merged.log_format)
-        self.config = self.health.config = self.announcer.config = merged
+        self.config = self.health.config = self.announcer.config = self.hooks.config = merged
         self.housekeeping.config = merged
         self.reader.reconfigure(merged)
         self.short_runs.max_s = merged.scheduler.inline_max_ms / 1000.0
