@@ -13,7 +13,8 @@ lock, so requests keep leasing the serving version while a new one warms up.
 
 The records it keeps and the leases it hands out are :mod:`agent.models.records`; what a
 version must pass to serve is :mod:`agent.models.loading`; when its files count as
-complete is :mod:`agent.models.settling`.
+complete is :mod:`agent.models.settling`; how a version is retired, drained and closed is
+:mod:`agent.models.retirement`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from agent.models.records import (
     summarize,
 )
 from agent.models.repository import ModelInfo, VersionInfo, scan_repository
+from agent.models.retirement import Retirement
 from agent.models.settling import SettleTracker, fingerprint_of
 from agent.models.trust import TrustPolicy
 from agent.protocol.errors import WireError
@@ -81,7 +83,13 @@ class ModelManager:
         # model -> (serving version, config, what ingress needs of them): rebuilt on a change
         self._serving: dict[str, tuple[LoadedVersion, ModelConfig, Serving]] = {}
         self._closed = False
-        self._drain_timeout_s = drain_timeout_s
+        self._retirement = Retirement(
+            self._lock,
+            self._models,
+            on_event=on_event,
+            on_inventory=on_inventory,
+            drain_timeout_s=drain_timeout_s,
+        )
         self._settling = SettleTracker(settle_s)
         self._trust = trust  # None: versions need no signature
         self._builds = EngineBuilds(  # TensorRT engines built from ONNX versions, off the sync
@@ -143,7 +151,7 @@ class ModelManager:
                 loaded.closed = close = True
             self._idle.notify_all()
         if close:
-            self._close_version(loaded)
+            self._retirement.close_version(loaded)
 
     def serving_inputs(self, model: str) -> Sequence[TensorSpec] | None:
         """Inputs of the serving version, to reject bad requests before they queue."""
@@ -198,11 +206,11 @@ class ModelManager:
                 log.error("cannot scan the model repository %s: %s", self._root, e)
                 return None
             for name in sorted(set(self._models) - set(found)):
-                self._remove_model(name)
+                self._retirement.remove_model(name)
             for _, info in sorted(found.items()):
                 self._sync_model(info)
             next_check = self._settling.finish_round()
-            self._reap()
+            self._retirement.reap()
             return next_check
 
     def mark_complete(self, version_folder: Path) -> None:
@@ -227,7 +235,7 @@ class ModelManager:
             record.config = config
         # Versions whose folders are gone: drain and unload.
         for number in sorted(set(record.versions) - set(info.versions)):
-            self._retire(record, number, removed=True)
+            self._retirement.retire(record, number, removed=True)
             changed = True
         if self._choose_and_load(record, info, config) or changed:
             self._on_inventory()
@@ -261,7 +269,7 @@ class ModelManager:
             if loaded is not None:
                 self._swap(record, loaded)
                 break
-        changed |= self._trim(record, config.policy.keep_loaded)
+        changed |= self._retirement.trim(record, config.policy.keep_loaded)
         return changed
 
     def _engine(
@@ -381,98 +389,6 @@ class ModelManager:
                     "to": loaded.version,
                 }
             )
-
-    def _trim(self, record: ModelRecord, keep_older: int) -> bool:
-        """Keep the serving version and `keep_older` older ready ones loaded; retire the rest."""
-        serving = record.serving.version if record.serving else None
-        ready = sorted(
-            (n for n, e in record.versions.items() if e.state == "ready" and n != serving),
-            reverse=True,
-        )
-        older = [n for n in ready if serving is None or n < serving]
-        keep = set(older[:keep_older])
-        changed = False
-        for number in ready:
-            if number not in keep:
-                self._retire(record, number, removed=False)
-                changed = True
-        return changed
-
-    def _retire(self, record: ModelRecord, number: int, *, removed: bool) -> None:
-        close = None
-        with self._lock:
-            entry = record.versions.get(number)
-            if entry is None:
-                return
-            loaded = entry.loaded
-            entry.removed = entry.removed or removed
-            if loaded is not None and record.serving is loaded:
-                record.serving = None
-            if loaded is not None:
-                if not loaded.retired:
-                    loaded.retired, loaded.retired_at = True, time.monotonic()
-                entry.state = "draining"
-                if loaded.leases == 0 and not loaded.closed:
-                    loaded.closed = True
-                    close = loaded
-            elif removed:
-                del record.versions[number]
-        if close is not None:
-            self._close_version(close)
-
-    def _close_version(self, loaded: LoadedVersion) -> None:
-        """Free a version's memory now (never left to the garbage collector)."""
-        try:
-            loaded.session.close()
-        except Exception:
-            log.exception("model %s v%d: close failed", loaded.model, loaded.version)
-        with self._lock:
-            record = self._models.get(loaded.model)
-            entry = record.versions.get(loaded.version) if record else None
-            if entry is not None and entry.loaded is loaded:
-                entry.loaded = None
-                entry.state = "unloaded"
-                if entry.removed and record is not None:
-                    del record.versions[loaded.version]
-        log.info("model %s v%d unloaded", loaded.model, loaded.version)
-        self._on_event({"type": "model_unloaded", "model": loaded.model, "version": loaded.version})
-        self._on_inventory()
-
-    def _remove_model(self, name: str) -> None:
-        record = self._models[name]
-        for number in list(record.versions):
-            self._retire(record, number, removed=True)
-        with self._lock:
-            if not any(e.loaded for e in record.versions.values()):
-                del self._models[name]
-        self._on_inventory()
-
-    def _reap(self) -> None:
-        """Close retired versions still leased after the drain timeout.
-
-        A request that holds a version that long is stuck; its next run fails with
-        `model_error` rather than keeping the memory of a replaced version forever.
-        """
-        now = time.monotonic()
-        with self._lock:
-            overdue = [
-                loaded
-                for loaded in loaded_versions(self._models)
-                if loaded.retired
-                and not loaded.closed
-                and now - loaded.retired_at >= self._drain_timeout_s
-            ]
-            for loaded in overdue:
-                loaded.closed = True
-        for loaded in overdue:
-            log.warning(
-                "model %s v%d: %d request(s) still hold it after the %.0f s drain timeout; closing",
-                loaded.model,
-                loaded.version,
-                loaded.leases,
-                self._drain_timeout_s,
-            )
-            self._close_version(loaded)
 
     # -- shutdown ----------------------------------------------------------------------------
 
