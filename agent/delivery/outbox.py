@@ -386,22 +386,7 @@ class Outbox:
                 self._cond.notify_all()
                 return  # a rewind came in between: it starts over
             for row in rows:
-                properties = (
-                    self._make_properties(row.correlation)
-                    if row.correlation is not None and self._make_properties is not None
-                    else None
-                )
-                message = OutMessage(
-                    row.topic,
-                    row.payload,
-                    row.qos,
-                    row.retain,
-                    properties,
-                    stream=row.stream,
-                    spool_id=row.id,
-                    correlation=row.correlation,
-                )
-                self._queue.append(message)
+                self._queue.append(row.message(self._make_properties))
                 self._queued_bytes += len(row.payload)
                 self._loaded_up_to = row.id
             # Read to the end, and nothing was spooled since the refill was asked: caught up.

@@ -13,7 +13,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+from agent.delivery.out_message import OutMessage
 
 if TYPE_CHECKING:
     from agent.delivery.spool import Spool
@@ -28,6 +30,25 @@ class SpooledMessage:
     qos: int
     retain: bool
     correlation: bytes | None
+
+    def message(self, make_properties: Callable[[bytes], Any] | None) -> OutMessage:
+        """The row as a message to publish again; `make_properties`: its MQTT 5 properties
+        from the correlation data kept with it."""
+        properties = (
+            make_properties(self.correlation)
+            if self.correlation is not None and make_properties is not None
+            else None
+        )
+        return OutMessage(
+            self.topic,
+            self.payload,
+            self.qos,
+            self.retain,
+            properties,
+            stream=self.stream,
+            spool_id=self.id,
+            correlation=self.correlation,
+        )
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,6 @@ from paho.mqtt.enums import MQTTErrorCode, MQTTProtocolVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
-from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from agent.config import MqttConfig
 from agent.delivery.outbox import Outbox, OutMessage
@@ -52,7 +51,13 @@ from agent.mqtt.messages import Incoming
 from agent.mqtt.paho_fast import FastClient, new_client
 from agent.mqtt.paho_plain import Client
 from agent.mqtt.reconnect import CONNECT_TIMEOUT_S, backoff_delays, next_attempt, prepare
-from agent.mqtt.session import BrokerSession, closed_early_text, no_connack_text, refusal_text
+from agent.mqtt.session import (
+    BrokerSession,
+    closed_early_text,
+    no_connack_text,
+    refusal_text,
+    subscription_options,
+)
 from agent.mqtt.socket_wait import SocketWait
 from agent.mqtt.window import Window
 from agent.threads import NamedThread
@@ -384,24 +389,12 @@ class Transport:
             )
         self.last_error = None
         if self._subscriptions:
-            client.subscribe(self._subscribe_options())
+            client.subscribe(subscription_options(self._subscriptions, self.mqtt5))
         try:
             self._on_connected_hook(epoch)
         except Exception:
             log.exception("mqtt: on_connected hook failed")
         self.connected.set()
-
-    def _subscribe_options(self) -> list[tuple[str, Any]]:
-        """The subscriptions, all of them requests to the agent: on MQTT 5 the broker is asked
-        never to send their retained messages (Retain Handling 2); on 3.1.1 it sends them, with
-        the retain flag set, and the ingress ignores them."""
-        if not self.mqtt5:
-            return list(self._subscriptions)
-        never = SubscribeOptions.RETAIN_DO_NOT_SEND
-        return [
-            (topic, SubscribeOptions(qos=qos, retainHandling=never))
-            for topic, qos in self._subscriptions
-        ]
 
     def _handle_disconnect(
         self,

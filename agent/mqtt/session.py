@@ -1,5 +1,5 @@
-"""The broker's session as the agent sees it at every CONNACK, and what a refused or closed
-connection attempt is told as.
+"""The broker's session as the agent sees it at every CONNACK, the subscriptions it then asks
+for, and what a refused or closed connection attempt is told as.
 
 The agent asks for a session that outlives a connection (MQTT 5: Clean Start 0 and
 `session_expiry_s`; 3.1.1: Clean Session 0), so that QoS 1/2 requests published while it is
@@ -21,9 +21,11 @@ Present flag, read here at every connection (decision 0024):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from paho.mqtt.reasoncodes import ReasonCode
+from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from agent.config import MqttConfig
 from agent.mqtt.paho_plain import Client
@@ -94,3 +96,15 @@ def no_connack_text(timeout_s: float, mqtt5: bool) -> str:
     if mqtt5:
         text += ' (a broker that does not speak MQTT 5 may wait: try [mqtt] protocol = "3.1.1")'
     return text
+
+
+def subscription_options(subscriptions: Sequence[tuple[str, int]], mqtt5: bool) -> list[Any]:
+    """The subscriptions, all of them requests to the agent: on MQTT 5 the broker is asked
+    never to send their retained messages (Retain Handling 2); on 3.1.1 it sends them, with
+    the retain flag set, and the ingress ignores them."""
+    if not mqtt5:
+        return list(subscriptions)
+    never = SubscribeOptions.RETAIN_DO_NOT_SEND
+    return [
+        (topic, SubscribeOptions(qos=qos, retainHandling=never)) for topic, qos in subscriptions
+    ]
