@@ -1,4 +1,5 @@
-"""`edge-agent`: run | check-config | health | models | request | subscribe | sign | demo."""
+"""`edge-agent`: run | check-config | health | models | request | subscribe | build-engine | sign |
+demo."""
 
 from __future__ import annotations
 
