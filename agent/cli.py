@@ -404,7 +404,12 @@ def build_parser() -> argparse.ArgumentParser:
     client_options(request)
     request.add_argument("model")
     request.add_argument(
-        "--input", "-i", action="append", default=[], metavar="NAME=FILE.npy|FILE.jpg|FILE.png"
+        "--input",
+        "-i",
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help="an input: FILE.npy, the array NAME of FILE.npz, or FILE.jpg|.png (its bytes)",
     )
     request.add_argument("--text", "-t", action="append", default=[], metavar="NAME=TEXT")
     request.add_argument("--compress", action="store_true", help="send the request as zstd")

@@ -27,8 +27,10 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 
 
 def parse_inputs(specs: Sequence[str], texts: Sequence[str] = ()) -> dict[str, Any]:
-    """`NAME=FILE.npy` as the array, `NAME=FILE.jpg|.png` as the file's bytes (an encoded
-    image, for a model with `[preprocess]`); `texts`: `NAME=TEXT` as a text (`parse_texts`)."""
+    """`NAME=FILE.npy` as the array, `NAME=FILE.npz` as the archive's array called NAME (the
+    inputs of a request saved together, or another request's `--save`), `NAME=FILE.jpg|.png`
+    as the file's bytes (an encoded image, for a model with `[preprocess]`); `texts`:
+    `NAME=TEXT` as a text (`parse_texts`)."""
     inputs: dict[str, Any] = parse_texts(texts)
     for spec in specs:
         name, path = _pair(spec, "--input", "NAME=FILE.npy")
@@ -37,10 +39,22 @@ def parse_inputs(specs: Sequence[str], texts: Sequence[str] = ()) -> dict[str, A
                 with open(path, "rb") as file:
                     inputs[name] = file.read()
                 continue
-            inputs[name] = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"error: cannot read {path}: {e}") from None
+            inputs[name] = _array(np.load(path, allow_pickle=False), name, path)
+        except (OSError, ValueError, EOFError) as e:  # EOFError: an empty or cut file
+            raise SystemExit(f"error: cannot read {path}: {e or 'no data in the file'}") from None
     return inputs
+
+
+def _array(loaded: Any, name: str, path: str) -> Any:
+    """What `np.load` gave, as the one array for input `name`: an .npz archive's array of
+    that name."""
+    if not isinstance(loaded, np.lib.npyio.NpzFile):
+        return loaded
+    with loaded:
+        if name not in loaded.files:
+            held = ", ".join(loaded.files) or "none"
+            raise SystemExit(f"error: {path} holds no array named {name!r} (it holds: {held})")
+        return loaded[name]
 
 
 def parse_texts(specs: Sequence[str]) -> dict[str, str]:

@@ -155,3 +155,21 @@ def test_request_inputs_take_arrays_images_and_texts(tmp_path: Path):
     assert inputs["x"].tolist() == [0, 1, 2]
     with pytest.raises(SystemExit, match="--text needs NAME=TEXT"):
         parse_inputs([], ["no-equals-sign"])
+
+
+def test_request_inputs_from_an_npz_archive_and_clear_errors_for_bad_files(tmp_path: Path):
+    import pytest
+
+    from agent.cli_values import parse_inputs
+
+    archive = tmp_path / "inputs.npz"
+    np.savez(archive, token=np.array([[7]], dtype=np.int64), h=np.zeros((1, 8), np.float32))
+    inputs = parse_inputs([f"token={archive}", f"h={archive}"])
+    assert inputs["token"].tolist() == [[7]] and inputs["h"].shape == (1, 8)
+    with pytest.raises(SystemExit, match=r"holds no array named 'x' \(it holds: token, h\)"):
+        parse_inputs([f"x={archive}"])
+    (tmp_path / "empty.npy").write_bytes(b"")
+    with pytest.raises(SystemExit, match=r"cannot read .*empty\.npy: \S"):
+        parse_inputs([f"x={tmp_path / 'empty.npy'}"])
+    with pytest.raises(SystemExit, match=r"cannot read .*missing\.npy"):
+        parse_inputs([f"x={tmp_path / 'missing.npy'}"])
