@@ -264,7 +264,7 @@ def cmd_request(args: argparse.Namespace) -> int:
 def _summarize_message(topic: str, message: dict[str, Any] | None) -> str:
     if message is None:
         return "(not CBOR)"
-    kind = message.get("type") or message.get("state") or "?"
+    kind = message.get("type") or message.get("state") or topic.rsplit("/", 1)[-1]
     keep = {k: v for k, v in message.items() if k not in ("outputs", "data", "v", "ts")}
     if "outputs" in message:
         from agent.client import decode_outputs

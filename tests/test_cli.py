@@ -173,3 +173,11 @@ def test_request_inputs_from_an_npz_archive_and_clear_errors_for_bad_files(tmp_p
         parse_inputs([f"x={tmp_path / 'empty.npy'}"])
     with pytest.raises(SystemExit, match=r"cannot read .*missing\.npy"):
         parse_inputs([f"x={tmp_path / 'missing.npy'}"])
+
+
+def test_subscribe_names_a_message_without_a_type_by_its_topic():
+    from agent.cli import _summarize_message
+
+    assert _summarize_message("edge/x/telemetry", {"epoch": 1}).startswith("telemetry ")
+    assert _summarize_message("edge/x/status", {"state": "online"}).startswith("online ")
+    assert _summarize_message("edge/x/result/m/r1", {"type": "chunk"}).startswith("chunk ")
