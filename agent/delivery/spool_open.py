@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from agent.config.state_files import FILE_MODE, fsync_dir, private_dir, private_file, tighten
-from agent.delivery.spool_sql import open_database
+from agent.delivery.spool_sql import connect, prepare
 
 log = logging.getLogger(__name__)
 
@@ -66,23 +66,44 @@ def open_checked(
     path: Path, load: Callable[[sqlite3.Connection], T]
 ) -> tuple[sqlite3.Connection, T, Quarantine | None]:
     """The spool at `path`, checked, and what `load(db)` read from it. A corrupt file (found by
-    the open, `quick_check` or `load`) is quarantined and an empty spool opened instead."""
+    the first statement, `quick_check` or `load`) is quarantined and an empty spool opened
+    instead."""
     private_dir(path.parent)
+    db = _connect_private(path)
     try:
-        db = _open_private(path)
-        try:
-            quick_check(db)
-            return db, load(db), None
-        except BaseException:
-            db.close()
-            raise
+        return db, _checked(db, path, load), None
     except (sqlite3.DatabaseError, SpoolCorrupt) as e:
         if not is_corruption(e):
+            db.close()
             raise
         reason = str(e)[:300] or type(e).__name__
-    quarantine = quarantine_files(path, reason)
-    db = _open_private(path)
-    return db, load(db), quarantine
+        # Moved aside while the connection that found the damage is still open: its close
+        # ends SQLite's use of the `-wal`, and may delete it (Python 3.10's sqlite3 closes a
+        # connection as soon as the error is handled, and the WAL went with it). Once moved,
+        # that close can only miss the old names, where nothing new exists yet.
+        try:
+            quarantine = quarantine_files(path, reason)
+        finally:
+            db.close()
+    except BaseException:
+        db.close()
+        raise
+    db = _connect_private(path)
+    try:
+        return db, _checked(db, path, load), quarantine
+    except BaseException:
+        db.close()
+        raise
+
+
+def _checked(db: sqlite3.Connection, path: Path, load: Callable[[sqlite3.Connection], T]) -> T:
+    """The spool's settings and tables on `db` (its companions made private), the file
+    checked, then what `load` reads from it."""
+    prepare(db)
+    for suffix in COMPANIONS:
+        tighten(path.with_name(path.name + suffix), FILE_MODE)
+    quick_check(db)
+    return load(db)
 
 
 def quick_check(db: sqlite3.Connection) -> None:
@@ -118,11 +139,8 @@ def quarantine_files(path: Path, reason: str) -> Quarantine:
     return Quarantine(target, reason)
 
 
-def _open_private(path: Path) -> sqlite3.Connection:
-    """`open_database` on a file created 0600 first: SQLite gives its `-wal` and `-shm` the
+def _connect_private(path: Path) -> sqlite3.Connection:
+    """`connect` on a file created 0600 first: SQLite gives its `-wal` and `-shm` the
     database file's mode, so all three stay private whatever the umask."""
     private_file(path)
-    db = open_database(path)
-    for suffix in COMPANIONS:
-        tighten(path.with_name(path.name + suffix), FILE_MODE)
-    return db
+    return connect(path)

@@ -44,11 +44,16 @@ CREATE TABLE IF NOT EXISTS requests (
 """
 
 
-def open_database(path: Path) -> sqlite3.Connection:
-    """The spool file at `path` (created with its folder and tables if missing), in WAL mode,
-    in autocommit mode (the spool opens its transactions itself), usable from any thread."""
+def connect(path: Path) -> sqlite3.Connection:
+    """A connection to the spool file at `path` (its folder made if missing), in autocommit
+    mode (the spool opens its transactions itself), usable from any thread. SQLite reads
+    nothing yet: `prepare` is the first statement."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
+    return sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
+
+
+def prepare(db: sqlite3.Connection) -> None:
+    """The connection in WAL mode with the spool's settings, the tables made if missing."""
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=NORMAL")
     # Statement journals and sort files in memory: SQLite would otherwise create, unlink
@@ -60,7 +65,6 @@ def open_database(path: Path) -> sqlite3.Connection:
     # the agent stops. The limit truncates it at the next reuse.
     db.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
     db.executescript(SCHEMA)
-    return db
 
 
 # Rows go in with multi-row statements: the sqlite3 module releases and retakes the GIL around
