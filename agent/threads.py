@@ -41,6 +41,24 @@ def name_this_thread(name: str) -> None:
         _PRCTL(_PR_SET_NAME, name.encode("utf-8", "replace")[:_NAME_BYTES], 0, 0, 0)
 
 
+def name_thread(thread: threading.Thread, name: str, kernel_name: str | None = None) -> None:
+    """Name a running thread that is not a `NamedThread` (a library's), in Python and, on
+    Linux, in the kernel (`kernel_name`, where the first 15 bytes of `name` would not tell it
+    from another): a thread may rename another of its process through
+    `/proc/self/task/TID/comm`. Nothing more where that fails: a name is never worth an
+    error."""
+    thread.name = name
+    tid = thread.native_id
+    if tid is None or not sys.platform.startswith("linux"):
+        return
+    short = (kernel_name or name).encode("utf-8", "replace")[:_NAME_BYTES]
+    try:
+        with open(f"/proc/self/task/{tid}/comm", "wb") as comm:
+            comm.write(short)
+    except OSError:
+        pass  # the thread ended meanwhile, or /proc is not mounted
+
+
 class NamedThread(threading.Thread):
     """A `threading.Thread` that names itself in the kernel when it starts."""
 

@@ -149,7 +149,7 @@ def test_intra_op_threads_fit_the_cores(tmp_path):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="kernel thread names: Linux")
 def test_the_agents_threads_carry_their_names_in_the_kernel(broker, repository, make_agent):
     """`top -H` and /proc show each thread's own name, not `python` for all of them."""
-    make_agent(broker, repository)
+    agent = make_agent(broker, repository)
     wanted = {"mqtt-io", "spool-writer", "infer-worker-0", "model-watcher", "housekeeping"}
     python_names = {t.name for t in threading.enumerate()}
     assert wanted <= python_names  # the agent runs them (guards the test itself)
@@ -157,3 +157,8 @@ def test_the_agents_threads_carry_their_names_in_the_kernel(broker, repository, 
         (task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()
     }
     assert wanted <= kernel_names, kernel_names
+    # watchdog's threads (the repository's watcher), renamed once they run
+    assert {"watcher-events", "watcher-emitter"} <= kernel_names, kernel_names
+    if agent.watcher.backend != "PollingObserver":  # inotify: its descriptor's reader too
+        assert "watcher-inotify" in kernel_names, kernel_names
+        assert "model-watcher-inotify" in python_names

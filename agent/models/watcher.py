@@ -17,7 +17,7 @@ from typing import Any, Literal, Protocol
 
 from watchdog.events import FileSystemEventHandler
 
-from agent.threads import NamedThread
+from agent.threads import NamedThread, name_thread
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +71,8 @@ class RepositoryWatcher:
             try:
                 observer = Observer()
                 observer.schedule(handler, str(self._root), recursive=True)
-                _name_threads(observer)
                 observer.start()
+                _name_threads(observer)
                 self.backend = type(observer).__name__
                 return observer
             except OSError as e:
@@ -81,8 +81,8 @@ class RepositoryWatcher:
                 log.warning("watcher: native file events unavailable (%s); polling instead", e)
         observer = PollingObserver(timeout=self._poll_interval_s)
         observer.schedule(handler, str(self._root), recursive=True)
-        _name_threads(observer)
         observer.start()
+        _name_threads(observer)
         self.backend = "PollingObserver"
         return observer
 
@@ -132,11 +132,16 @@ class RepositoryWatcher:
 
 
 def _name_threads(observer: Any) -> None:
-    """watchdog's dispatching thread and its emitters (one per watched folder) named for what
-    they serve, so that thread listings (py-spy, `threading.enumerate`) say whose they are."""
-    observer.name = "model-watcher-events"
+    """watchdog's threads, once started, named for what they serve, in Python and in the
+    kernel (`agent.threads.name_thread`), so that thread listings (py-spy, `top -H`) say whose
+    they are: its dispatching thread, its emitters (one per watched folder) and, with
+    inotify, the reader of the inotify descriptor that watchdog shares within the process."""
+    name_thread(observer, "model-watcher-events", "watcher-events")
     for emitter in observer.emitters:
-        emitter.name = "model-watcher-emitter"
+        name_thread(emitter, "model-watcher-emitter", "watcher-emitter")
+    for thread in threading.enumerate():
+        if type(thread).__name__ == "InotifyFD":
+            name_thread(thread, "model-watcher-inotify", "watcher-inotify")
 
 
 class _Handler(FileSystemEventHandler):  # type: ignore[misc, unused-ignore]
