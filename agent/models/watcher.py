@@ -21,6 +21,10 @@ from agent.threads import NamedThread, name_thread
 
 log = logging.getLogger(__name__)
 
+# The thread that reads inotify's descriptor, by watchdog's class name: one a process from
+# watchdog 7 (Python 3.11+), one an emitter in watchdog 6 (what Python 3.10 gets).
+INOTIFY_READERS = ("InotifyFD", "InotifyBuffer")
+
 WatchMode = Literal["auto", "inotify", "poll", "off"]
 
 
@@ -135,12 +139,12 @@ def _name_threads(observer: Any) -> None:
     """watchdog's threads, once started, named for what they serve, in Python and in the
     kernel (`agent.threads.name_thread`), so that thread listings (py-spy, `top -H`) say whose
     they are: its dispatching thread, its emitters (one per watched folder) and, with
-    inotify, the reader of the inotify descriptor that watchdog shares within the process."""
+    inotify, the thread that reads the inotify descriptor."""
     name_thread(observer, "model-watcher-events", "watcher-events")
     for emitter in observer.emitters:
         name_thread(emitter, "model-watcher-emitter", "watcher-emitter")
     for thread in threading.enumerate():
-        if type(thread).__name__ == "InotifyFD":
+        if type(thread).__name__ in INOTIFY_READERS:
             name_thread(thread, "model-watcher-inotify", "watcher-inotify")
 
 
