@@ -180,6 +180,36 @@ def test_garbage_version_fails_and_the_old_one_keeps_serving(
     assert swapped["from"] == 1 and swapped["to"] == 2
 
 
+def test_a_fix_in_a_failed_version_is_found_without_a_file_event(tmp_path):
+    """A broken version is what an operator fixes next, and the fix's file event can be lost:
+    watchdog 6 (what Python 3.10 gets) may leave a folder renamed into place unwatched, and a
+    network file system sends none. While a version is failed, the disk is looked at again
+    every FAILED_RECHECK_S, so the fix is served without an event and long before the rescan."""
+    from agent.models.manager import FAILED_RECHECK_S
+    from agent.models.watcher import RepositoryWatcher
+
+    root = make_repo(tmp_path / "models", {1: 101})
+    drop_version(root, "mlp", 2, os.urandom(5000))
+    manager = ModelManager(root, BackendOptions(), settle_s=0.0)
+    assert manager.sync() is None  # nothing settling: the start needs no second look
+    assert manager.inventory()["models"]["mlp"]["versions"]["2"]["state"] == "failed"
+    assert manager.recheck_s() == FAILED_RECHECK_S  # but v2 failed: the watcher looks soon
+    watcher = RepositoryWatcher(root, manager, mode="off", rescan_s=600)  # no file events
+    watcher.start()
+    try:
+        fixed = _write(tmp_path / "fixed.onnx", mlp_bytes(102))
+        os.replace(fixed, root / "mlp" / "2" / "model.onnx")
+        assert wait_for(lambda: _serving_version(manager) == 2)
+        assert manager.recheck_s() is None  # nothing failed any more: no early look
+    finally:
+        watcher.close()
+        manager.close()
+
+
+def _serving_version(manager: ModelManager) -> int | None:
+    return manager.inventory()["models"]["mlp"].get("serving")
+
+
 def test_slow_copy_in_place_is_served_once_complete(broker, make_agent, tmp_path):
     root = make_repo(tmp_path / "models", {1: 101})
     agent = make_agent(broker, root, MODELS__DEBOUNCE_S="0.05", MODELS__SETTLE_S="0.5")

@@ -55,6 +55,12 @@ __all__ = ["LoadedVersion", "ModelManager", "Serving", "summarize"]
 
 log = logging.getLogger(__name__)
 
+# While a version is `failed`, the disk is looked at again this often, file events or not: a
+# fixed file is what an operator does next, and its event can be lost (watchdog 6, the one
+# Python 3.10 gets, may leave a folder renamed into place unwatched; a network file system
+# sends none). A scan of the repository is a few stats and small reads.
+FAILED_RECHECK_S = 2.0
+
 
 class ModelManager:
     """Every model's loaded versions: requests lease them, `sync()` follows the disk."""
@@ -212,6 +218,17 @@ class ModelManager:
             next_check = self._settling.finish_round()
             self._retirement.reap()
             return next_check
+
+    def recheck_s(self) -> float | None:
+        """How soon the disk should be looked at again, file events or not: FAILED_RECHECK_S
+        while a version is failed, else None (the watcher's rescan suffices)."""
+        with self._lock:
+            failed = any(
+                entry.state == "failed"
+                for record in self._models.values()
+                for entry in record.versions.values()
+            )
+        return FAILED_RECHECK_S if failed else None
 
     def mark_complete(self, version_folder: Path) -> None:
         """A version folder was renamed into place: its files are complete at once."""

@@ -31,6 +31,8 @@ WatchMode = Literal["auto", "inotify", "poll", "off"]
 class Syncable(Protocol):
     def sync(self) -> float | None: ...
 
+    def recheck_s(self) -> float | None: ...
+
     def mark_complete(self, version_folder: Path) -> None: ...
 
 
@@ -98,10 +100,9 @@ class RepositoryWatcher:
         self._wake.set()
 
     def _run(self) -> None:
-        next_due: float | None = time.monotonic() + self._rescan_s
+        next_due = self._next_look(None)
         while not self._stop.is_set():
-            timeout = None if next_due is None else max(0.0, next_due - time.monotonic())
-            woke = self._wake.wait(timeout)
+            woke = self._wake.wait(max(0.0, next_due - time.monotonic()))
             if self._stop.is_set():
                 return
             if woke:
@@ -113,8 +114,14 @@ class RepositoryWatcher:
                 log.exception("watcher: sync failed")
                 again = None
             self.syncs += 1
-            rescan = time.monotonic() + self._rescan_s
-            next_due = rescan if again is None else min(rescan, time.monotonic() + again)
+            next_due = self._next_look(again)
+
+    def _next_look(self, again: float | None) -> float:
+        """When the next sync is due without an event: the rescan, or sooner where the last
+        sync asked for it (`again`: files settling) or the manager does (`recheck_s`: a failed
+        version, whose fix's event may never come)."""
+        waits = [self._rescan_s, again, self._manager.recheck_s()]
+        return time.monotonic() + min(w for w in waits if w is not None)
 
     def _debounce(self) -> None:
         """Wait until no event came for `debounce_s` (at most 10 debounce periods)."""
