@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from agent.models.backends.base import InferenceError
 from agent.sources.base import SourceError
 from agent.sources.frames import Frame
 
@@ -84,6 +85,15 @@ class FrameErrors:
         if self.consecutive >= CONSECUTIVE_ERRORS_TO_FAIL:
             self.consecutive = 0
             self.trouble = f"{CONSECUTIVE_ERRORS_TO_FAIL} frames in a row failed: {message}"
+
+    def model_failed(self, frame: Frame, error: Exception, index: int) -> None:
+        """(In an `except` block) a run of the model on frame `index` raised: an
+        InferenceError is the input's doing; anything else is logged with its traceback."""
+        if isinstance(error, InferenceError):
+            self.frame_failed(frame, f"model_error: {error}", bad_input=True)
+        else:
+            log.exception("source %s: the model failed on frame %d", self.name, index)
+            self.frame_failed(frame, f"model_error: {type(error).__name__}: {error}")
 
     def log(self, message: str) -> None:
         """The first error at once, then at most one line every ERROR_LOG_INTERVAL_S."""

@@ -15,7 +15,6 @@ version serves.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -33,8 +32,6 @@ from agent.sources.base import Reader, SourceError
 from agent.sources.frames import Frame
 from agent.sources.readers.pcm import PcmReader, PcmRecord, WindowPlan
 from agent.sources.runner import SourceRunner
-
-log = logging.getLogger(__name__)
 
 # `[defaults]` inputs that hold a sample rate: the source's `sample_rate` must match them.
 SAMPLE_RATE_NAMES = frozenset({"sr", "sample_rate", "sampling_rate", "samplerate", "rate"})
@@ -226,13 +223,7 @@ class PcmSourceRunner(SourceRunner):
         except WireError as e:
             self._errors.frame_failed(frame, e.message, bad_input=True)
             return None
-        except InferenceError as e:
-            self._errors.frame_failed(frame, f"model_error: {e}", bad_input=True)
-            return None
         except Exception as e:
-            log.exception(
-                "source %s: the model failed on record %d", self.name, frame.index + chunk
-            )
-            self._errors.frame_failed(frame, f"model_error: {type(e).__name__}: {e}")
+            self._errors.model_failed(frame, e, frame.index + chunk)
             return None
         return outputs, loaded.version, time.perf_counter() - started

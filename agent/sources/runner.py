@@ -16,7 +16,7 @@ from prometheus_client import Histogram
 from agent.config import AgentConfig, SourceConfig
 from agent.delivery.outbox import OutboxClosed, OutMessage
 from agent.inference.send_hold import SendHold
-from agent.models.backends.base import Array, InferenceError, TensorSpec
+from agent.models.backends.base import Array, TensorSpec
 from agent.models.manager import ModelManager
 from agent.models.preprocess import PreprocessError
 from agent.protocol.errors import Limits, WireError
@@ -393,12 +393,8 @@ class SourceRunner:
             try:
                 outputs = select_outputs(self.config, loaded.session.run(inputs), loaded)
                 outputs = postprocessed(outputs, record, loaded)
-            except InferenceError as e:
-                self._errors.frame_failed(frame, f"model_error: {e}", bad_input=True)
-                return None
             except Exception as e:
-                log.exception("source %s: the model failed on frame %d", self.name, frame.index)
-                self._errors.frame_failed(frame, f"model_error: {type(e).__name__}: {e}")
+                self._errors.model_failed(frame, e, frame.index)
                 return None
             return outputs, loaded.version, time.perf_counter() - started
 

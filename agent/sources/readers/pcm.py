@@ -63,9 +63,14 @@ class PcmRecord(Record):
 
     def windows(self, chunk: int) -> Array:
         """The windows of chunk `chunk` (0 .. count - 1) of this record."""
+        return self._chunks(chunk, chunk + 1)
+
+    def _chunks(self, start: int, end: int | None) -> Array:
+        """The windows of chunks `start` .. `end` - 1 (None: to the last)."""
         assert self.plan is not None
         per_chunk = self.plan.per_chunk
-        windows: Array = self.fields[self.plan.input][chunk * per_chunk : (chunk + 1) * per_chunk]
+        stop = None if end is None else end * per_chunk
+        windows: Array = self.fields[self.plan.input][start * per_chunk : stop]
         return windows
 
     def chunk_extra(self, chunk: int) -> dict[str, Any] | None:
@@ -77,12 +82,10 @@ class PcmRecord(Record):
     def rest(self, chunk: int) -> PcmRecord:
         """The record from its chunk `chunk` on (the chunks a worker left for later)."""
         assert self.plan is not None
-        windows = self.fields[self.plan.input][chunk * self.plan.per_chunk :]
-        extra = self.chunk_extra(chunk)
         return replace(
             self,
-            fields={self.plan.input: windows},
-            extra=extra,
+            fields={self.plan.input: self._chunks(chunk, None)},
+            extra=self.chunk_extra(chunk),
             count=self.count - chunk,
             fresh=False,
         )
@@ -92,8 +95,7 @@ class PcmRecord(Record):
         if count >= self.count:
             return self
         assert self.plan is not None
-        windows = self.fields[self.plan.input][: count * self.plan.per_chunk]
-        return replace(self, fields={self.plan.input: windows}, count=count)
+        return replace(self, fields={self.plan.input: self._chunks(0, count)}, count=count)
 
 
 def to_float(data: bytes | memoryview, fmt: str, channels: int) -> Array:
