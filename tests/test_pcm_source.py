@@ -293,13 +293,30 @@ def test_a_read_becomes_records_of_whole_chunks_with_their_offsets(
 # --------------------------------------------------------------------------- through an agent
 
 
-def test_command_windows_match_a_plain_loop_and_state_resets_on_restart(
+@pytest.fixture
+def start_pcm(
     broker: EmbeddedBroker,
     vad_repository: Path,
-    recording: tuple[Path, np.ndarray],
     tmp_path: Path,
     make_agent: Callable[..., Agent],
     subscribe: Callable[..., Subscriber],
+) -> Callable[[str, str], tuple[Agent, Subscriber, Subscriber]]:
+    """`start_pcm(toml, name)`: an agent with the source(s) of `toml` on `vad_repository`;
+    it, its events and source `name`'s stream, both subscribed before it starts."""
+
+    def start(toml: str, name: str) -> tuple[Agent, Subscriber, Subscriber]:
+        config = agent_config(tmp_path, broker, vad_repository, toml)
+        events = subscribe(broker, f"{config.root_topic}/events")
+        sub = subscribe(broker, f"{config.root_topic}/stream/{name}")
+        agent = make_agent(broker, vad_repository, toml=toml, DEVICE_ID=f'"{config.device_id}"')
+        return agent, events, sub
+
+    return start
+
+
+def test_command_windows_match_a_plain_loop_and_state_resets_on_restart(
+    recording: tuple[Path, np.ndarray],
+    start_pcm: Callable[[str, str], tuple[Agent, Subscriber, Subscriber]],
 ) -> None:
     """The command writes the signal in pieces that cut sample frames, and an odd byte at the
     end; when it exits the source restarts it, and the windows start again from offset 0
@@ -313,10 +330,7 @@ def test_command_windows_match_a_plain_loop_and_state_resets_on_restart(
     )
     command = f"command = [{sys.executable!r}, '-c', {script!r}]"
     toml = pcm_source("mic", command, retry_min_s=0.2, retry_max_s=0.3)
-    config = agent_config(tmp_path, broker, vad_repository, toml)
-    events = subscribe(broker, f"{config.root_topic}/events")
-    sub = subscribe(broker, f"{config.root_topic}/stream/mic")
-    make_agent(broker, vad_repository, toml=toml, DEVICE_ID=f'"{config.device_id}"')
+    _, events, sub = start_pcm(toml, "mic")
     assert sub.wait_for(lambda ms: len(ms) >= 2 * len(want), 30), len(sub.messages)
     chunks = chunks_of(sub)
     first, second = chunks[: len(want)], chunks[len(want) : 2 * len(want)]
@@ -334,12 +348,9 @@ def test_command_windows_match_a_plain_loop_and_state_resets_on_restart(
 
 
 def test_f32_file_in_chunks_of_windows_then_finished(
-    broker: EmbeddedBroker,
-    vad_repository: Path,
     recording: tuple[Path, np.ndarray],
     tmp_path: Path,
-    make_agent: Callable[..., Agent],
-    subscribe: Callable[..., Subscriber],
+    start_pcm: Callable[[str, str], tuple[Agent, Subscriber, Subscriber]],
 ) -> None:
     """A float32 file, four windows a message (stacked on a new leading axis); the last
     message has what is left; the source finishes at the end of the file."""
@@ -348,10 +359,7 @@ def test_f32_file_in_chunks_of_windows_then_finished(
     f32 = tmp_path / "signal.f32"
     f32.write_bytes(samples.astype("<f4").tobytes())
     toml = pcm_source("file", f'path = "{f32}"', format='"f32le"', windows_per_chunk=4)
-    config = agent_config(tmp_path, broker, vad_repository, toml)
-    events = subscribe(broker, f"{config.root_topic}/events")
-    sub = subscribe(broker, f"{config.root_topic}/stream/file")
-    agent = make_agent(broker, vad_repository, toml=toml, DEVICE_ID=f'"{config.device_id}"')
+    agent, events, sub = start_pcm(toml, "file")
     assert events.wait_for(lambda ms: any(m["type"] == "source_finished" for m in ms), 30)
     count = -(-len(want) // 4)
     assert sub.wait_for(lambda ms: len(ms) >= count, 10)
@@ -365,19 +373,13 @@ def test_f32_file_in_chunks_of_windows_then_finished(
 
 def test_a_sample_rate_the_model_does_not_take_refuses_the_source(
     broker: EmbeddedBroker,
-    vad_repository: Path,
     recording: tuple[Path, np.ndarray],
-    tmp_path: Path,
-    make_agent: Callable[..., Agent],
     make_client: Callable[..., Any],
-    subscribe: Callable[..., Subscriber],
+    start_pcm: Callable[[str, str], tuple[Agent, Subscriber, Subscriber]],
 ) -> None:
     path, _ = recording
     toml = pcm_source("mic", f'path = "{path}"', sample_rate=8000, retry_min_s=5, retry_max_s=5)
-    config = agent_config(tmp_path, broker, vad_repository, toml)
-    events = subscribe(broker, f"{config.root_topic}/events")
-    sub = subscribe(broker, f"{config.root_topic}/stream/mic")
-    agent = make_agent(broker, vad_repository, toml=toml, DEVICE_ID=f'"{config.device_id}"')
+    agent, events, sub = start_pcm(toml, "mic")
     assert events.wait_for(lambda ms: any(m["type"] == "source_failed" for m in ms), 10)
     failed = next(m for m in events.bodies() if m["type"] == "source_failed")
     assert "sample_rate = 8000 does not match model 'vad'" in failed["error"], failed
@@ -389,22 +391,15 @@ def test_a_sample_rate_the_model_does_not_take_refuses_the_source(
 
 
 def test_max_frames_cuts_a_record_of_several_chunks(
-    broker: EmbeddedBroker,
-    vad_repository: Path,
     recording: tuple[Path, np.ndarray],
-    tmp_path: Path,
-    make_agent: Callable[..., Agent],
-    subscribe: Callable[..., Subscriber],
+    start_pcm: Callable[[str, str], tuple[Agent, Subscriber, Subscriber]],
 ) -> None:
     """One read of the file makes records of RECORD_CHUNKS chunks; `max_frames` counts chunks
     (the stream's messages) and ends the source after exactly that many."""
     path, samples = recording
     want = reference(samples)[:7]
     toml = pcm_source("cut", f'path = "{path}"', max_frames=7)
-    config = agent_config(tmp_path, broker, vad_repository, toml)
-    events = subscribe(broker, f"{config.root_topic}/events")
-    sub = subscribe(broker, f"{config.root_topic}/stream/cut")
-    make_agent(broker, vad_repository, toml=toml, DEVICE_ID=f'"{config.device_id}"')
+    _, events, sub = start_pcm(toml, "cut")
     assert events.wait_for(lambda ms: any(m["type"] == "source_finished" for m in ms), 30)
     finished = next(m for m in events.bodies() if m["type"] == "source_finished")
     assert finished["frames"] == 7
