@@ -98,7 +98,9 @@ def no_connack_text(timeout_s: float, mqtt5: bool) -> str:
     return text
 
 
-def subscription_options(subscriptions: Sequence[tuple[str, int]], mqtt5: bool) -> list[Any]:
+def subscription_options(
+    subscriptions: Sequence[tuple[str, int]], mqtt5: bool
+) -> list[tuple[str, Any]]:
     """The subscriptions, all of them requests to the agent: on MQTT 5 the broker is asked
     never to send their retained messages (Retain Handling 2); on 3.1.1 it sends them, with
     the retain flag set, and the ingress ignores them."""
