@@ -17,6 +17,7 @@ import pytest
 
 from agent.inference import generate
 from agent.inference.modes import Member, Run
+from agent.models.backends import cuda
 from agent.models.backends.base import BackendOptions, InferenceError
 from agent.models.backends.tensorrt import TensorRTBackend
 from agent.models.decoder_layout import open_generation
@@ -202,6 +203,33 @@ def test_the_cache_stays_on_the_device_from_token_to_token(
         session.close()
     leaked = [r for r in fake_gpu.live("device") if r.label == "mem_alloc"]
     assert not leaked, leaked
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_context_stages_no_cache_and_logits_only_as_long_as_its_prompts(
+    fake_gpu: FakeGPU, tmp_path: Path, arch: str
+) -> None:
+    """With the cache kept on the device, the context stages the step's own tensors (ids,
+    mask, positions, logits), the prefill's empty `past_key_values.*` (a smallest buffer
+    each) and no `present.*`; the logits' buffer is sized by the longest prompt run, not by
+    a whole context's."""
+    onnx = decoder_version(tmp_path, arch)
+    session = TensorRTBackend().load(build(tmp_path, onnx), BackendOptions())
+    try:
+        setup = open_generation(None, session, onnx.parent)
+        case = REFERENCE["models"][arch][0]
+        assert _greedy(session, setup, case["ids"], 40)[: len(case["greedy"])] == case["greedy"]
+        staged = sorted(r.nbytes for r in fake_gpu.live("pinned"))
+        presents = len(setup.layout.cache)
+        assert len(staged) == len(session.inputs) + len(session.outputs) - presents
+        assert staged[:presents] == [cuda.ALIGNMENT] * presents
+        (logits,) = (s for s in session.outputs if s.name == "logits")
+        vocab = logits.shape[-1]
+        assert isinstance(vocab, int)
+        assert staged[-1] == cuda.size_class(len(case["ids"]) * vocab * 4) < CONTEXT * vocab * 4
+    finally:
+        session.close()
+    assert fake_gpu.pinned_bytes == 0
 
 
 def test_a_kept_array_goes_only_to_the_session_that_made_it(

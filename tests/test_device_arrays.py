@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from agent.models.backends import cuda
-from agent.models.backends.device_arrays import KEEP_RUNS, DevicePool, size_class
+from agent.models.backends.cuda import size_class
+from agent.models.backends.device_arrays import KEEP_RUNS, DevicePool
 from tests import fakes
 from tests.fakes import FakeGPU
 

@@ -574,11 +574,60 @@ def test_zero_copy_uses_mapped_host_buffers(fake_gpu: FakeGPU, mlp_plan: Path) -
     assert fake_gpu.pinned_bytes == 0
 
 
+def test_a_contexts_buffers_grow_with_its_runs_and_are_then_reused(
+    fake_gpu: FakeGPU, mlp_plan: Path
+) -> None:
+    """A context's staging buffers are made by the first run and grown by a larger one, not
+    sized up front for the profile's largest batch; runs that fit allocate nothing."""
+    session = load(mlp_plan)
+    try:
+        largest = session.profiles[0]["x"][2][0]
+        sizes = {}
+        for batch in (1, largest):
+            x = RNG.standard_normal((batch, 16)).astype(np.float32)
+            y = session.run({"x": x})["y"]
+            assert rel_err(y, reference(demo_models.mlp(), {"x": x})["y"]) < 1e-6
+            sizes[batch] = sorted(r.nbytes for r in fake_gpu.live("pinned"))
+        assert sizes[1] == [256, 256]  # x [1, 16] and y [1, 8] float32, one size class
+        assert sizes[largest] == sorted(cuda.size_class(n * largest * 4) for n in (16, 8))
+        allocations = fake_gpu.names("alloc").count("alloc")
+        held = session.device_bytes
+        for batch in (1, largest, 2):
+            session.run({"x": np.ones((batch, 16), np.float32)})
+        assert fake_gpu.names("alloc").count("alloc") == allocations
+        assert session.device_bytes == held
+    finally:
+        session.close()
+    assert fake_gpu.pinned_bytes == 0
+
+
+def test_a_run_the_device_has_no_memory_for_is_refused_and_the_next_runs(
+    fake_gpu: FakeGPU, mlp_plan: Path
+) -> None:
+    session = load(mlp_plan)
+    try:
+        small = np.ones((1, 16), np.float32)
+        session.run({"x": small})
+        largest = session.profiles[0]["x"][2][0]
+        fake_gpu.total_memory = fake_gpu.device_bytes  # no room to grow a buffer
+        with pytest.raises(InferenceError, match=r"no device memory for (in|out)put '[xy]'"):
+            session.run({"x": np.ones((largest, 16), np.float32)})
+        np.testing.assert_array_equal(
+            session.run({"x": small})["y"], session.run({"x": small})["y"]
+        )
+        assert session.contexts == 1  # the context was kept, not discarded
+        fake_gpu.total_memory = 8 * 1024**3
+        assert session.run({"x": np.ones((largest, 16), np.float32)})["y"].shape == (largest, 8)
+    finally:
+        session.close()
+    assert fake_gpu.pinned_bytes == 0 and fake_gpu.live("device") == []
+
+
 def test_buffer_pool_frees_only_with_the_context_current(fake_gpu: FakeGPU) -> None:
     device = cuda.get_device()
     with device.activate():
         pool = device.buffer_pool()
-        buffer = pool.allocate("t", 1000)
+        buffer = pool.fit("t", 1000, 1000)
         assert buffer.nbytes == 1024 and pool.device_bytes == 1024 and pool.host_bytes == 1024
     done = threading.Event()
 

@@ -93,6 +93,14 @@ def _aligned(nbytes: int) -> int:
     return max(ALIGNMENT, -(-nbytes // ALIGNMENT) * ALIGNMENT)
 
 
+def size_class(nbytes: int) -> int:
+    """The allocation for `nbytes`: rounded up to an eighth of the next power of two (so at
+    most a quarter more than asked), and to ALIGNMENT."""
+    wanted = max(nbytes, ALIGNMENT)
+    step = max(ALIGNMENT, (1 << (wanted - 1).bit_length()) // 8)
+    return -(-wanted // step) * step
+
+
 class HostDeviceBuffer:
     """One tensor's memory: a page-locked host staging buffer and its device twin.
 
@@ -178,10 +186,15 @@ class HostDeviceBuffer:
 
 
 class BufferPool:
-    """The buffers of one execution context, allocated once and reused for every request.
+    """The staging buffers of one execution context, by tensor name, sized by use.
 
-    Sized by the caller to each tensor's largest shape over all optimization profiles, so
-    a request never allocates; freed as a whole by :meth:`free_all`.
+    A tensor's buffer is made by the first run that needs it and grown (freed, then made
+    again) by a run that needs more, to :func:`size_class` of what it asked, never beyond
+    the `limit` the caller gives (the tensor's largest shape over every optimization
+    profile). So a context holds what the largest run it served used, not the largest its
+    engine allows: a decoder's logits at a whole context's prompt, or a cache tensor the
+    session keeps on the device instead, cost nothing until a run needs them. Freed as a
+    whole by :meth:`free_all`.
     """
 
     def __init__(self, driver: Any, *, mapped: bool) -> None:
@@ -189,10 +202,17 @@ class BufferPool:
         self.mapped = mapped
         self._buffers: dict[str, HostDeviceBuffer] = {}
 
-    def allocate(self, name: str, nbytes: int) -> HostDeviceBuffer:
-        if name in self._buffers:
-            raise ValueError(f"buffer {name!r} is already allocated")
-        buffer = HostDeviceBuffer(self._driver, nbytes, mapped=self.mapped)
+    def fit(self, name: str, nbytes: int, limit: int) -> HostDeviceBuffer:
+        """`name`'s buffer, holding at least `nbytes` (made or grown now: call with the
+        context current, and with no work in flight on the buffer it replaces)."""
+        buffer = self._buffers.get(name)
+        if buffer is not None and buffer.nbytes >= nbytes:
+            return buffer
+        if buffer is not None:
+            del self._buffers[name]
+            buffer.free()
+        size = min(size_class(nbytes), max(_aligned(limit), _aligned(nbytes)))
+        buffer = HostDeviceBuffer(self._driver, size, mapped=self.mapped)
         self._buffers[name] = buffer
         return buffer
 

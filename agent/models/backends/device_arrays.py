@@ -28,19 +28,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from agent.models.backends.cuda import ALIGNMENT, CudaDevice, CudaError
+from agent.models.backends.cuda import CudaDevice, CudaError, size_class
 
 __all__ = ["DeviceArray", "DevicePool"]
 
 KEEP_RUNS = 4  # spare allocations of a class no run asked for in this many runs are freed
-
-
-def size_class(nbytes: int) -> int:
-    """The allocation for `nbytes`: rounded up to an eighth of the next power of two (so at
-    most a quarter more than asked), and to ALIGNMENT."""
-    wanted = max(nbytes, ALIGNMENT)
-    step = max(ALIGNMENT, (1 << (wanted - 1).bit_length()) // 8)
-    return -(-wanted // step) * step
 
 
 class DeviceArray:

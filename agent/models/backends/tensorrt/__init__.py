@@ -13,10 +13,11 @@ How memory and threads are handled (the parts that are easy to get wrong):
   block that touches the GPU, because the worker threads calling :meth:`run` are not the
   thread that loaded the engine, and :meth:`close` may run on yet another.
 * Execution contexts are created lazily, one per concurrent caller, each with its own
-  page-locked + device buffers sized to the largest shape of every optimization profile, and
-  reused for the session's life. A thread keeps "its" context (thread-local affinity) so in
-  steady state each ``infer-worker-N`` owns one context; an idle context (say, the one the
-  warm-up made on the loading thread) is handed to the next thread that needs one.
+  page-locked + device buffers made and grown by its runs (never past the largest shape of
+  every optimization profile), and reused for the session's life. A thread keeps "its"
+  context (thread-local affinity) so in steady state each ``infer-worker-N`` owns one
+  context; an idle context (say, the one the warm-up made on the loading thread) is handed
+  to the next thread that needs one.
 * ``close()`` releases, with the CUDA context current: the execution contexts, then the
   engine, then the buffers. If requests are still running (only at a drain timeout), the
   last of them does it when it returns.

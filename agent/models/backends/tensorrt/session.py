@@ -1,8 +1,11 @@
 """A deserialized TensorRT engine as a :class:`Session`: contexts, buffers, profiles, runs.
 
-Execution contexts are created lazily, one per concurrent caller, each with its own
-page-locked + device buffers sized to the largest shape of every optimization profile, and
-reused for the session's life; a thread keeps "its" context. The CUDA context is pushed
+Execution contexts are created lazily, one per concurrent caller, and reused for the
+session's life; a thread keeps "its" context. Each has its own page-locked + device buffers,
+made and grown by the runs that need them (`agent.models.backends.cuda.BufferPool`): a
+context holds what the largest run it served used, at most the largest shape of every
+optimization profile, and nothing for a tensor read from or written to a kept
+:class:`DeviceArray`. The CUDA context is pushed
 around every block that touches the GPU, and ``close()`` releases contexts, then the
 engine, then the buffers (deferred to the last running call at a drain timeout).
 """
@@ -255,10 +258,10 @@ class TensorRTSession:
         out_shapes = {t.name: dims_of(worker.context.get_tensor_shape(t.name)) for t in self._out}
         for t in self._out:
             shape = out_shapes[t.name]
-            nbytes = volume(shape) * t.dtype.itemsize
-            if any(d < 0 for d in shape) or nbytes > worker.buffers[t.name].nbytes:
+            if any(d < 0 for d in shape) or volume(shape) * t.dtype.itemsize > t.max_bytes:
                 raise InferenceError(
-                    f"output {t.name!r} has shape {list(shape)}, beyond its buffer"
+                    f"output {t.name!r} has shape {list(shape)}, beyond the largest the "
+                    f"engine's profiles give ({t.max_bytes} bytes)"
                 )
         return out_shapes
 
@@ -273,22 +276,13 @@ class TensorRTSession:
         """Enqueue the input copies, the inference and the output copies on ``stream``; a
         device array given as an input is read where it is, a kept output written to a new
         one (returned): neither is copied."""
-        addresses: dict[str, int] = {}
+        addresses, kept = self._place(worker, inputs, out_shapes, keep)
         for t in self._in:
             value = inputs[t.name]
-            if isinstance(value, DeviceArray):
-                addresses[t.name] = value.ptr
-            else:
+            if not isinstance(value, DeviceArray):
                 worker.buffers[t.name].upload(value, stream)
-        kept = {
-            t.name: self._kept.array(out_shapes[t.name], t.dtype)
-            for t in self._out
-            if t.name in keep
-        }
-        addresses.update((name, array.ptr) for name, array in kept.items())
         for t in self._tensors:
-            address = addresses.get(t.name, worker.buffers[t.name].device_ptr)
-            if not worker.context.set_tensor_address(t.name, address):
+            if not worker.context.set_tensor_address(t.name, addresses[t.name]):
                 raise self._failure(f"tensor {t.name!r}: address refused")
         if not worker.context.execute_async_v3(stream.handle):
             raise self._failure("execute_async_v3 failed")
@@ -297,6 +291,39 @@ class TensorRTSession:
                 nbytes = volume(out_shapes[t.name]) * t.dtype.itemsize
                 worker.buffers[t.name].download(nbytes, stream)
         return kept
+
+    def _place(
+        self,
+        worker: _Worker,
+        inputs: Mapping[str, Any],
+        out_shapes: Mapping[str, Shape],
+        keep: Collection[str],
+    ) -> tuple[dict[str, int], dict[str, DeviceArray]]:
+        """Every tensor's device address, and the kept outputs' new device arrays. A device
+        array given as an input is read where it is; every other tensor gets its staging
+        buffer, made or grown to this run's size first (before any copy is enqueued). Memory
+        the device cannot give refuses this run with an InferenceError; the context stays
+        sound and the next run tries again."""
+        addresses: dict[str, int] = {}
+        kept: dict[str, DeviceArray] = {}
+        for t in self._tensors:
+            if t.is_input and isinstance(inputs[t.name], DeviceArray):
+                addresses[t.name] = inputs[t.name].ptr
+                continue
+            shape: Shape = tuple(inputs[t.name].shape) if t.is_input else out_shapes[t.name]
+            nbytes = volume(shape) * t.dtype.itemsize
+            try:
+                if t.name in keep and not t.is_input:
+                    kept[t.name] = self._kept.array(shape, t.dtype)
+                    addresses[t.name] = kept[t.name].ptr
+                else:
+                    addresses[t.name] = worker.buffers.fit(t.name, nbytes, t.max_bytes).device_ptr
+            except Exception as exc:
+                kind = "input" if t.is_input else "output"
+                raise InferenceError(
+                    f"no device memory for {kind} {t.name!r} ({nbytes} bytes): {one_line(exc)}"
+                ) from exc
+        return addresses, kept
 
     def _failure(self, what: str) -> InferenceError:
         """An InferenceError carrying what TensorRT logged on this thread about it."""
@@ -394,26 +421,18 @@ class TensorRTSession:
             self._idle.append(worker)
 
     def _new_worker(self) -> _Worker:
-        """An execution context and its buffers (the context is current: see run)."""
+        """An execution context, its buffers made by its runs (the context is current: see
+        run)."""
         context = self._engine.create_execution_context()
         if context is None:
             raise self._failure("cannot create an execution context")
-        pool = self._device.buffer_pool(mapped=self._options.zero_copy)
-        try:
-            for t in self._tensors:
-                pool.allocate(t.name, t.max_bytes)
-        except BaseException:
-            context = None
-            pool.free_all()
-            raise
         log.debug(
-            "%s: execution context %d for %s, %d bytes of buffers",
+            "%s: execution context %d for %s",
             self.model_file,
             len(self._workers) + 1,
             threading.current_thread().name,
-            pool.device_bytes + pool.host_bytes,
         )
-        return _Worker(context, pool)
+        return _Worker(context, self._device.buffer_pool(mapped=self._options.zero_copy))
 
     def _discard(self, worker: _Worker) -> None:
         """Release a context that failed mid-run (a CUDA error may have left it unsound)."""
