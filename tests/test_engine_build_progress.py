@@ -10,6 +10,7 @@ here depends on timing.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import threading
@@ -172,7 +173,10 @@ def test_a_tampered_version_is_not_built(fake_gpu: FakeGPU, tmp_path: Path) -> N
         manager.close()
 
 
-def test_closing_cancels_a_running_build(fake_gpu: FakeGPU, gate: Gate, tmp_path: Path) -> None:
+def test_closing_cancels_a_running_build(
+    fake_gpu: FakeGPU, gate: Gate, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="agent.models.engine_builds")
     events: list[dict[str, Any]] = []
     manager = manager_for(make_repo(tmp_path / "models", {1: 1}, config=CONFIG), events)
     gate.armed = True
@@ -180,7 +184,7 @@ def test_closing_cancels_a_running_build(fake_gpu: FakeGPU, gate: Gate, tmp_path
     assert gate.reached.wait(10)
     closer = threading.Thread(target=manager.close, name="test-closer")
     closer.start()
-    assert wait_for(lambda: manager._builds._closing)  # close() is waiting for the build
+    assert wait_for(lambda: "cancelled, the agent is stopping" in caplog.text)  # close() waits
     gate.release()  # the next step_complete returns False: TensorRT cancels the build
     closer.join(10)
     assert not closer.is_alive()

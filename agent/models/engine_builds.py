@@ -410,10 +410,17 @@ class EngineBuilds:
         with self._cond:
             self._closing = True
             self._queue.clear()
-            if self._running is not None:
-                self._running.tracker.cancel()
+            running = self._running
+            if running is not None:
+                running.tracker.cancel()
             self._cond.notify_all()
             threads, self._threads = self._threads, []
+        if running is not None:
+            log.info(
+                "engine build %s v%d: cancelled, the agent is stopping",
+                running.model,
+                running.version,
+            )
         for thread in threads:
             thread.join(JOIN_TIMEOUT_S)
             if thread.is_alive():
