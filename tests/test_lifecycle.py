@@ -162,3 +162,6 @@ def test_the_agents_threads_carry_their_names_in_the_kernel(broker, repository, 
     if agent.watcher.backend != "PollingObserver":  # inotify: its descriptor's reader too
         assert "watcher-inotify" in kernel_names, kernel_names
         assert "model-watcher-inotify" in python_names
+    if any(t.name == "model-watcher-inotify-parse" for t in threading.enumerate()):
+        assert "watcher-parse" in kernel_names, kernel_names
+    assert "InotifyFD-Dispatcher" not in {t.name for t in threading.enumerate()}

@@ -24,6 +24,9 @@ log = logging.getLogger(__name__)
 # The thread that reads inotify's descriptor, by watchdog's class name: one a process from
 # watchdog 7 (Python 3.11+), one an emitter in watchdog 6 (what Python 3.10 gets).
 INOTIFY_READERS = ("InotifyFD", "InotifyBuffer")
+# The thread watchdog 7.1+'s InotifyFD starts to parse what it read and hand it on.
+INOTIFY_DISPATCHER = "InotifyFD-Dispatcher"
+DISPATCHER_WAIT_S = 0.1  # it starts from the reader's own thread, just after the reader
 
 WatchMode = Literal["auto", "inotify", "poll", "off"]
 
@@ -146,13 +149,28 @@ def _name_threads(observer: Any) -> None:
     """watchdog's threads, once started, named for what they serve, in Python and in the
     kernel (`agent.threads.name_thread`), so that thread listings (py-spy, `top -H`) say whose
     they are: its dispatching thread, its emitters (one per watched folder) and, with
-    inotify, the thread that reads the inotify descriptor."""
+    inotify, the thread that reads the inotify descriptor and the one that parses what it
+    read (watchdog 7.1+)."""
     name_thread(observer, "model-watcher-events", "watcher-events")
     for emitter in observer.emitters:
         name_thread(emitter, "model-watcher-emitter", "watcher-emitter")
-    for thread in threading.enumerate():
-        if type(thread).__name__ in INOTIFY_READERS:
-            name_thread(thread, "model-watcher-inotify", "watcher-inotify")
+    readers = [t for t in threading.enumerate() if type(t).__name__ in INOTIFY_READERS]
+    for thread in readers:
+        name_thread(thread, "model-watcher-inotify", "watcher-inotify")
+    if any(hasattr(t, "_dispatch_raw_buffers") for t in readers):
+        dispatcher = _await_thread(INOTIFY_DISPATCHER, DISPATCHER_WAIT_S)
+        if dispatcher is not None:
+            name_thread(dispatcher, "model-watcher-inotify-parse", "watcher-parse")
+
+
+def _await_thread(name: str, timeout_s: float) -> threading.Thread | None:
+    """The running thread called `name`, waiting up to `timeout_s` for it to start."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = next((t for t in threading.enumerate() if t.name == name), None)
+        if found is not None or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.001)
 
 
 class _Handler(FileSystemEventHandler):  # type: ignore[misc, unused-ignore]
