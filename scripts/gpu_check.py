@@ -248,10 +248,12 @@ class GpuCheck:
                         tokens_same &= bool(np.array_equal(got[key].astype(np.int64), value))
                     else:
                         worst = max(worst, rel_err(got[key], value))
+            held = session.device_bytes  # the buffers grown from batch 1 to 8 (decision 0037)
         finally:
             session.close()
         ok = worst < self.args.tolerance
         detail = f"max relative error {worst:.2e} (limit {self.args.tolerance:g})"
+        detail += f", {held:,} bytes of device buffers after batches 1, 4, 8"
         if name == "decoder":
             detail += f", argmax tokens {'equal' if tokens_same else 'DIFFER (near-ties?)'}"
         return ("PASS" if ok else "FAIL"), detail, {"rel_err": worst, "tokens_equal": tokens_same}
