@@ -157,10 +157,12 @@ def _name_threads(observer: Any) -> None:
     readers = [t for t in threading.enumerate() if type(t).__name__ in INOTIFY_READERS]
     for thread in readers:
         name_thread(thread, "model-watcher-inotify", "watcher-inotify")
-    if any(hasattr(t, "_dispatch_raw_buffers") for t in readers):
+    parser = "model-watcher-inotify-parse"
+    named = any(t.name == parser for t in threading.enumerate())  # the reader is shared
+    if not named and any(hasattr(t, "_dispatch_raw_buffers") for t in readers):
         dispatcher = _await_thread(INOTIFY_DISPATCHER, DISPATCHER_WAIT_S)
         if dispatcher is not None:
-            name_thread(dispatcher, "model-watcher-inotify-parse", "watcher-parse")
+            name_thread(dispatcher, parser, "watcher-parse")
 
 
 def _await_thread(name: str, timeout_s: float) -> threading.Thread | None:
