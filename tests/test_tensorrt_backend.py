@@ -623,6 +623,63 @@ def test_a_run_the_device_has_no_memory_for_is_refused_and_the_next_runs(
     assert fake_gpu.pinned_bytes == 0 and fake_gpu.live("device") == []
 
 
+def test_a_buffer_far_larger_than_the_recent_runs_asked_is_made_again_smaller(
+    fake_gpu: FakeGPU,
+) -> None:
+    """One long prompt does not hold its logits buffer for the context's life: a look every
+    TRIM_AFTER_S frees a buffer more than twice what the runs since the last look asked."""
+    device = cuda.get_device()
+    now = [0.0]
+    with device.activate():
+        pool = cuda.BufferPool(device.driver, mapped=False, clock=lambda: now[0])
+        try:
+            pool.fit("logits", 1_000_000, 4_000_000)  # a long prompt
+            pool.fit("ids", 1_000, 4_000)
+            for when, logits in ((1.0, 10_000), (cuda.TRIM_AFTER_S, 10_000)):
+                now[0] = when
+                pool.fit("logits", logits, 4_000_000)  # short prompts since
+                pool.fit("ids", 1_000, 4_000)
+                pool.trim()
+                assert pool["logits"].nbytes >= 1_000_000  # asked within the last look's time
+            now[0] = 2 * cuda.TRIM_AFTER_S - 1
+            pool.fit("logits", 10_000, 4_000_000)
+            pool.fit("ids", 1_000, 4_000)
+            pool.trim()  # not yet: the last look was less than TRIM_AFTER_S ago
+            assert pool["logits"].nbytes >= 1_000_000
+            now[0] = 2 * cuda.TRIM_AFTER_S
+            pool.trim()
+            assert len(pool) == 1 and pool["ids"].nbytes == cuda.size_class(1_000)
+            assert pool.fit("logits", 10_000, 4_000_000).nbytes == cuda.size_class(10_000)
+            assert pool.device_bytes == cuda.size_class(10_000) + cuda.size_class(1_000)
+        finally:
+            pool.free_all()
+    assert fake_gpu.device_bytes == 0 and fake_gpu.pinned_bytes == 0
+
+
+def test_a_run_trims_after_its_outputs_are_read(
+    fake_gpu: FakeGPU, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a look after every run, a small batch after a large one still reads its results
+    out of the buffers the look then frees (freed page-locked memory reads as garbage in the
+    fake), and the buffers follow the batch."""
+    monkeypatch.setattr(cuda, "TRIM_AFTER_S", 0.0)
+    model = demo_models.conv_net(classes=2048)  # scores: 8 KiB an image
+    session = load(build(tmp_path, model, "conv"))
+    try:
+        for batch in (8, 1, 8, 1):
+            feed = {"image": RNG.standard_normal((batch, 3, 32, 32)).astype(np.float32)}
+            outputs = session.run(feed)
+            for key, value in reference(model, feed).items():
+                assert rel_err(outputs[key], value) < 1e-5, (batch, key)
+            staged = max((r.nbytes for r in fake_gpu.live("pinned")), default=0)
+            if batch == 8:
+                assert staged == cuda.size_class(8 * 3 * 32 * 32 * 4)
+            else:
+                assert staged <= 2 * cuda.size_class(3 * 32 * 32 * 4)
+    finally:
+        session.close()
+
+
 def test_buffer_pool_frees_only_with_the_context_current(fake_gpu: FakeGPU) -> None:
     device = cuda.get_device()
     with device.activate():

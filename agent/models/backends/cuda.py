@@ -24,7 +24,8 @@ import importlib
 import logging
 import re
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,26 +186,40 @@ class HostDeviceBuffer:
             self._host_allocation.free()
 
 
+# A context's buffer more than twice what any of its runs of the last TRIM_AFTER_S asked is
+# made again at the size they ask (docs/decisions/0037).
+TRIM_AFTER_S = 30.0
+
+
 class BufferPool:
     """The staging buffers of one execution context, by tensor name, sized by use.
 
     A tensor's buffer is made by the first run that needs it and grown (freed, then made
     again) by a run that needs more, to :func:`size_class` of what it asked, never beyond
     the `limit` the caller gives (the tensor's largest shape over every optimization
-    profile). So a context holds what the largest run it served used, not the largest its
+    profile). So a context holds what its largest recent run used, not the largest its
     engine allows: a decoder's logits at a whole context's prompt, or a cache tensor the
-    session keeps on the device instead, cost nothing until a run needs them. Freed as a
-    whole by :meth:`free_all`.
+    session keeps on the device instead, cost nothing until a run needs them. After each
+    run the session calls :meth:`trim`: every `TRIM_AFTER_S`, a buffer more than twice as
+    large as its tensor's runs of that time asked is freed, to be made again at the size
+    the next run asks (one long prompt does not hold its logits buffer for the context's
+    life). Freed as a whole by :meth:`free_all`.
     """
 
-    def __init__(self, driver: Any, *, mapped: bool) -> None:
+    def __init__(
+        self, driver: Any, *, mapped: bool, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._driver = driver
         self.mapped = mapped
         self._buffers: dict[str, HostDeviceBuffer] = {}
+        self._clock = clock
+        self._asked: dict[str, int] = {}  # the most each tensor's runs asked since `_since`
+        self._since = clock()
 
     def fit(self, name: str, nbytes: int, limit: int) -> HostDeviceBuffer:
         """`name`'s buffer, holding at least `nbytes` (made or grown now: call with the
         context current, and with no work in flight on the buffer it replaces)."""
+        self._asked[name] = max(self._asked.get(name, 0), nbytes)
         buffer = self._buffers.get(name)
         if buffer is not None and buffer.nbytes >= nbytes:
             return buffer
@@ -215,6 +230,22 @@ class BufferPool:
         buffer = HostDeviceBuffer(self._driver, size, mapped=self.mapped)
         self._buffers[name] = buffer
         return buffer
+
+    def trim(self) -> None:
+        """After a run (the context current, no work in flight): once `TRIM_AFTER_S` passed
+        since the last look, free the buffers more than twice as large as their tensors'
+        runs asked meanwhile (unasked: any but the smallest)."""
+        now = self._clock()
+        if now - self._since < TRIM_AFTER_S:
+            return
+        asked, self._asked, self._since = self._asked, {}, now
+        oversized = [
+            name
+            for name, buffer in self._buffers.items()
+            if buffer.nbytes > 2 * size_class(asked.get(name, 0))
+        ]
+        for name in oversized:
+            self._buffers.pop(name).free()
 
     def __getitem__(self, name: str) -> HostDeviceBuffer:
         return self._buffers[name]

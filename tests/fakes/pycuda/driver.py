@@ -284,6 +284,9 @@ class PagelockedHostAllocation(bytearray):
         if not self._valid:
             raise _gpu.cuda_error("pagelocked_host_allocation::free", _gpu.INVALID_HANDLE)
         self._valid = False
+        # Poisoned: a numpy view of freed page-locked memory reads garbage here, where on a
+        # real host it reads unmapped memory (a crash) or whatever reused it.
+        self[:] = b"\xff" * len(self)
         _cleanup(
             self._ward,
             "pagelocked_host_allocation",

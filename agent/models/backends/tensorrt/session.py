@@ -3,9 +3,9 @@
 Execution contexts are created lazily, one per concurrent caller, and reused for the
 session's life; a thread keeps "its" context. Each has its own page-locked + device buffers,
 made and grown by the runs that need them (`agent.models.backends.cuda.BufferPool`): a
-context holds what the largest run it served used, at most the largest shape of every
-optimization profile, and nothing for a tensor read from or written to a kept
-:class:`DeviceArray`. The CUDA context is pushed
+context holds what its largest run of the last half minute or so used, at most the largest
+shape of every optimization profile, and nothing for a tensor read from or written to a
+kept :class:`DeviceArray`. The CUDA context is pushed
 around every block that touches the GPU, and ``close()`` releases contexts, then the
 engine, then the buffers (deferred to the last running call at a drain timeout).
 """
@@ -232,14 +232,16 @@ class TensorRTSession:
             kept = self._launch(worker, inputs, out_shapes, stream, keep)
         finally:
             stream.synchronize()  # never leave work in flight on buffers we hand out again
-        if keep:
-            self._kept.trim()
-        return {
+        outputs = {
             t.name: kept[t.name]
             if t.name in kept
             else worker.buffers[t.name].read(t.dtype, out_shapes[t.name])
             for t in self._out
         }
+        if keep:
+            self._kept.trim()
+        worker.buffers.trim()  # after the outputs were read out of them
+        return outputs
 
     # worker.context is never bound to a local in these methods: a traceback kept after a
     # failed run must not keep the context (and through it the engine) alive past close().
