@@ -27,6 +27,7 @@ from agent.models.backends.tensorrt import TensorRTBackend, TensorRTOptions, Ten
 from agent.models.engine_builder import BuildOptions, ShapeRange, build_engine
 from agent.models.manager import ModelManager
 from agent.models.warmup import warm_up
+from agent.ops.metrics import AgentCollector, Gauges
 from tests import fakes
 from tests.fakes import FakeGPU, install, uninstall
 from tests.fakes import tensorrt as fake_trt
@@ -754,6 +755,33 @@ def test_model_manager_swaps_engines_and_keeps_serving_on_a_bad_plan(
             lease.session.run({"x": np.zeros((i + 1, 16), np.float32)})
 
     run_threads(3, request)
+
+
+def test_the_gpu_memory_of_each_loaded_engine_is_a_metric(
+    fake_gpu: FakeGPU, tmp_path: Path, manager: tuple[ModelManager, list[dict[str, Any]]]
+) -> None:
+    """`edge_agent_model_device_bytes{model, version}`: what each loaded version's session
+    holds, read at scrape time, so an operator sees it follow the requests."""
+    mm, _ = manager
+    model_dir = tmp_path / "repo" / "conv"
+    model_dir.mkdir()
+    write_plan_version(
+        mm, model_dir, 1, build(tmp_path, demo_models.conv_net(), "src").read_bytes()
+    )
+    mm.sync()
+    scrape = AgentCollector(lambda: Gauges(device_bytes=mm.device_bytes()))
+
+    def scraped() -> dict[tuple[str, str], float]:
+        (family,) = [f for f in scrape.collect() if f.name == "edge_agent_model_device_bytes"]
+        return {(s.labels["model"], s.labels["version"]): s.value for s in family.samples}
+
+    with mm.lease("conv") as lease:
+        lease.session.run({"image": np.zeros((1, 3, 32, 32), np.float32)})
+        one = scraped()[("conv", "1")]
+        lease.session.run({"image": np.zeros((8, 3, 32, 32), np.float32)})
+        eight = scraped()[("conv", "1")]
+        assert 0 < one < eight == lease.session.device_bytes
+    assert mm.device_bytes() == {("conv", 1): eight}
 
 
 # --------------------------------------------------------------------------- ONNX Runtime on GPU

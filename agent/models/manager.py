@@ -194,6 +194,19 @@ class ModelManager:
         with self._lock:
             return inventory_of(self._models)
 
+    def device_bytes(self) -> dict[tuple[str, int], int]:
+        """GPU memory each loaded version's session holds itself, by (model, version), where
+        its backend counts it (the agent's TensorRT sessions: their buffers and kept
+        arrays; not the engine's own, nor ONNX Runtime's)."""
+        with self._lock:
+            loaded = [v for v in loaded_versions(self._models) if not v.closed]
+        held = {}
+        for version in loaded:
+            count = getattr(version.session, "device_bytes", None)
+            if isinstance(count, int):
+                held[(version.model, version.version)] = count
+        return held
+
     # -- reconciling with the disk -----------------------------------------------------------
 
     def sync(self) -> float | None:

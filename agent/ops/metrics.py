@@ -191,6 +191,8 @@ class Gauges:
     oldest_job_s: float = 0.0
     inventory: Mapping[str, Any] = field(default_factory=dict)
     counters: Mapping[str, int] = field(default_factory=dict)  # agent.ops.counters snapshot
+    # (model, version) -> GPU bytes its session holds (`ModelManager.device_bytes`)
+    device_bytes: Mapping[tuple[str, int], int] = field(default_factory=dict)
 
 
 # What went wrong and was handled without stopping: (counter, help), each exported as
@@ -253,6 +255,7 @@ class AgentCollector(Collector):
         for name, help_text in SAFETY_COUNTERS:
             yield CounterMetricFamily(f"{PREFIX}_{name}", help_text, value=g.counters.get(name, 0))
         yield from _model_families(g.inventory)
+        yield _device_bytes(g.device_bytes)
 
 
 def _gauges(*items: tuple[str, str, float]) -> Iterator[Metric]:
@@ -279,6 +282,17 @@ def _model_families(inventory: Mapping[str, Any]) -> Iterator[Metric]:
             serving.add_metric([name], model["serving"])
     yield states
     yield serving
+
+
+def _device_bytes(held: Mapping[tuple[str, int], int]) -> Metric:
+    family = GaugeMetricFamily(
+        f"{PREFIX}_model_device_bytes",
+        "GPU memory a loaded version's session holds (TensorRT: its buffers and kept arrays)",
+        labels=["model", "version"],
+    )
+    for (model, version), count in sorted(held.items()):
+        family.add_metric([model, str(version)], count)
+    return family
 
 
 class AgentMetrics:

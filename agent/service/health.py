@@ -125,6 +125,7 @@ class Health:
             oldest_job_s=time.monotonic() - self.scheduler.oldest_heartbeat() if busy else 0.0,
             inventory=self.models.inventory(),
             counters=self.counters.snapshot(),
+            device_bytes=self.models.device_bytes(),
         )
 
     def telemetry(
