@@ -657,6 +657,38 @@ def test_a_buffer_far_larger_than_the_recent_runs_asked_is_made_again_smaller(
     assert fake_gpu.device_bytes == 0 and fake_gpu.pinned_bytes == 0
 
 
+def test_a_pools_bytes_may_be_read_while_its_run_changes_its_buffers(
+    fake_gpu: FakeGPU, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A metrics scrape reads `device_bytes` on its own thread while a worker's runs make,
+    grow and free buffers: it never sees the buffers' table change under it."""
+    monkeypatch.setattr(cuda, "TRIM_AFTER_S", 0.0)
+    device = cuda.get_device()
+    with device.activate():
+        pool = cuda.BufferPool(device.driver, mapped=False)
+    stop = threading.Event()
+
+    def runs() -> None:
+        with device.activate():
+            step = 0
+            while not stop.is_set():
+                pool.fit(f"t{step % 50}", 1000 + step, 10**7)
+                if step % 50 == 49:
+                    pool.trim()
+                step += 1
+
+    worker = threading.Thread(target=runs, name="test-runs")
+    worker.start()
+    try:
+        for _ in range(20_000):
+            assert pool.device_bytes >= 0 and pool.host_bytes >= 0
+    finally:
+        stop.set()
+        worker.join()
+        with device.activate():
+            pool.free_all()
+
+
 def test_a_run_trims_after_its_outputs_are_read(
     fake_gpu: FakeGPU, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

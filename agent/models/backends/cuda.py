@@ -255,11 +255,13 @@ class BufferPool:
 
     @property
     def device_bytes(self) -> int:
-        return sum(b.device_bytes for b in self._buffers.values())
+        """Any thread (a metrics scrape): summed over a snapshot, as the run's thread may
+        be making or freeing a buffer meanwhile."""
+        return sum(b.device_bytes for b in tuple(self._buffers.values()))
 
     @property
     def host_bytes(self) -> int:
-        return sum(b.host_bytes for b in self._buffers.values())
+        return sum(b.host_bytes for b in tuple(self._buffers.values()))
 
     def free_all(self) -> None:
         """Free every buffer, even when one of them fails; re-raise the first failure."""
