@@ -6,14 +6,16 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.reasoncodes import ReasonCode
 
+from agent.client import AgentClient
 from agent.demo.broker import EmbeddedBroker
 from agent.mqtt.reconnect import next_attempt
-from agent.mqtt.session import closed_early_text, refusal_text
+from agent.mqtt.session import Subscriptions, closed_early_text, refusal_text
 from agent.protocol.errors import Limits
 from agent.protocol.payload import decode_payload
 from agent.service.agent import Agent
@@ -89,6 +91,53 @@ def test_a_kept_session_is_not_reported(
     finally:
         agent.stop()
         broker.close()
+
+
+@pytest.mark.parametrize("protocol", ["5", "3.1.1"])
+def test_the_agent_is_ready_once_the_broker_has_its_subscriptions(
+    own_broker: EmbeddedBroker,
+    make_agent: Callable[..., Agent],
+    make_client: Callable[..., AgentClient],
+    repository: Path,
+    protocol: str,
+) -> None:
+    """Ready (`wait_ready`, the service's READY) means a request published now arrives: the
+    broker acknowledged the agent's subscriptions, asked for again on every connection (a
+    broker without persistence forgets them when it restarts)."""
+    agent = make_agent(own_broker, repository, MQTT__PROTOCOL=f'"{protocol}"', **FAST_RECONNECT)
+    assert agent.transport.subscribed.is_set()
+    own_broker.stop()
+    assert wait_until(lambda: not agent.transport.subscribed.is_set(), 10)
+    assert not agent.wait_ready(0.2)
+    own_broker.start()
+    assert agent.wait_ready(20)
+    client = make_client(own_broker, agent)
+    reply = client.request("mlp", {"x": np.ones((2, 16), np.float32)}, stream=False, timeout=10)
+    assert reply.collect()["y"].shape == (2, 8)
+
+
+def test_a_subscription_the_broker_refuses_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """Mosquitto grants a subscription its ACL denies (and then delivers nothing); brokers
+    that refuse one in the SUBACK (MQTT 5 0x87) get it logged by topic."""
+    subscriptions = Subscriptions([("edge/x/infer/+", 1), ("edge/x/cancel", 1)], mqtt5=True)
+    assert not subscriptions.active.is_set()
+
+    class Client:
+        def subscribe(self, topics: object) -> tuple[int, int]:
+            return mqtt.MQTT_ERR_SUCCESS, 7
+
+    subscriptions.subscribe(Client())
+    granted = ReasonCode(PacketTypes.SUBACK, identifier=1)
+    refused = ReasonCode(PacketTypes.SUBACK, "Not authorized")
+    subscriptions.acknowledged(None, None, 6, [granted, granted], None)
+    assert not subscriptions.active.is_set()  # another packet's SUBACK
+    subscriptions.acknowledged(None, None, 7, [refused, granted], None)
+    assert subscriptions.active.is_set()
+    assert "refused the subscription to edge/x/infer/+: Not authorized" in caplog.text
+    assert "edge/x/cancel" not in caplog.text
+    subscriptions.lost()
+    assert not subscriptions.active.is_set()
+    assert Subscriptions([], mqtt5=False).active.is_set()  # nothing to wait for
 
 
 def test_unsupported_protocol_says_which_setting() -> None:

@@ -110,6 +110,7 @@ def transport(
         made.append(connection)
         connection.start()
         assert connection.connected.wait(10), connection.last_error
+        assert connection.subscribed.wait(10)  # a message published now finds them
         assert connection.fast_path is (paho_kind == "fast")
         return connection, outbox
 

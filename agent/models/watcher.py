@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -27,6 +28,9 @@ INOTIFY_READERS = ("InotifyFD", "InotifyBuffer")
 # The thread watchdog 7.1+'s InotifyFD starts to parse what it read and hand it on.
 INOTIFY_DISPATCHER = "InotifyFD-Dispatcher"
 DISPATCHER_WAIT_S = 0.1  # it starts from the reader's own thread, just after the reader
+# The readers whose dispatcher is named: one reader serves every watcher of the process (a
+# later watcher does not wait for a thread already renamed), a new one gets its own.
+_PARSERS_NAMED: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
 WatchMode = Literal["auto", "inotify", "poll", "off"]
 
@@ -157,12 +161,12 @@ def _name_threads(observer: Any) -> None:
     readers = [t for t in threading.enumerate() if type(t).__name__ in INOTIFY_READERS]
     for thread in readers:
         name_thread(thread, "model-watcher-inotify", "watcher-inotify")
-    parser = "model-watcher-inotify-parse"
-    named = any(t.name == parser for t in threading.enumerate())  # the reader is shared
-    if not named and any(hasattr(t, "_dispatch_raw_buffers") for t in readers):
-        dispatcher = _await_thread(INOTIFY_DISPATCHER, DISPATCHER_WAIT_S)
-        if dispatcher is not None:
-            name_thread(dispatcher, parser, "watcher-parse")
+    for reader in readers:
+        if hasattr(reader, "_dispatch_raw_buffers") and reader not in _PARSERS_NAMED:
+            dispatcher = _await_thread(INOTIFY_DISPATCHER, DISPATCHER_WAIT_S)
+            if dispatcher is not None:
+                name_thread(dispatcher, "model-watcher-inotify-parse", "watcher-parse")
+                _PARSERS_NAMED.add(reader)
 
 
 def _await_thread(name: str, timeout_s: float) -> threading.Thread | None:

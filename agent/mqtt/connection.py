@@ -53,10 +53,10 @@ from agent.mqtt.paho_plain import Client
 from agent.mqtt.reconnect import CONNECT_TIMEOUT_S, backoff_delays, next_attempt, prepare
 from agent.mqtt.session import (
     BrokerSession,
+    Subscriptions,
     closed_early_text,
     no_connack_text,
     refusal_text,
-    subscription_options,
 )
 from agent.mqtt.socket_wait import SocketWait
 from agent.mqtt.window import Window
@@ -95,7 +95,8 @@ class Transport:
         for) a message."""
         self._config = config
         self._outbox = outbox
-        self._subscriptions = list(subscriptions)
+        self._subscriptions = Subscriptions(subscriptions, config.protocol == "5")
+        self.subscribed = self._subscriptions.active  # set once the broker has them
         self._will = will
         self._on_connected_hook = on_connected
         self._on_new_session = on_new_session
@@ -143,6 +144,7 @@ class Transport:
         prepare(client, self._config)
         client.on_connect = self._handle_connect
         client.on_disconnect = self._handle_disconnect
+        client.on_subscribe = self._subscriptions.acknowledged
         client.on_message = self._inbound.handle_message
         client.deliver = self._inbound.deliver
         client.acknowledged = self._window.acknowledged
@@ -388,8 +390,7 @@ class Transport:
                 "mqtt: connected to %s:%d (epoch %d)", self._config.host, self._config.port, epoch
             )
         self.last_error = None
-        if self._subscriptions:
-            client.subscribe(subscription_options(self._subscriptions, self.mqtt5))
+        self._subscriptions.subscribe(client)
         try:
             self._on_connected_hook(epoch)
         except Exception:
@@ -406,6 +407,7 @@ class Transport:
     ) -> None:
         was_connected = self.connected.is_set()
         self.connected.clear()
+        self._subscriptions.lost()
         if was_connected:
             self.reconnects += 1
             self.lost_at = time.time()

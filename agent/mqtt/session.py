@@ -1,5 +1,6 @@
 """The broker's session as the agent sees it at every CONNACK, the subscriptions it then asks
-for, and what a refused or closed connection attempt is told as.
+for (and when the broker has them), and what a refused or closed connection attempt is told
+as.
 
 The agent asks for a session that outlives a connection (MQTT 5: Clean Start 0 and
 `session_expiry_s`; 3.1.1: Clean Session 0), so that QoS 1/2 requests published while it is
@@ -21,9 +22,12 @@ Present flag, read here at every connection (decision 0024):
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import paho.mqtt.client as mqtt
+from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
@@ -110,3 +114,46 @@ def subscription_options(
     return [
         (topic, SubscribeOptions(qos=qos, retainHandling=never)) for topic, qos in subscriptions
     ]
+
+
+class Subscriptions:
+    """The agent's subscriptions on each connection: asked for after every CONNACK, and
+    `active` once the broker's SUBACK came back. A request published before then finds no
+    subscription on a fresh session, and the broker drops it, so the agent is ready (the
+    service's READY, `Agent.wait_ready`) only once they are active."""
+
+    def __init__(self, subscriptions: Sequence[tuple[str, int]], mqtt5: bool) -> None:
+        self._filters = list(subscriptions)
+        self._mqtt5 = mqtt5
+        self._mid: int | None = None
+        self.active = threading.Event()
+        if not self._filters:
+            self.active.set()
+
+    def subscribe(self, client: mqtt.Client) -> None:
+        """After a CONNACK (under the io lock): ask for them again."""
+        if not self._filters:
+            return
+        _, self._mid = client.subscribe(subscription_options(self._filters, self._mqtt5))
+
+    def acknowledged(
+        self,
+        client: mqtt.Client,
+        userdata: Any,
+        mid: int,
+        reasons: list[ReasonCode],
+        properties: Properties,
+    ) -> None:
+        """paho's `on_subscribe`: the SUBACK of `subscribe`'s packet. A filter the broker
+        refused (an ACL, say) is logged: requests on it will not arrive."""
+        if mid != self._mid:
+            return
+        for (topic, _), reason in zip(self._filters, reasons, strict=False):
+            if reason.is_failure:
+                log.error("mqtt: the broker refused the subscription to %s: %s", topic, reason)
+        self.active.set()
+
+    def lost(self) -> None:
+        """The connection ended: the next one subscribes again."""
+        if self._filters:
+            self.active.clear()

@@ -86,7 +86,7 @@ class Housekeeping:
                 self._outbox.writer.nudge()
             if self._reporter.notifier.enabled:
                 self._reporter.tick(
-                    ready=self._health.transport.connected.is_set(),
+                    ready=self._health.transport.subscribed.is_set(),
                     problem=self._health.problem(),
                     status=self._health.status(),
                 )
