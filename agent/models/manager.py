@@ -27,7 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from agent.config import ModelsConfig
-from agent.models.backends.base import BackendOptions, ModelLoadError, TensorSpec
+from agent.models.backends.base import (
+    BackendOptions,
+    ModelLoadError,
+    TensorSpec,
+    session_device_bytes,
+)
 from agent.models.engine_builds import EngineBuilds
 from agent.models.loading import open_version
 from agent.models.model_config import ModelConfig
@@ -200,12 +205,8 @@ class ModelManager:
         arrays; not the engine's own, nor ONNX Runtime's)."""
         with self._lock:
             loaded = [v for v in loaded_versions(self._models) if not v.closed]
-        held = {}
-        for version in loaded:
-            count = getattr(version.session, "device_bytes", None)
-            if isinstance(count, int):
-                held[(version.model, version.version)] = count
-        return held
+        counts = {(v.model, v.version): session_device_bytes(v.session) for v in loaded}
+        return {key: count for key, count in counts.items() if count is not None}
 
     # -- reconciling with the disk -----------------------------------------------------------
 

@@ -159,9 +159,8 @@ def _name_threads(observer: Any) -> None:
     for emitter in observer.emitters:
         name_thread(emitter, "model-watcher-emitter", "watcher-emitter")
     readers = [t for t in threading.enumerate() if type(t).__name__ in INOTIFY_READERS]
-    for thread in readers:
-        name_thread(thread, "model-watcher-inotify", "watcher-inotify")
     for reader in readers:
+        name_thread(reader, "model-watcher-inotify", "watcher-inotify")
         if hasattr(reader, "_dispatch_raw_buffers") and reader not in _PARSERS_NAMED:
             dispatcher = _await_thread(INOTIFY_DISPATCHER, DISPATCHER_WAIT_S)
             if dispatcher is not None:

@@ -330,11 +330,10 @@ class Agent:
         return self.hooks.epoch
 
     def wait_ready(self, timeout: float) -> bool:
-        """True once the broker is connected and has the agent's subscriptions, so that a
-        request published now arrives (models are loaded before `start` returns)."""
-        deadline = time.monotonic() + timeout
-        connected = self.transport.connected.wait(timeout)
-        return connected and self.transport.subscribed.wait(max(0.0, deadline - time.monotonic()))
+        """True once the broker is connected and has the agent's subscriptions (`subscribed`
+        is set by the SUBACK that follows a CONNACK), so that a request published now arrives
+        (models are loaded before `start` returns)."""
+        return self.transport.subscribed.wait(timeout)
 
     def run_forever(self, stop: threading.Event) -> None:
         self.start()

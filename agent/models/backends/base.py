@@ -196,6 +196,14 @@ def session_metadata(session: object) -> Mapping[str, Any] | None:
     return metadata if isinstance(metadata, Mapping) else None
 
 
+def session_device_bytes(session: object) -> int | None:
+    """GPU memory the session holds itself (its buffers, its kept outputs), or None where it
+    does not count it. Optional, as :func:`session_metadata`: the agent's TensorRT sessions
+    have ``device_bytes``; ONNX Runtime's do not report theirs."""
+    count = getattr(session, "device_bytes", None)
+    return count if isinstance(count, int) else None
+
+
 class Backend(Protocol):
     """Turns the files of one version folder into a :class:`Session`."""
 
