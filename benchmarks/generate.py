@@ -293,6 +293,11 @@ def met(result: GenerateResult) -> bool:
     return ok and (result.cuda is None or met(result.cuda))
 
 
+def headline(result: GenerateResult) -> str:
+    """The target figures in one cell (the report's table of hosts)."""
+    return f"tokens/s x{result.ratio:.2f}, first token +{result.ttft_over_ms:.2f} ms"
+
+
 def _us(rate: float) -> float:
     return 1e6 / rate if rate > 0 else float("nan")
 

@@ -341,6 +341,11 @@ def met(result: ImagesResult) -> bool:
     return result.ratio >= TARGET and result.errors == 0
 
 
+def headline(result: ImagesResult) -> str:
+    """The target figure in one cell (the report's table of hosts)."""
+    return f"x{result.ratio:.2f}"
+
+
 def _kb(n: int) -> str:
     return f"{n / 1e6:.2f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"
 

@@ -106,6 +106,11 @@ def met(result: OneStreamResult) -> bool:
     return all((result.ratio(int(q)) or 0.0) >= t for q, t in TARGETS.items())
 
 
+def headline(result: OneStreamResult) -> str:
+    """The target figures in one cell (the report's table of hosts)."""
+    return ", ".join(f"QoS {q}: x{r:.2f}" for q in (1, 0) if (r := result.ratio(q)) is not None)
+
+
 def to_json(result: OneStreamResult) -> dict[str, Any]:
     return asdict(result)
 

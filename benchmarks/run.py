@@ -40,12 +40,13 @@ sys.path.insert(0, str(REPO))
 
 from agent.client import AgentClient  # noqa: E402
 from agent.demo.broker import EmbeddedBroker  # noqa: E402
-from benchmarks import delivery, generate, hot_swap, one_stream, resend, scan, speed  # noqa: E402
+from benchmarks import by_host, delivery, generate, hot_swap, one_stream, resend, scan, speed  # noqa: E402
 from benchmarks import images as image_bench  # noqa: E402
 from benchmarks import sources as local_sources  # noqa: E402
 from benchmarks.harness import AgentProcess, machine, versions, wait_online  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
+BY_HOST = RESULTS / "by-host.json"  # the latest full run of each section on each host
 PLOT = "benchmarks-speed.png"
 HISTORY_DOC = "benchmarks-history.md"  # written beside the report
 WIDTH = 100  # prose lines of the reports
@@ -221,6 +222,7 @@ def save_result(name: str, data: dict[str, Any], quick: bool) -> None:
         "data": data,
     }
     (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
+    by_host.remember(BY_HOST, name, record)
 
 
 def _measured(record: dict[str, Any]) -> str:
@@ -279,10 +281,27 @@ def report_lines(results: dict[str, dict[str, Any]], docs: Path, plot: bool) -> 
         "otherwise), a private Mosquitto with `set_tcp_nodelay true`, loopback",
         "",
     ]
+    lines += by_host.lines(by_host.load(BY_HOST), list(SECTIONS), _record_met, headline)
     for name in SECTIONS:
         if name in results:
             lines += section_lines(name, results[name], docs, plot)
     return lines
+
+
+def headline(name: str, record: dict[str, Any]) -> str:
+    """Section `name`'s target figures of a saved run in one cell; "" where it has none."""
+    entry = SECTIONS[name]
+    if name == "speed":  # many targets: the ones missed
+        figures = speed.from_json(record["data"]).figures()
+        missed = [f"{k} {v:.2f}" for k, v in figures.items() if speed.meets(k, v) is False]
+        return "below target: " + ", ".join(missed) if missed else ""
+    if not isinstance(entry, ModuleType) or not hasattr(entry, "headline"):
+        return ""
+    return str(entry.headline(entry.from_json(record["data"])))
+
+
+def _record_met(name: str, record: dict[str, Any]) -> bool:
+    return met(name, record["data"])
 
 
 def write_report(out: Path, plot: bool = True) -> list[Path]:

@@ -259,6 +259,11 @@ def met(results: list[ScanResult]) -> bool:
     return all(r.ratio >= TARGET for r in results if r.windows_per_chunk == 1)
 
 
+def headline(results: list[ScanResult]) -> str:
+    """The target figures in one cell (the report's table of hosts)."""
+    return ", ".join(f"{r.path} x{r.ratio:.2f}" for r in results if r.windows_per_chunk == 1)
+
+
 def section(results: list[ScanResult]) -> list[str]:
     lines = [
         "## Scan: windows with carried state",

@@ -178,3 +178,47 @@ def test_image_bench_loop_by_hand_makes_what_the_agent_makes(tmp_path: Path) -> 
         np.testing.assert_array_equal(got[key], agent[key])
     template = images.request_template(image)
     assert template.count(images.MARKER.encode()) == 1  # what the load peer replaces
+
+
+def test_by_host_keeps_the_latest_full_run_of_each_host_and_reports_each(tmp_path: Path) -> None:
+    """A run replaces its host's earlier run of the section, not another host's; a quick run
+    is not kept; the report's table has a row per section and host with its verdict."""
+    from benchmarks import by_host
+
+    path = tmp_path / "by-host.json"
+
+    def record(cpu: str, ratio: float, date: str, quick: bool = False) -> dict[str, object]:
+        data = {
+            "results": [
+                {
+                    "windows_per_chunk": 1,
+                    "windows": 10,
+                    "bare_wps": 100.0,
+                    "agent_wps": 100.0 * ratio,
+                    "ratio": ratio,
+                }
+            ]
+        }
+        return {
+            "date": date,
+            "quick": quick,
+            "commit": "abc1234",
+            "machine": f"{cpu}, 2 cores, Linux 6",
+            "data": data,
+        }
+
+    by_host.remember(path, "scan", record("Host A", 0.5, "2026-01-01"))
+    by_host.remember(path, "scan", record("Host B", 0.95, "2026-01-02"))
+    by_host.remember(path, "scan", record("Host A", 0.6, "2026-01-03"))
+    by_host.remember(path, "scan", record("Host B", 0.1, "2026-01-04", quick=True))
+    runs = by_host.load(path)
+    assert {h: r["date"] for h, r in runs["scan"].items()} == {
+        "Host A": "2026-01-03",
+        "Host B": "2026-01-02",
+    }
+    lines = by_host.lines(runs, list(run.SECTIONS), run._record_met, run.headline)
+    rows = [line for line in lines if line.startswith("| `scan`")]
+    assert rows == [
+        "| `scan` | Host A | 2026-01-03, `abc1234` | source x0.60 | **missed** |",
+        "| `scan` | Host B | 2026-01-02, `abc1234` | source x0.95 | met |",
+    ]
