@@ -24,6 +24,7 @@ import numpy.typing as npt
 from agent.models.backends import cuda
 from agent.models.backends.base import InferenceError, TensorSpec
 from agent.models.backends.device_arrays import DeviceArray, DevicePool
+from agent.models.backends.tensorrt.profiles import Profiles
 from agent.models.backends.tensorrt.runtime import (
     SharedRuntime,
     TensorRTOptions,
@@ -72,15 +73,17 @@ class TensorRTSession:
         self._out = tuple(t for t in tensors if not t.is_input)
         self._inputs = tuple(t.spec() for t in self._in)
         self._outputs = tuple(t.spec() for t in self._out)
-        self._profiles = len(self._in[0].profiles)
-        version = tensorrt_version(self._trt)
-        # Before 8.6 a profile may be used by one live execution context at a time.
-        self._exclusive_profiles = version < (8, 6)
         self.version = str(getattr(self._trt, "__version__", "?"))
+        # Before 8.6 a profile may be used by one live execution context at a time.
+        self._profiles = Profiles(
+            self._in,
+            exclusive=tensorrt_version(self._trt) < (8, 6),
+            version=self.version,
+            failure=self._failure,
+        )
         self._lock = threading.Lock()
         self._workers: list[_Worker] = []  # every context of this session (strong refs)
         self._idle: list[_Worker] = []
-        self._claims: dict[int, _Worker] = {}  # profile -> worker (exclusive mode only)
         self._affinity = threading.local()  # weakref to the worker this thread used last
         self._active = 0
         self._closing = False
@@ -108,7 +111,7 @@ class TensorRTSession:
     @property
     def profiles(self) -> tuple[dict[str, ShapeRange], ...]:
         """(min, opt, max) of every input, per optimization profile."""
-        return tuple({t.name: t.profiles[p] for t in self._in} for p in range(self._profiles))
+        return self._profiles.ranges()
 
     @property
     def contexts(self) -> int:
@@ -250,7 +253,7 @@ class TensorRTSession:
         self, worker: _Worker, shapes: Mapping[str, Shape], stream: Any
     ) -> dict[str, Shape]:
         """Pick the profile, set every input shape, and read the output shapes TensorRT infers."""
-        self._select_profile(worker, shapes, stream)
+        self._profiles.select(worker, shapes, stream)
         for t in self._in:
             if not worker.context.set_input_shape(t.name, shapes[t.name]):
                 raise self._failure(f"input {t.name!r}: shape {list(shapes[t.name])} refused")
@@ -333,71 +336,6 @@ class TensorRTSession:
         reason = "; ".join(errors) if errors else "TensorRT logged no reason"
         return InferenceError(f"{what}: {reason}")
 
-    # -- optimization profiles --------------------------------------------------------------
-
-    def _admitting(self, shapes: Mapping[str, Shape]) -> list[int]:
-        def fits(profile: int) -> bool:
-            for t in self._in:
-                low, _, high = t.profiles[profile]
-                shape = shapes[t.name]
-                if any(not lo <= s <= hi for lo, s, hi in zip(low, shape, high, strict=True)):
-                    return False
-            return True
-
-        return [p for p in range(self._profiles) if fits(p)]
-
-    def _describe_profiles(self) -> str:
-        parts = []
-        for p in range(self._profiles):
-            ranges = ", ".join(
-                f"{t.name} {list(t.profiles[p][0])}..{list(t.profiles[p][2])}" for t in self._in
-            )
-            parts.append(f"profile {p}: {ranges}")
-        return "; ".join(parts)
-
-    def _select_profile(self, worker: _Worker, shapes: Mapping[str, Shape], stream: Any) -> None:
-        """Keep the context's profile when it admits the shapes, else switch to one that does."""
-        admitting = self._admitting(shapes)
-        if not admitting:
-            given = ", ".join(f"{n} {list(s)}" for n, s in shapes.items())
-            raise InferenceError(
-                f"input shapes ({given}) fit no optimization profile ({self._describe_profiles()})"
-            )
-        if worker.profile in admitting:
-            return
-        profile = self._claim(worker, admitting)
-        try:
-            switched = worker.context.set_optimization_profile_async(profile, stream.handle)
-        except RuntimeError as exc:
-            self._unclaim(worker, profile)
-            raise self._failure(f"optimization profile {profile}: {one_line(exc)}") from exc
-        if not switched:
-            self._unclaim(worker, profile)
-            raise self._failure(f"optimization profile {profile} refused")
-        if worker.profile is not None:
-            self._unclaim(worker, worker.profile)
-        worker.profile = profile
-
-    def _claim(self, worker: _Worker, admitting: Sequence[int]) -> int:
-        """The profile to use; before TensorRT 8.6 one that no other context holds."""
-        if not self._exclusive_profiles:
-            return admitting[0]
-        with self._lock:
-            for profile in admitting:
-                if self._claims.get(profile, worker) is worker:
-                    self._claims[profile] = worker
-                    return profile
-        raise InferenceError(
-            f"optimization profile(s) {list(admitting)} are held by other workers' contexts; "
-            f"TensorRT {self.version} lets one context use a profile at a time: build the "
-            "engine with one profile per worker"
-        )
-
-    def _unclaim(self, worker: _Worker, profile: int) -> None:
-        with self._lock:
-            if self._claims.get(profile) is worker:
-                del self._claims[profile]
-
     # -- contexts ---------------------------------------------------------------------------
 
     def _checkout(self) -> _Worker:
@@ -441,8 +379,7 @@ class TensorRTSession:
         with self._lock:
             if worker in self._workers:
                 self._workers.remove(worker)
-            for profile in [p for p, w in self._claims.items() if w is worker]:
-                del self._claims[profile]
+        self._profiles.forget(worker)
         worker.context = None
         worker.buffers.free_all()
 
@@ -475,7 +412,7 @@ class TensorRTSession:
                 return
             self._closed = True
             workers, self._workers, self._idle = self._workers, [], []
-            self._claims.clear()
+        self._profiles.clear()
         first: BaseException | None = None
         with self._device.activate():
             for worker in workers:
