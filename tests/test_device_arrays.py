@@ -76,3 +76,26 @@ def test_arrays_dropped_on_other_threads_come_back(fake_gpu: FakeGPU) -> None:
         with pytest.raises(cuda.CudaError, match="released"):
             pool.array((64,), F32)
     assert allocated(fake_gpu) == []
+
+
+def test_an_idle_pool_frees_its_spares_and_keeps_the_arrays_alive(fake_gpu: FakeGPU) -> None:
+    """`free_spares` (the session went idle): every allocation no live array holds is freed,
+    whatever its class; a live array (a paused generation's cache) keeps its memory."""
+    device = cuda.get_device()
+    pool = DevicePool(device)
+    with device.activate():
+        kept = pool.array((1, 100), F32)  # class 512
+        data = np.arange(100, dtype=np.float32).reshape(1, 100)
+        device.driver.memcpy_htod(kept.ptr, data)
+        dropped = [pool.array((1, 1000), F32), pool.array((1, 2000), F32)]  # 4096, 8192
+        del dropped
+        assert pool.spare_bytes == 4096 + 8192
+        assert pool.free_spares() == 4096 + 8192
+        assert allocated(fake_gpu) == [512] and pool.device_bytes == 512
+        assert pool.spare_bytes == 0 and pool.free_spares() == 0
+        np.testing.assert_array_equal(kept.numpy(), data)
+        again = pool.array((1, 1000), F32)  # made again when asked
+        assert allocated(fake_gpu) == [512, 4096]
+        del again
+        pool.free_all()
+    assert allocated(fake_gpu) == []

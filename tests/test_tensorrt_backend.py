@@ -816,6 +816,74 @@ def test_the_gpu_memory_of_each_loaded_engine_is_a_metric(
     assert mm.device_bytes() == {("conv", 1): eight}
 
 
+def test_an_idle_session_gives_its_buffers_back_and_runs_again(
+    fake_gpu: FakeGPU, mlp_plan: Path, wrap_execute: Callable[[Callable[..., Any]], None]
+) -> None:
+    """After `IDLE_RELEASE_S` without a run, a session frees its contexts' staging buffers
+    (device and page-locked); never under a run, never sooner; the next run makes them
+    again and answers as before."""
+    session = load(mlp_plan)
+    try:
+        x = RNG.standard_normal((8, 16)).astype(np.float32)
+        expected = session.run({"x": x})["y"]
+        held = session.device_bytes
+        pinned = fake_gpu.pinned_bytes
+        assert held and pinned
+        assert session.release_idle() == 0  # the last run ended just now
+        assert session.device_bytes == held and fake_gpu.pinned_bytes == pinned
+
+        inside, release = threading.Event(), threading.Event()
+
+        def hold(context: Any, handle: int) -> None:
+            inside.set()
+            release.wait(10)
+
+        wrap_execute(hold)
+        thread = threading.Thread(target=lambda: session.run({"x": x}))
+        thread.start()
+        assert inside.wait(10)
+        assert session.release_idle(idle_s=0) == 0  # a run is in flight: nothing is freed
+        release.set()
+        thread.join(10)
+
+        assert session.release_idle(idle_s=0) == held + pinned
+        assert session.device_bytes == 0 and fake_gpu.pinned_bytes == 0
+        assert fake_gpu.live("device") == []
+        assert session.release_idle(idle_s=0) == 0  # nothing left to give back
+        np.testing.assert_array_equal(session.run({"x": x})["y"], expected)
+        assert session.device_bytes == held and session.contexts == 1
+    finally:
+        session.close()
+    assert fake_gpu.pinned_bytes == 0
+
+
+def test_the_manager_has_idle_engines_give_their_buffers_back(
+    fake_gpu: FakeGPU,
+    tmp_path: Path,
+    manager: tuple[ModelManager, list[dict[str, Any]]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every sync of the repository (the watcher's rescan, every 30 s by default) asks the
+    loaded sessions to release what they keep while idle: the metric falls to 0."""
+    from agent.models.backends.tensorrt import session as trt_session
+
+    mm, _ = manager
+    model_dir = tmp_path / "repo" / "mlp"
+    model_dir.mkdir()
+    write_plan_version(mm, model_dir, 1, build(tmp_path, demo_models.mlp(), "src").read_bytes())
+    mm.sync()
+    with mm.lease("mlp") as lease:
+        lease.session.run({"x": np.zeros((8, 16), np.float32)})
+    held = mm.device_bytes()[("mlp", 1)]
+    mm.sync()
+    assert held and mm.device_bytes() == {("mlp", 1): held}  # not idle long enough
+    monkeypatch.setattr(trt_session, "IDLE_RELEASE_S", 0.0)
+    mm.sync()
+    assert mm.device_bytes() == {("mlp", 1): 0} and fake_gpu.pinned_bytes == 0
+    with mm.lease("mlp") as lease:
+        assert lease.session.run({"x": np.zeros((2, 16), np.float32)})["y"].shape == (2, 8)
+
+
 # --------------------------------------------------------------------------- ONNX Runtime on GPU
 
 

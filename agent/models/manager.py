@@ -31,6 +31,7 @@ from agent.models.backends.base import (
     BackendOptions,
     ModelLoadError,
     TensorSpec,
+    release_idle_memory,
     session_device_bytes,
 )
 from agent.models.engine_builds import EngineBuilds
@@ -231,7 +232,21 @@ class ModelManager:
                 self._sync_model(info)
             next_check = self._settling.finish_round()
             self._retirement.reap()
+            self._release_idle_memory()
             return next_check
+
+    def _release_idle_memory(self) -> None:
+        """Sessions idle for a while give back what they keep for runs to come (the agent's
+        TensorRT sessions: their buffers, after `IDLE_RELEASE_S` without a run)."""
+        with self._lock:
+            loaded = [v for v in loaded_versions(self._models) if not v.closed]
+        for version in loaded:
+            try:
+                release_idle_memory(version.session)
+            except Exception:  # a CUDA error: the version's next run reports it
+                log.exception(
+                    "%s v%d: releasing idle memory failed", version.model, version.version
+                )
 
     def recheck_s(self) -> float | None:
         """How soon the disk should be looked at again, file events or not: FAILED_RECHECK_S

@@ -204,6 +204,14 @@ def session_device_bytes(session: object) -> int | None:
     return count if isinstance(count, int) else None
 
 
+def release_idle_memory(session: object) -> int:
+    """Have a session that has been idle a while give back the memory it keeps for runs to
+    come; the bytes freed. Optional, as :func:`session_device_bytes`: the agent's TensorRT
+    sessions have ``release_idle`` (their staging buffers, after minutes without a run)."""
+    release = getattr(session, "release_idle", None)
+    return int(release()) if callable(release) else 0
+
+
 class Backend(Protocol):
     """Turns the files of one version folder into a :class:`Session`."""
 

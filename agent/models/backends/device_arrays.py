@@ -15,8 +15,8 @@ same size class (an eighth of a power of two, at most a quarter more than asked:
 that grows by one token a step reuses what the step before it left). After every run, `trim`
 frees the spare allocations of the classes no run asked for in the last `KEEP_RUNS` runs (a
 cache that grew into a larger class leaves its smaller ones behind), so what the pool holds
-follows what the running requests use; `free_all` frees the rest when the session is
-released.
+follows what the running requests use; `free_spares` frees every spare once the session is
+idle, and `free_all` frees the rest when the session is released.
 """
 
 from __future__ import annotations
@@ -126,6 +126,24 @@ class DevicePool:
         for allocation in freed:
             allocation.free()
 
+    def free_spares(self) -> int:
+        """Free every spare allocation (the session went idle: no run will reuse them soon);
+        the bytes freed. Arrays still alive keep theirs. Call with the context current."""
+        with self._lock:
+            self._collect()
+            spares = [a for allocations in self._free.values() for a in allocations]
+            self._free.clear()
+            freed = [self._held.pop(id(a)) for a in spares]
+        first: BaseException | None = None
+        for _, allocation in freed:
+            try:
+                allocation.free()
+            except Exception as exc:  # keep freeing the others
+                first = first or exc
+        if first is not None:
+            raise first
+        return sum(size for size, _ in freed)
+
     def give_back(self, size: int, allocation: Any) -> None:
         """A dropped array's memory (any thread; no CUDA call)."""
         if not self._closed:
@@ -142,6 +160,13 @@ class DevicePool:
     def device_bytes(self) -> int:
         with self._lock:
             return sum(size for size, _ in self._held.values())
+
+    @property
+    def spare_bytes(self) -> int:
+        """Of `device_bytes`, the allocations no live array holds (kept for reuse)."""
+        with self._lock:
+            self._collect()
+            return sum(size for size, allocations in self._free.items() for _ in allocations)
 
     def free_all(self) -> None:
         """Free every allocation, arrays still alive included (the session is gone). Call

@@ -1,11 +1,12 @@
-"""A deserialized TensorRT engine as a :class:`Session`: contexts, buffers, profiles, runs.
+"""A deserialized TensorRT engine as a :class:`Session`: contexts, buffers, runs.
 
 Execution contexts are created lazily, one per concurrent caller, and reused for the
 session's life; a thread keeps "its" context. Each has its own page-locked + device buffers,
 made and grown by the runs that need them (`agent.models.backends.cuda.BufferPool`): a
 context holds what its largest run of the last half minute or so used, at most the largest
 shape of every optimization profile, and nothing for a tensor read from or written to a
-kept :class:`DeviceArray`. The CUDA context is pushed
+kept :class:`DeviceArray`; after `IDLE_RELEASE_S` without a run, nothing (`release_idle`).
+Which optimization profile a context runs under is `.profiles`'. The CUDA context is pushed
 around every block that touches the GPU, and ``close()`` releases contexts, then the
 engine, then the buffers (deferred to the last running call at a drain timeout).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
@@ -34,6 +36,10 @@ from agent.models.backends.tensorrt.runtime import (
 from agent.models.backends.tensorrt.tensors import EngineTensor, Shape, ShapeRange, dims_of, volume
 
 __all__ = ["TensorRTSession"]
+
+# A session that ran nothing for this long gives back what it keeps for runs to come: its
+# contexts' staging buffers and its spare kept-output allocations (`release_idle`).
+IDLE_RELEASE_S = 300.0
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +92,7 @@ class TensorRTSession:
         self._idle: list[_Worker] = []
         self._affinity = threading.local()  # weakref to the worker this thread used last
         self._active = 0
+        self._last_run = time.monotonic()  # when the last run ended (or the session was made)
         self._closing = False
         self._closed = False
         self._kept = DevicePool(self._device)  # outputs kept on the device (`run_keeping`)
@@ -150,6 +157,26 @@ class TensorRTSession:
             raise InferenceError(f"TensorRT run failed: {one_line(exc)}") from exc
         finally:
             self._leave()
+
+    def release_idle(self, idle_s: float | None = None) -> int:
+        """When no run started or ended for `idle_s` (None: `IDLE_RELEASE_S`): free every
+        context's staging buffers (device and page-locked) and the spare allocations of kept
+        outputs; the next run makes what it needs again, and kept arrays still alive (a
+        paused generation's cache) stay. The bytes freed. Runs wait meanwhile: nothing is
+        freed under a run."""
+        idle_s = IDLE_RELEASE_S if idle_s is None else idle_s
+        with self._lock:
+            if self._closing or self._active or time.monotonic() - self._last_run < idle_s:
+                return 0
+            staged = sum(w.buffers.device_bytes + w.buffers.host_bytes for w in self._workers)
+            if not staged and not self._kept.spare_bytes:
+                return 0
+            with self._device.activate():
+                for worker in self._workers:  # none is running: `_active` is 0
+                    worker.buffers.free_all()
+                freed = staged + self._kept.free_spares()
+        log.info("%s: idle %.0f s, released %d bytes of GPU buffers", self, idle_s, freed)
+        return freed
 
     def close(self) -> None:
         """Release contexts, engine and buffers now, or when the last running call returns."""
@@ -394,6 +421,7 @@ class TensorRTSession:
     def _leave(self) -> None:
         with self._lock:
             self._active -= 1
+            self._last_run = time.monotonic()
             last = self._closing and self._active == 0 and not self._closed
         if last:
             try:
