@@ -35,25 +35,10 @@ if str(REPO) not in sys.path:
 from agent.demo.broker import EmbeddedBroker  # noqa: E402
 from benchmarks.harness import section_main  # noqa: E402
 from benchmarks.sources import StreamRecorder, threads  # noqa: E402
+from tests.silero_helpers import HOP, LEAD, RATE, SILERO, WINDOW, scan_config  # noqa: E402
 
 TARGET = 0.9
-SILERO = REPO / "tests" / "fixtures" / "real" / "silero_vad" / "model.onnx"
-RATE, WINDOW, HOP, LEAD = 16000, 576, 512, 64
 MODEL = "vad"
-CONFIG = f"""\
-[stream]
-mode = "scan"
-state = {{ state = "stateN" }}
-
-[scan]
-input = "input"
-window = {WINDOW}
-hop = {HOP}
-lead = {LEAD}
-
-[defaults]
-sr = {RATE}
-"""
 PER_CHUNK = (1, 16)  # windows a message: the target row, then what batching messages buys
 
 
@@ -112,7 +97,7 @@ def bare_wps(windows: list[np.ndarray]) -> float:
 def add_model(repository: Path) -> None:
     (repository / MODEL / "1").mkdir(parents=True, exist_ok=True)
     shutil.copy(SILERO, repository / MODEL / "1" / "model.onnx")
-    (repository / MODEL / "config.toml").write_text(CONFIG)
+    (repository / MODEL / "config.toml").write_text(scan_config())
 
 
 def run_agent(

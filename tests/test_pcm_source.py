@@ -26,6 +26,8 @@ from agent.service.agent import Agent
 from agent.sources.pcm import CarriedState
 from agent.sources.readers.pcm import RECORD_CHUNKS, PcmReader, PcmRecord, WindowPlan, to_float
 from tests.conftest import agent_config
+from tests.silero_helpers import HOP, LEAD, RATE, SILERO, WINDOW, scan_config
+from tests.silero_helpers import reference as silero_reference
 from tests.test_sources import (
     Subscriber,
     outputs,
@@ -37,23 +39,6 @@ from tests.test_sources import (
 __all__ = ["subscribe"]  # the fixture, used by name
 
 REPO = Path(__file__).resolve().parent.parent
-SILERO = REPO / "tests" / "fixtures" / "real" / "silero_vad" / "model.onnx"
-RATE = 16000
-WINDOW, HOP, LEAD = 576, 512, 64
-VAD_CONFIG = f"""\
-[stream]
-mode = "scan"
-state = {{ state = "stateN" }}
-
-[scan]
-input = "input"
-window = {WINDOW}
-hop = {HOP}
-lead = {LEAD}
-
-[defaults]
-sr = {RATE}
-"""
 
 
 @pytest.fixture(autouse=True)
@@ -80,22 +65,8 @@ def signal_s16() -> np.ndarray:
 
 
 def reference(samples: np.ndarray) -> list[np.ndarray]:
-    """silero's `output` per window: a plain ORT loop, `lead` zeros first, state carried,
-    the last partial window dropped."""
-    import onnxruntime as ort
-
-    session = ort.InferenceSession(str(SILERO), providers=["CPUExecutionProvider"])
-    padded = np.concatenate([np.zeros(LEAD, np.float32), samples.astype(np.float32)])
-    state = np.zeros((2, 1, 128), np.float32)
-    sr = np.array(RATE, dtype=np.int64)
-    found = []
-    k = 0
-    while k * HOP + WINDOW <= len(padded):
-        window = padded[None, k * HOP : k * HOP + WINDOW]
-        out, state = session.run(None, {"input": window, "state": state, "sr": sr})
-        found.append(out)
-        k += 1
-    return found
+    """silero's `output` per window of one recording, the last partial window dropped."""
+    return list(silero_reference(samples.astype(np.float32)[None]))
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +74,7 @@ def vad_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("pcm-models")
     (root / "vad" / "1").mkdir(parents=True)
     shutil.copy(SILERO, root / "vad" / "1" / "model.onnx")
-    (root / "vad" / "config.toml").write_text(VAD_CONFIG)
+    (root / "vad" / "config.toml").write_text(scan_config())
     (root / "mlp" / "1").mkdir(parents=True)
     demo_models.save(demo_models.mlp(), root / "mlp" / "1" / "model.onnx")
     return root

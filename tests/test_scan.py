@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import onnxruntime as ort
 import pytest
 
 from agent.client import AgentClient, AgentError
@@ -22,23 +20,8 @@ from agent.inference.scan_sessions import ScanSessions
 from agent.models.model_config import ModelConfigError, ScanConfig, parse_model_config
 from agent.protocol.errors import WireError
 from agent.service.agent import Agent
+from tests.silero_helpers import HOP, LEAD, RATE, SILERO, WINDOW, reference, scan_config
 
-SILERO = Path(__file__).resolve().parent / "fixtures" / "real" / "silero_vad" / "model.onnx"
-RATE = 16000
-WINDOW, HOP, LEAD = 576, 512, 64
-CONFIG = """
-[stream]
-mode = "scan"
-state = { state = "stateN" }
-[scan]
-input = "input"
-window = 576
-hop = 512
-lead = 64
-{scan_extra}
-[defaults]
-sr = 16000
-"""
 MODELS = {
     "vad": "",
     "vad_pad": 'tail = "pad"',
@@ -57,27 +40,6 @@ def make_signal(seed: int = 0, seconds: float = 3.0) -> npt.NDArray[np.float32]:
     return signal.astype(np.float32)
 
 
-def reference(signal: npt.NDArray[np.float32], *, pad: bool = False) -> npt.NDArray[np.float32]:
-    """A plain onnxruntime loop: window k = signal[k*512-64 : k*512+512] (zeros before 0),
-    state carried; one [batch, 1] output per window. `signal` is [batch, samples]."""
-    session = ort.InferenceSession(str(SILERO), providers=["CPUExecutionProvider"])
-    batch, length = signal.shape
-    padded = np.concatenate([np.zeros((batch, LEAD), np.float32), signal], axis=1)
-    count = (length - (WINDOW - LEAD)) // HOP + 1
-    if pad and length > (count - 1) * HOP - LEAD + WINDOW:
-        count += 1
-        padded = np.concatenate([padded, np.zeros((batch, WINDOW), np.float32)], axis=1)
-    state = np.zeros((2, batch, 128), np.float32)
-    outputs = []
-    for k in range(count):
-        window = np.ascontiguousarray(padded[:, k * HOP : k * HOP + WINDOW])
-        out, state = session.run(
-            None, {"input": window, "state": state, "sr": np.array(RATE, np.int64)}
-        )
-        outputs.append(out)
-    return np.stack(outputs)
-
-
 @pytest.fixture(scope="module")
 def scan_agent(
     broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory
@@ -88,7 +50,7 @@ def scan_agent(
     root = tmp / "models"
     for name, extra in MODELS.items():
         (root / name / "1").mkdir(parents=True)
-        (root / name / "config.toml").write_text(CONFIG.replace("{scan_extra}", extra))
+        (root / name / "config.toml").write_text(scan_config(extra))
         shutil.copy(SILERO, root / name / "1" / "model.onnx")
     yield from serve_agent(broker, agent_config(tmp, broker, root), 20)
 
@@ -325,7 +287,7 @@ def test_scan_config_errors(text: str, message: str) -> None:
 
 
 def test_scan_config_with_state() -> None:
-    config = parse_model_config(CONFIG.replace("{scan_extra}", ""), "config.toml")
+    config = parse_model_config(scan_config(), "config.toml")
     assert config.stream.mode == "scan" and config.stream.state == {"state": "stateN"}
     assert config.scan == ScanConfig(input="input", window=576, hop=512, lead=64)
     assert config.defaults == {"sr": 16000}
