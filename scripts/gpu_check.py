@@ -434,7 +434,7 @@ class GpuCheck:
         detail = f"{bound} cache outputs kept on the device, {ms:.2f} ms a token"
         return ("PASS" if ok else "FAIL"), detail + ("" if ok else f", tokens {tokens}"), {}
 
-    def trt_generate(self) -> tuple[str, str, dict[str, Any]]:
+    def trt_generate(self, **tensorrt: Any) -> tuple[str, str, dict[str, Any]]:
         """The generate fixture built into an engine by the agent's builder and run by its
         own TensorRT session: the cache kept in the session's device arrays, greedy tokens
         equal to Hugging Face's, ms a token."""
@@ -451,7 +451,7 @@ class GpuCheck:
             folder.parent,
             BuildOptions(cache_dir=self.cache, device=self.args.device),
         )
-        session = TensorRTBackend().load(plan, BackendOptions())
+        session = TensorRTBackend().load(plan, BackendOptions(extra={"tensorrt": tensorrt}))
         try:
             setup, tokens, ms = _greedy_tokens(session, folder, case["prompt"])
             kept = session.device_bytes
@@ -476,6 +476,11 @@ class GpuCheck:
         for name in MODELS:
             r.run(f"compare {name} (FP32)", lambda n=name: self.compare(n))
         r.run("compare mlp (zero-copy)", lambda: self.compare("mlp", zero_copy=True))
+        for name in MODELS:  # decision 0038: the agent gives each run its activation memory
+            r.run(
+                f"compare {name} (activation memory by run)",
+                lambda n=name: self.compare(n, activation_memory="by_run"),
+            )
         r.run("concurrent threads", self.threads)
         r.run(f"{self.args.swaps} engine swaps", self.swaps)
         r.run("latency", self.latency)
@@ -483,6 +488,10 @@ class GpuCheck:
         r.run("ONNX Runtime GPU providers", self.ort_gpu)
         r.run("ONNX Runtime generate, cache on the device", self.ort_generate)
         r.run("TensorRT generate, cache in the session's device arrays", self.trt_generate)
+        r.run(
+            "TensorRT generate, activation memory by run",
+            lambda: self.trt_generate(activation_memory="by_run"),
+        )
 
 
 def _greedy_tokens(session: Any, folder: Path, prompt: str) -> tuple[Any, list[int], float]:

@@ -397,6 +397,8 @@ def test_gpu_check_script_runs_on_the_fakes(
     checks = {c["name"]: c["status"] for c in json.loads(results.read_text())["checks"]}
     assert checks["compare mlp (FP32)"] == "PASS" and checks["4 engine swaps"] == "PASS"
     assert checks["TensorRT generate, cache in the session's device arrays"] == "PASS"
+    assert checks["compare mlp (activation memory by run)"] == "PASS"
+    assert checks["TensorRT generate, activation memory by run"] == "PASS"
     assert "FAIL" not in checks.values()
     assert fake_gpu.device_bytes == 0
 

@@ -149,7 +149,7 @@ class ModelsConfig(_Section):
     # Backend-specific settings for every model (a model's config.toml may override them):
     # gpu = {engine_cache_path, timing_cache, fp16, workspace_bytes, device_id} for ONNX
     # Runtime's TensorRT/CUDA providers, provider_options = {Provider = {key = value}},
-    # tensorrt = {device, zero_copy} for serialized engines.
+    # tensorrt = {device, zero_copy, activation_memory, build} for serialized engines.
     backend_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
     # Hot swap: how new versions are noticed and when their files count as complete.
     watch: Literal["auto", "inotify", "poll", "off"] = "auto"

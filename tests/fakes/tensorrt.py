@@ -16,7 +16,15 @@ NvInferRuntime.h comments of 8.5.3, 8.6.1 and 10.3.0), where the agent depends o
 * a context keeps its engine alive, an engine its runtime (pybind ``keep_alive``); objects
   are destroyed when the last reference goes, and the fake records whether a CUDA context
   was current at that moment;
-* one global logger: a second, different logger is ignored with TensorRT's warning.
+* one global logger: a second, different logger is ignored with TensorRT's warning;
+* activation memory: a context made by ``create_execution_context()`` (``STATIC``) holds the
+  engine's ``device_memory_size``; one made with ``USER_MANAGED`` (10.x) or by
+  ``create_execution_context_without_device_memory()`` (deprecated in 10.0) holds none and
+  refuses to enqueue until ``device_memory`` (write-only) or ``set_device_memory(ptr, size)``
+  (10.1+) gives it some; ``update_device_memory_size_for_shapes()`` (10.0+) returns the
+  current profile's size (what TensorRT returns unless the engine was built with the
+  ``RUNTIME_ACTIVATION_RESIZE_10_10`` preview feature) and 0 before every input shape is
+  set. A run scribbles over its activation memory, so memory shared with a tensor shows.
 
 The "plan" is a small header (TensorRT version, GPU, I/O, profiles, flags) plus the ONNX
 model; the engine computes with ONNX Runtime on the CPU, so outputs can be compared.
@@ -44,7 +52,16 @@ __version__ = "10.3.0"  # set by tests.fakes.install()
 
 MAGIC = b"FTRT"
 TIMING_MAGIC = b"FTRTTC1\n"
-ACTIVATION_BYTES = 256 * 1024
+ACTIVATION_BYTES = 64 * 1024  # a profile's activation memory: this, plus ACTIVATION_PER_BYTE
+ACTIVATION_PER_BYTE = 64  # times the bytes of its largest inputs
+
+
+class ExecutionContextAllocationStrategy(enum.IntEnum):
+    """10.0+ (reached through the module's ``__getattr__``)."""
+
+    STATIC = 0
+    ON_PROFILE_CHANGE = 1
+    USER_MANAGED = 2
 
 
 def _version() -> tuple[int, int]:
@@ -408,7 +425,19 @@ class ICudaEngine:
 
     @property
     def device_memory_size(self) -> int:
-        return ACTIVATION_BYTES
+        """The largest activation memory of any profile."""
+        return max(self._profile_memory(p) for p in range(self.num_optimization_profiles))
+
+    def _profile_memory(self, profile: int) -> int:
+        """Activation memory of `profile` (fake only): grows with its largest inputs."""
+        total = 0
+        for t in self._io:
+            if t["input"]:
+                ranges = self._profiles[profile].get(t["name"]) if self._profiles else None
+                shape = ranges[2] if ranges is not None else t["shape"]
+                volume = int(np.prod([max(d, 1) for d in shape], dtype=np.int64))
+                total += volume * np.dtype(_NP[DataType[t["dtype"]]]).itemsize
+        return ACTIVATION_BYTES + ACTIVATION_PER_BYTE * total
 
     @property
     def num_layers(self) -> int:
@@ -473,16 +502,40 @@ class ICudaEngine:
     def serialize(self) -> IHostMemory:
         return IHostMemory(self._plan)
 
-    def create_execution_context(self, strategy: Any = None) -> IExecutionContext | None:
+    def create_execution_context(self, *args: Any, **kwargs: Any) -> IExecutionContext | None:
+        """8.x: no arguments; 10.x: ``strategy`` (default ``STATIC``)."""
+        strategies = _ExecutionContextAllocationStrategy
+        if _version() < (10, 0):
+            if args or kwargs:
+                raise TypeError("create_execution_context(): incompatible function arguments")
+            strategy = strategies.STATIC
+        else:
+            (strategy,) = args or (kwargs.pop("strategy", strategies.STATIC),)
+            if kwargs or not isinstance(strategy, strategies):
+                raise TypeError("create_execution_context(): incompatible function arguments")
+        return self._new_context(strategy != strategies.USER_MANAGED)
+
+    def create_execution_context_without_device_memory(self) -> IExecutionContext | None:
+        if _version() >= (10, 0):
+            warnings.warn(
+                "create_execution_context_without_device_memory is deprecated, use "
+                "create_execution_context instead",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        return self._new_context(False)
+
+    def _new_context(self, with_memory: bool) -> IExecutionContext | None:
         gpu = _gpu.current()
-        try:
-            region = gpu.allocate(ACTIVATION_BYTES, "trt-context", self.name)
-        except _gpu.Error:
-            _error(1, "Cuda Runtime", "executionContext.cpp::ExecutionContext", "out of memory")
-            return None
-        context = IExecutionContext(self)
-        weakref.finalize(context, _destroyed, gpu, region.address, "trt_context_destroyed")
-        gpu.record("trt_context_created")
+        context = IExecutionContext(self, user_managed=not with_memory)
+        if with_memory:
+            try:
+                region = gpu.allocate(self.device_memory_size, "trt-context", self.name)
+            except _gpu.Error:
+                _error(1, "Cuda Runtime", "executionContext.cpp::ExecutionContext", "out of memory")
+                return None
+            weakref.finalize(context, _destroyed, gpu, region.address, "trt_context_destroyed")
+        gpu.record("trt_context_created", user_managed=not with_memory)
         with self._lock:
             self._contexts.add(context)
         return context
@@ -531,9 +584,11 @@ class ICudaEngine:
 
 
 class IExecutionContext:
-    def __init__(self, engine: ICudaEngine) -> None:
+    def __init__(self, engine: ICudaEngine, *, user_managed: bool = False) -> None:
         self._engine = engine  # keep_alive<0, 1>: the context keeps its engine
         self.name = ""
+        self._user_managed = user_managed  # its activation memory is the application's
+        self._memory: tuple[int, int | None] | None = None  # (address, size if given)
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._addresses: dict[str, int] = {}
         # 9.0+: every new context starts on profile 0. Before: profile 0 only if no other
@@ -544,11 +599,57 @@ class IExecutionContext:
             self._profile = None
 
     def __getattr__(self, name: str) -> Any:
+        if name == "update_device_memory_size_for_shapes" and _version() >= (10, 0):
+            return self._update_device_memory_size_for_shapes
+        if name == "set_device_memory" and _version() >= (10, 1):
+            return self._set_device_memory
         return _binding_api(self, name, _BINDING_API_CONTEXT)
 
     @property
     def engine(self) -> ICudaEngine:
         return self._engine
+
+    # -- activation memory --------------------------------------------------------------
+
+    def _set_memory(self, memory: int) -> None:
+        self._memory = (int(memory), None)
+        _gpu.current().record("device_memory_set", size=None)
+
+    device_memory = property(None, _set_memory)  # pybind def_property(nullptr, setter)
+
+    def _set_device_memory(self, memory: int, size: int) -> None:
+        self._memory = (int(memory), int(size))
+        _gpu.current().record("device_memory_set", size=int(size))
+
+    def _update_device_memory_size_for_shapes(self) -> int:
+        if self._profile is None or self._unspecified():
+            _error(
+                3,
+                "API Usage Error",
+                "executionContext.cpp::updateDeviceMemorySizeForShapes",
+                "all input shapes and the optimization profile must be set first",
+            )
+            return 0
+        return self._engine._profile_memory(self._profile)
+
+    def _activation_memory(self, where: str) -> tuple[int, int] | None:
+        """(address, bytes) of the memory a run may use; None (logged) when it has none."""
+        assert self._profile is not None
+        needed = self._engine._profile_memory(self._profile)
+        if self._memory is None:
+            _error(
+                3,
+                "API Usage Error",
+                where,
+                "Parameter check failed, condition: mDeviceMemory != nullptr. The execution "
+                "context was created without device memory: set it before enqueue",
+            )
+            return None
+        address, size = self._memory
+        if size is not None and size < needed:
+            _error(3, "API Usage Error", where, f"device memory of {size} bytes < {needed} needed")
+            return None
+        return address, needed
 
     @property
     def active_optimization_profile(self) -> int:
@@ -747,6 +848,20 @@ class IExecutionContext:
                 )
                 return False
             plan.append((t["name"], t["input"], dtype, shape, nbytes, address))
+        scratch = self._activation_memory(where) if self._user_managed else None
+        if self._user_managed:
+            if scratch is None:
+                return False
+            try:
+                gpu.view(*scratch)
+            except _gpu.Error:
+                _error(
+                    1,
+                    "Cuda Runtime",
+                    "checkMacros.cpp::catchCudaError",
+                    "an illegal memory access was encountered (activation memory)",
+                )
+                return False
 
         def run() -> None:
             arrays = {
@@ -754,6 +869,8 @@ class IExecutionContext:
                 for name, is_input, dtype, shape, nbytes, address in plan
                 if is_input
             }
+            if scratch is not None:  # the activations are written while the inputs are read
+                gpu.view(*scratch)[...] = 0xA5
             outputs = engine._compute(arrays)
             for name, is_input, _, _, nbytes, address in plan:
                 if not is_input:
@@ -1342,8 +1459,12 @@ def __getattr__(name: str) -> Any:
     """Module attributes that exist only in some versions (PEP 562)."""
     if name == "IProgressMonitor" and _version() >= (10, 0):
         return _IProgressMonitor
+    if name == "ExecutionContextAllocationStrategy" and _version() >= (10, 0):
+        return _ExecutionContextAllocationStrategy
     raise AttributeError(f"module 'tensorrt' has no attribute '{name}'")
 
 
 _IProgressMonitor = IProgressMonitor
 del IProgressMonitor  # reachable only through the version-aware module __getattr__
+_ExecutionContextAllocationStrategy = ExecutionContextAllocationStrategy
+del ExecutionContextAllocationStrategy

@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -110,26 +110,33 @@ class HostDeviceBuffer:
     where host and device share the same DRAM, that saves the copies; whether it is faster
     depends on the access pattern (mapped memory is uncached for the GPU), so it is an
     option to measure, not the default.
+
+    Without ``host`` there is no host half at all: device memory only the GPU touches (an
+    execution context's activations, decision 0038), never mapped.
     """
 
-    def __init__(self, driver: Any, nbytes: int, *, mapped: bool) -> None:
+    def __init__(self, driver: Any, nbytes: int, *, mapped: bool, host: bool = True) -> None:
         self.nbytes = _aligned(nbytes)
-        self.mapped = mapped
+        self.mapped = mapped and host
         self._driver = driver
-        flags = driver.host_alloc_flags.DEVICEMAP if mapped else 0
-        self.host: npt.NDArray[np.uint8] = driver.pagelocked_empty(
-            self.nbytes, np.uint8, mem_flags=flags
+        flags = driver.host_alloc_flags.DEVICEMAP if self.mapped else 0
+        self.host: npt.NDArray[np.uint8] = (
+            driver.pagelocked_empty(self.nbytes, np.uint8, mem_flags=flags)
+            if host
+            else np.empty(0, np.uint8)
         )
-        self._host_allocation: Any = self.host.base  # pycuda's HostAllocation: free() it
+        # pycuda's HostAllocation (free() it); None: no host half
+        self._host_allocation: Any = cast(Any, self.host.base if host else None)
         self._device: Any = None
         try:
-            if mapped:
+            if self.mapped:
                 self.device_ptr = int(self._host_allocation.get_device_pointer())
             else:
                 self._device = driver.mem_alloc(self.nbytes)
                 self.device_ptr = int(self._device)
         except BaseException:
-            self._host_allocation.free()
+            if self._host_allocation is not None:
+                self._host_allocation.free()
             raise
         self._freed = False
 
@@ -140,7 +147,7 @@ class HostDeviceBuffer:
 
     @property
     def host_bytes(self) -> int:
-        return 0 if self._freed else self.nbytes
+        return 0 if self._freed or self._host_allocation is None else self.nbytes
 
     def upload(self, array: npt.NDArray[Any], stream: Any) -> None:
         """Stage ``array`` in page-locked memory and enqueue the copy to the device.
@@ -183,7 +190,8 @@ class HostDeviceBuffer:
                 self._device.free()
         finally:
             self._device = None
-            self._host_allocation.free()
+            if self._host_allocation is not None:
+                self._host_allocation.free()
 
 
 # A context's buffer more than twice what any of its runs of the last TRIM_AFTER_S asked is
@@ -216,9 +224,10 @@ class BufferPool:
         self._asked: dict[str, int] = {}  # the most each tensor's runs asked since `_since`
         self._since = clock()
 
-    def fit(self, name: str, nbytes: int, limit: int) -> HostDeviceBuffer:
+    def fit(self, name: str, nbytes: int, limit: int, *, host: bool = True) -> HostDeviceBuffer:
         """`name`'s buffer, holding at least `nbytes` (made or grown now: call with the
-        context current, and with no work in flight on the buffer it replaces)."""
+        context current, and with no work in flight on the buffer it replaces); `host`: with
+        a page-locked half (a name's buffers are always of one kind)."""
         self._asked[name] = max(self._asked.get(name, 0), nbytes)
         buffer = self._buffers.get(name)
         if buffer is not None and buffer.nbytes >= nbytes:
@@ -227,7 +236,7 @@ class BufferPool:
             del self._buffers[name]
             buffer.free()
         size = min(size_class(nbytes), max(_aligned(limit), _aligned(nbytes)))
-        buffer = HostDeviceBuffer(self._driver, size, mapped=self.mapped)
+        buffer = HostDeviceBuffer(self._driver, size, mapped=self.mapped, host=host)
         self._buffers[name] = buffer
         return buffer
 

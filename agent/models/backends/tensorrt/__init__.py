@@ -27,7 +27,8 @@ without them gets a :class:`ModelLoadError` with the install hint, not an import
 
 Modules: :mod:`.runtime` (the import, the logger, the runtime, the options, ``shutdown``),
 :mod:`.tensors` (the engine's I/O as TensorRT describes it), :mod:`.profiles` (which
-optimization profile a context runs under), :mod:`.session` (contexts, buffers, one run),
+optimization profile a context runs under), :mod:`.activations` (a context's activation
+memory where the agent gives it), :mod:`.session` (contexts, buffers, one run),
 :mod:`.backend` (reading, deserializing and probing a plan).
 The service looks this package up by name (``agent.models.backends.tensorrt``) to call
 :func:`shutdown` last, and the backend registry imports it only when a plan is loaded.

@@ -44,16 +44,24 @@ _ERRORS_KEPT = 8
 # --------------------------------------------------------------------------- options
 
 
+ACTIVATION_MEMORY = ("static", "by_run")  # `activation_memory`: who gives a context its own
+
+
 @dataclass(frozen=True)
 class TensorRTOptions:
     """The keys this backend reads from ``BackendOptions.extra["tensorrt"]``.
 
     ``device``: CUDA device ordinal (one per process). ``zero_copy``: mapped host buffers
     instead of device buffers plus copies (for Jetson's shared memory; measure first).
+    ``activation_memory``: ``"static"``, TensorRT gives each execution context the memory
+    of the engine's largest profile when it is made, for its life; ``"by_run"``, the agent
+    gives each run what its profile (its shapes, for an engine built to allow it) needs,
+    kept and freed as the staging buffers are (decision 0038).
     """
 
     device: int = 0
     zero_copy: bool = False
+    activation_memory: str = "static"
 
     @staticmethod
     def table(extra: Mapping[str, object]) -> Mapping[str, Any]:
@@ -68,11 +76,11 @@ class TensorRTOptions:
         """Validate at once, with the key named: a typo must not silently mean "default"."""
         raw = cls.table(extra)
         # `build`: how the agent builds an engine from ONNX (agent.models.engine_builds)
-        unknown = sorted(set(raw) - {"device", "zero_copy", "build"})
+        unknown = sorted(set(raw) - {"device", "zero_copy", "activation_memory", "build"})
         if unknown:
             raise ModelLoadError(
                 f"unknown tensorrt option(s) {', '.join(map(str, unknown))} "
-                "(known: device, zero_copy, build)"
+                "(known: device, zero_copy, activation_memory, build)"
             )
         device = raw.get("device", 0)
         if isinstance(device, bool) or not isinstance(device, int) or device < 0:
@@ -80,7 +88,13 @@ class TensorRTOptions:
         zero_copy = raw.get("zero_copy", False)
         if not isinstance(zero_copy, bool):
             raise ModelLoadError(f"tensorrt.zero_copy must be true or false, got {zero_copy!r}")
-        return cls(device=device, zero_copy=zero_copy)
+        activation_memory = raw.get("activation_memory", "static")
+        if activation_memory not in ACTIVATION_MEMORY:
+            raise ModelLoadError(
+                "tensorrt.activation_memory must be one of "
+                f"{', '.join(map(repr, ACTIVATION_MEMORY))}, got {activation_memory!r}"
+            )
+        return cls(device=device, zero_copy=zero_copy, activation_memory=str(activation_memory))
 
 
 # --------------------------------------------------------------------------- process-wide

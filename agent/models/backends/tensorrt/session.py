@@ -26,6 +26,7 @@ import numpy.typing as npt
 from agent.models.backends import cuda
 from agent.models.backends.base import InferenceError, TensorSpec
 from agent.models.backends.device_arrays import DeviceArray, DevicePool
+from agent.models.backends.tensorrt import activations
 from agent.models.backends.tensorrt.profiles import Profiles
 from agent.models.backends.tensorrt.runtime import (
     SharedRuntime,
@@ -96,6 +97,9 @@ class TensorRTSession:
         self._closing = False
         self._closed = False
         self._kept = DevicePool(self._device)  # outputs kept on the device (`run_keeping`)
+        # Activation memory given by each run (`.activations`), at most this much; 0: static.
+        by_run = options.activation_memory == "by_run"
+        self._activations_max = activations.engine_bytes(engine) if by_run else 0
 
     # -- the Session protocol ---------------------------------------------------------------
 
@@ -355,7 +359,22 @@ class TensorRTSession:
                 raise InferenceError(
                     f"no device memory for {kind} {t.name!r} ({nbytes} bytes): {one_line(exc)}"
                 ) from exc
+        if self._activations_max:
+            self._place_activations(worker)
         return addresses, kept
+
+    def _place_activations(self, worker: _Worker) -> None:
+        """The context's activation memory for this run (`.activations`), grown first."""
+        nbytes = activations.run_bytes(worker, self._engine)
+        try:
+            buffer = worker.buffers.fit(
+                activations.ACTIVATIONS, nbytes, self._activations_max, host=False
+            )
+        except Exception as exc:
+            raise InferenceError(
+                f"no device memory for the engine's activations ({nbytes} bytes): {one_line(exc)}"
+            ) from exc
+        activations.give(worker, buffer)
 
     def _failure(self, what: str) -> InferenceError:
         """An InferenceError carrying what TensorRT logged on this thread about it."""
@@ -390,7 +409,9 @@ class TensorRTSession:
     def _new_worker(self) -> _Worker:
         """An execution context, its buffers made by its runs (the context is current: see
         run)."""
-        context = self._engine.create_execution_context()
+        context = activations.new_context(
+            self._trt, self._engine, by_run=bool(self._activations_max)
+        )
         if context is None:
             raise self._failure("cannot create an execution context")
         log.debug(
