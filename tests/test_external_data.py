@@ -1,5 +1,5 @@
 """External tensor data: only files inside the version folder are read, whatever ONNX Runtime's
-own checks are (agent.models.backends.onnxruntime.external_data_problem)."""
+own checks are (agent.models.backends.external_data.external_data_problem)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from agent.models.backends.base import BackendOptions, ModelLoadError
-from agent.models.backends.onnxruntime import OnnxRuntimeBackend, external_data_problem
+from agent.models.backends.external_data import external_data_problem
+from agent.models.backends.onnxruntime import OnnxRuntimeBackend
 
 CPU = BackendOptions(providers=("CPUExecutionProvider",), intra_op_threads=1)
 WEIGHTS = np.arange(4, dtype=np.float32).reshape(1, 4)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.models.backends import cuda
-from agent.models.backends.onnxruntime import external_data_problem
+from agent.models.backends.external_data import external_data_problem
 from agent.models.backends.tensorrt import process_logger, tensorrt_version
 from agent.models.engine_builder.decoder_profile import (
     decoder_context,
