@@ -7,6 +7,7 @@ TensorRT-only install) imports without it.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+# One run in this long gives the CPU memory arena's free chunks back to the system at its end
+# (ONNX Runtime's `memory.enable_memory_arena_shrinkage`, decision 0039): what one large
+# request grew the arena to goes within this long of the traffic that follows it.
+SHRINK_EVERY_S = 30.0
+SHRINK_KEY = "memory.enable_memory_arena_shrinkage"
+
 CPU_PROVIDER = "CPUExecutionProvider"
 
 # ONNX Runtime's type strings for the tensor types the wire format can carry.
@@ -44,6 +51,19 @@ ORT_DTYPES: dict[str, np.dtype[Any]] = {
     f"tensor({name})": dtype for name, dtype in ONNX_ELEMENT_DTYPES.items()
 }
 _OBJECT = np.dtype(object)
+
+
+def _shrink_options() -> Any:
+    """Run options asking ONNX Runtime to free the CPU arena's unused chunks at the end of
+    the run; None where this onnxruntime cannot make them."""
+    try:
+        import onnxruntime as ort
+
+        options = ort.RunOptions()
+        options.add_run_config_entry(SHRINK_KEY, "cpu:0")
+    except Exception:  # an onnxruntime without RunOptions config entries
+        return None
+    return options
 
 
 def _one_line(exc: BaseException) -> str:
@@ -201,6 +221,8 @@ class OnnxSession:
         self._output_list = list(self._output_names)
         self._providers = tuple(str(p) for p in session.get_providers())
         self._device = _device_of(session, self._providers)
+        self._shrink: Any = _shrink_options()  # None: this session's runs never shrink
+        self._next_shrink = time.monotonic() + SHRINK_EVERY_S
 
     @property
     def inputs(self) -> Sequence[TensorSpec]:
@@ -229,10 +251,41 @@ class OnnxSession:
         session = self._session  # one read: a concurrent close() cannot pull it out mid-run
         if session is None:
             raise InferenceError("session closed")
+        shrink = self._shrink_now()
+        try:
+            values = session.run(self._output_list, dict(inputs), shrink)
+        except Exception as exc:
+            if shrink is None:
+                raise InferenceError(_one_line(exc)) from exc
+            return self._run_unshrunk(session, inputs, exc)
+        return dict(zip(self._output_names, values, strict=True))
+
+    def _shrink_now(self) -> Any:
+        """The run options that shrink the arena, once every `SHRINK_EVERY_S`; else None.
+        (Two threads may both take them at the deadline: one more shrink, no harm.)"""
+        if self._shrink is None:
+            return None
+        now = time.monotonic()
+        if now < self._next_shrink:
+            return None
+        self._next_shrink = now + SHRINK_EVERY_S
+        return self._shrink
+
+    def _run_unshrunk(
+        self, session: Any, inputs: Mapping[str, npt.NDArray[Any]], failure: Exception
+    ) -> dict[str, npt.NDArray[Any]]:
+        """A run with the shrink failed: again without it. Where that one runs, the shrink
+        was the cause (an ONNX Runtime without a CPU arena): this session stops asking."""
         try:
             values = session.run(self._output_list, dict(inputs))
         except Exception as exc:
             raise InferenceError(_one_line(exc)) from exc
+        self._shrink = None
+        log.warning(
+            "%s: ONNX Runtime refused to shrink its memory arena (%s); not asked again",
+            self.model_file,
+            _one_line(failure),
+        )
         return dict(zip(self._output_names, values, strict=True))
 
     @property

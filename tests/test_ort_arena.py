@@ -1,0 +1,86 @@
+"""ONNX Runtime's CPU memory arena given back after a large request (decision 0039): one run
+in every `SHRINK_EVERY_S` asks ONNX Runtime to free the arena's unused chunks at its end.
+
+Real ONNX Runtime, a real exported model (the Paddle OCR detector fixture, whose activations
+grow with the image), the process's resident memory from /proc.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agent.models.backends import onnxruntime as ort_backend
+from agent.models.backends.base import BackendOptions, InferenceError
+from agent.models.backends.onnxruntime import OnnxRuntimeBackend, OnnxSession
+
+DETECTOR = Path(__file__).resolve().parent / "fixtures" / "real" / "ocr_det" / "model.onnx"
+SMALL = {"x": np.zeros((1, 3, 64, 64), np.float32)}
+MIB = 1024 * 1024
+
+
+def rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def grown_then_after(session: OnnxSession) -> tuple[int, int]:
+    """Resident bytes a large request added, and what is left of them after a small one."""
+    session.run(SMALL)
+    before = rss()
+    session.run({"x": np.zeros((4, 3, 960, 960), np.float32)})
+    grown = rss() - before
+    session.run(SMALL)
+    return grown, rss() - before
+
+
+def test_a_large_requests_memory_goes_back_after_the_next_shrinking_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without a shrink the arena keeps what the large request grew it to; with one (every
+    run here: SHRINK_EVERY_S = 0) the small run after it gives it back."""
+    monkeypatch.setattr(ort_backend, "SHRINK_EVERY_S", 3600.0)
+    kept = OnnxRuntimeBackend().load(DETECTOR, BackendOptions(intra_op_threads=1))
+    grown, left = grown_then_after(kept)
+    assert grown > 32 * MIB and left > 0.75 * grown, (grown, left)
+    kept.close()
+    del kept
+
+    monkeypatch.setattr(ort_backend, "SHRINK_EVERY_S", 0.0)
+    shrinking = OnnxRuntimeBackend().load(DETECTOR, BackendOptions(intra_op_threads=1))
+    try:
+        grown, left = grown_then_after(shrinking)
+        assert grown > 32 * MIB and left < 0.25 * grown, (grown, left)
+    finally:
+        shrinking.close()
+
+
+def test_an_onnxruntime_that_refuses_the_shrink_is_not_asked_again(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The shrink names an arena ONNX Runtime does not have (here `gpu:0` on the CPU): the run
+    is made again without it and answers, one warning is logged, and later runs do not ask.
+    A run that fails for its own reason still fails, once asked with and once without."""
+    import onnxruntime as ort
+
+    monkeypatch.setattr(ort_backend, "SHRINK_EVERY_S", 0.0)
+    session = OnnxRuntimeBackend().load(DETECTOR, BackendOptions(intra_op_threads=1))
+    try:
+        refused = ort.RunOptions()
+        refused.add_run_config_entry(ort_backend.SHRINK_KEY, "gpu:0")
+        session._shrink = refused
+        with pytest.raises(InferenceError, match=r"rank|dimension"):
+            session.run({"x": np.zeros((1, 3, 64), np.float32)})
+        assert session._shrink is refused  # a bad input says nothing about the shrink
+        with caplog.at_level(logging.WARNING, logger="agent.models.backends.onnxruntime"):
+            assert session.run(SMALL)
+            assert session.run(SMALL)
+        warnings = [r for r in caplog.records if "refused to shrink" in r.getMessage()]
+        assert len(warnings) == 1 and session._shrink is None
+    finally:
+        session.close()
