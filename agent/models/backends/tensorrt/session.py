@@ -6,9 +6,11 @@ made and grown by the runs that need them (`agent.models.backends.cuda.BufferPoo
 context holds what its largest run of the last half minute or so used, at most the largest
 shape of every optimization profile, and nothing for a tensor read from or written to a
 kept :class:`DeviceArray`; after `IDLE_RELEASE_S` without a run, nothing (`release_idle`).
-Which optimization profile a context runs under is `.profiles`'. The CUDA context is pushed
-around every block that touches the GPU, and ``close()`` releases contexts, then the
-engine, then the buffers (deferred to the last running call at a drain timeout).
+With ``activation_memory = "by_run"`` the context's activation memory is one more of them
+(`.activations`). `.profiles` picks the optimization profile a context runs under. The CUDA
+context is pushed around every block that touches the GPU, and ``close()`` releases
+contexts, then the engine, then the buffers (deferred to the last running call at a drain
+timeout).
 """
 
 from __future__ import annotations
@@ -179,7 +181,7 @@ class TensorRTSession:
                 for worker in self._workers:  # none is running: `_active` is 0
                     worker.buffers.free_all()
                 freed = staged + self._kept.free_spares()
-        log.info("%s: idle %.0f s, released %d bytes of GPU buffers", self, idle_s, freed)
+        log.info("%s: idle for %.0f s or more; released %d bytes of buffers", self, idle_s, freed)
         return freed
 
     def close(self) -> None:
