@@ -84,3 +84,38 @@ def test_an_onnxruntime_that_refuses_the_shrink_is_not_asked_again(
         assert len(warnings) == 1 and session._shrink is None
     finally:
         session.close()
+
+
+def test_an_idle_session_shrinks_its_arena_with_its_warm_up_inputs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The manager's sync asks every loaded session to give back what it keeps once idle for
+    `IDLE_RELEASE_S`: an ONNX Runtime session runs the warm-up's inputs (kept when it loaded)
+    once with the shrink, so a large request's memory goes without another request."""
+    import shutil
+
+    from agent.models.backends import base
+    from agent.models.manager import ModelManager
+
+    monkeypatch.setattr(ort_backend, "SHRINK_EVERY_S", 3600.0)  # no request shrinks it here
+    (tmp_path / "ocr" / "1").mkdir(parents=True)
+    shutil.copy(DETECTOR, tmp_path / "ocr" / "1" / "model.onnx")
+    manager = ModelManager(tmp_path, BackendOptions(intra_op_threads=1), settle_s=0)
+    try:
+        manager.sync()
+        assert manager.inventory()["models"]["ocr"]["versions"]["1"]["warmup"] == "ok"
+        with manager.lease("ocr") as lease:
+            lease.session.run(SMALL)
+            before = rss()
+            lease.session.run({"x": np.zeros((4, 3, 960, 960), np.float32)})
+            grown = rss() - before
+        manager.sync()  # not idle long enough
+        assert grown > 32 * MIB and rss() - before > 0.75 * grown
+        monkeypatch.setattr(base, "IDLE_RELEASE_S", 0.0)
+        manager.sync()
+        assert rss() - before < 0.25 * grown, (grown, rss() - before)
+        runs = rss()
+        manager.sync()  # nothing ran since: no second shrinking run
+        assert abs(rss() - runs) < 4 * MIB
+    finally:
+        manager.close(drain_timeout=1)

@@ -236,8 +236,9 @@ class ModelManager:
             return next_check
 
     def _release_idle_memory(self) -> None:
-        """Sessions idle for a while give back what they keep for runs to come (the agent's
-        TensorRT sessions: their buffers, after `IDLE_RELEASE_S` without a run)."""
+        """Sessions idle for `base.IDLE_RELEASE_S` give back what they keep for runs to come
+        (TensorRT: their buffers; ONNX Runtime: its arena, by one run of the warm-up's
+        inputs)."""
         with self._lock:
             loaded = [v for v in loaded_versions(self._models) if not v.closed]
         for version in loaded:

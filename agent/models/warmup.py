@@ -29,7 +29,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from agent.models.backends.base import Dim, InferenceError, ModelLoadError, Session, TensorSpec
+from agent.models.backends.base import (
+    Dim,
+    InferenceError,
+    ModelLoadError,
+    Session,
+    TensorSpec,
+    offer_idle_inputs,
+)
 from agent.models.model_config import WarmupConfig
 
 __all__ = [
@@ -189,10 +196,12 @@ def _read_npz(path: Path) -> Arrays:
 def warm_up(session: Session, inputs: Mapping[str, npt.NDArray[Any]] | None = None) -> None:
     """One run on ``inputs`` (default: synthetic); every output must come back.
     Raises :class:`InferenceError`."""
-    outputs = session.run(synthetic_inputs(session) if inputs is None else inputs)
+    given = synthetic_inputs(session) if inputs is None else inputs
+    outputs = session.run(given)
     missing = [spec.name for spec in session.outputs if spec.name not in outputs]
     if missing:
         raise InferenceError(f"warm-up returned no {', '.join(missing)}")
+    offer_idle_inputs(session, given)  # known to run: a run when idle can shrink its memory
 
 
 def run_warm_up(

@@ -204,12 +204,31 @@ def session_device_bytes(session: object) -> int | None:
     return count if isinstance(count, int) else None
 
 
+# A session that ran nothing for this long gives back what it keeps for runs to come
+# (`release_idle_memory`): a TensorRT session its buffers, an ONNX Runtime session its arena.
+IDLE_RELEASE_S = 300.0
+
+
 def release_idle_memory(session: object) -> int:
-    """Have a session that has been idle a while give back the memory it keeps for runs to
-    come; the bytes freed. Optional, as :func:`session_device_bytes`: the agent's TensorRT
-    sessions have ``release_idle`` (their staging buffers, after minutes without a run)."""
+    """Have a session that has been idle for `IDLE_RELEASE_S` give back the memory it keeps
+    for runs to come; the bytes freed where known. Optional, as :func:`session_device_bytes`:
+    the agent's TensorRT and ONNX Runtime sessions have ``release_idle``."""
     release = getattr(session, "release_idle", None)
     return int(release()) if callable(release) else 0
+
+
+IDLE_INPUTS_MAX_BYTES = 1 << 20  # inputs a session keeps to shrink its memory when idle
+
+
+def offer_idle_inputs(session: object, inputs: Mapping[str, Any]) -> None:
+    """Inputs the session has just answered (its warm-up): a session that needs a run to give
+    memory back when idle (ONNX Runtime's arena) keeps them, where they are small."""
+    keep = getattr(session, "keep_for_idle", None)
+    if not callable(keep):
+        return
+    arrays = [v for v in inputs.values() if isinstance(v, np.ndarray)]
+    if len(arrays) == len(inputs) and sum(a.nbytes for a in arrays) <= IDLE_INPUTS_MAX_BYTES:
+        keep({name: np.array(value, copy=True) for name, value in inputs.items()})
 
 
 class Backend(Protocol):

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from agent.models.backends import base
 from agent.models.backends.base import (
     ONNX_ELEMENT_DTYPES,
     BackendOptions,
@@ -223,6 +224,11 @@ class OnnxSession:
         self._device = _device_of(session, self._providers)
         self._shrink: Any = _shrink_options()  # None: this session's runs never shrink
         self._next_shrink = time.monotonic() + SHRINK_EVERY_S
+        # Idle: the inputs of a run that shrinks the arena once no run came for a while
+        # (`release_idle`); when the last run ended, and whether it shrank.
+        self._idle_inputs: dict[str, npt.NDArray[Any]] | None = None
+        self._last_run = time.monotonic()
+        self._shrunk = True
 
     @property
     def inputs(self) -> Sequence[TensorSpec]:
@@ -258,7 +264,33 @@ class OnnxSession:
             if shrink is None:
                 raise InferenceError(_one_line(exc)) from exc
             return self._run_unshrunk(session, inputs, exc)
+        self._last_run, self._shrunk = time.monotonic(), shrink is not None
         return dict(zip(self._output_names, values, strict=True))
+
+    def keep_for_idle(self, inputs: Mapping[str, npt.NDArray[Any]]) -> None:
+        """Inputs this session answered (its warm-up, `base.offer_idle_inputs`): what
+        `release_idle` runs to shrink the arena."""
+        self._idle_inputs = dict(inputs)
+
+    def release_idle(self, idle_s: float | None = None) -> int:
+        """When runs came since the arena last shrank but none for `idle_s` (None:
+        `base.IDLE_RELEASE_S`): one run of the kept inputs that shrinks it (decision 0039).
+        0: ONNX Runtime does not say how much it freed."""
+        idle_s = base.IDLE_RELEASE_S if idle_s is None else idle_s
+        session, inputs, shrink = self._session, self._idle_inputs, self._shrink
+        if session is None or inputs is None or shrink is None or self._shrunk:
+            return 0
+        if time.monotonic() - self._last_run < idle_s:
+            return 0
+        try:
+            session.run(self._output_list, dict(inputs), shrink)
+        except Exception as exc:  # the next request's run shrinks it instead
+            log.warning("%s: idle, the run to shrink its arena failed: %s", self, _one_line(exc))
+            self._idle_inputs = None
+            return 0
+        self._shrunk = True
+        log.info("%s: idle for %.0f s or more; its memory arena shrunk", self, idle_s)
+        return 0
 
     def _shrink_now(self) -> Any:
         """The run options that shrink the arena, once every `SHRINK_EVERY_S`; else None.
@@ -337,6 +369,7 @@ class OnnxSession:
             return None
         if not bindable(inputs, outputs, links):
             return None
+        self._shrunk = False  # the loop's runs use the arena too (not counted in `run`)
         try:
             return OrtStepBinding(self._live, inputs, outputs, links, _one_line)
         except Exception as exc:  # an ORT build without host binding: run unbound

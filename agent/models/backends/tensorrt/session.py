@@ -5,7 +5,7 @@ session's life; a thread keeps "its" context. Each has its own page-locked + dev
 made and grown by the runs that need them (`agent.models.backends.cuda.BufferPool`): a
 context holds what its largest run of the last half minute or so used, at most the largest
 shape of every optimization profile, and nothing for a tensor read from or written to a
-kept :class:`DeviceArray`; after `IDLE_RELEASE_S` without a run, nothing (`release_idle`).
+kept :class:`DeviceArray`; after minutes without a run, nothing (`release_idle`).
 With ``activation_memory = "by_run"`` the context's activation memory is one more of them
 (`.activations`). `.profiles` picks the optimization profile a context runs under. The CUDA
 context is pushed around every block that touches the GPU, and ``close()`` releases
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy.typing as npt
 
-from agent.models.backends import cuda
+from agent.models.backends import base, cuda
 from agent.models.backends.base import InferenceError, TensorSpec
 from agent.models.backends.device_arrays import DeviceArray, DevicePool
 from agent.models.backends.tensorrt import activations
@@ -39,10 +39,6 @@ from agent.models.backends.tensorrt.runtime import (
 from agent.models.backends.tensorrt.tensors import EngineTensor, Shape, ShapeRange, dims_of, volume
 
 __all__ = ["TensorRTSession"]
-
-# A session that ran nothing for this long gives back what it keeps for runs to come: its
-# contexts' staging buffers and its spare kept-output allocations (`release_idle`).
-IDLE_RELEASE_S = 300.0
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +166,7 @@ class TensorRTSession:
         outputs; the next run makes what it needs again, and kept arrays still alive (a
         paused generation's cache) stay. The bytes freed. Runs wait meanwhile: nothing is
         freed under a run."""
-        idle_s = IDLE_RELEASE_S if idle_s is None else idle_s
+        idle_s = base.IDLE_RELEASE_S if idle_s is None else idle_s
         with self._lock:
             if self._closing or self._active or time.monotonic() - self._last_run < idle_s:
                 return 0
