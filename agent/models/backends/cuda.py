@@ -25,7 +25,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -39,6 +39,7 @@ __all__ = [
     "CudaError",
     "DeviceIdentity",
     "HostDeviceBuffer",
+    "free_each",
     "get_device",
     "import_driver",
     "release_device",
@@ -100,6 +101,19 @@ def size_class(nbytes: int) -> int:
     wanted = max(nbytes, ALIGNMENT)
     step = max(ALIGNMENT, (1 << (wanted - 1).bit_length()) // 8)
     return -(-wanted // step) * step
+
+
+def free_each(memory: Iterable[Any]) -> None:
+    """`free()` every one, even when one of them fails; re-raise the first failure after.
+    Call with the context current."""
+    first: BaseException | None = None
+    for item in memory:
+        try:
+            item.free()
+        except Exception as exc:  # keep freeing the others
+            first = first or exc
+    if first is not None:
+        raise first
 
 
 class HostDeviceBuffer:
@@ -275,14 +289,7 @@ class BufferPool:
     def free_all(self) -> None:
         """Free every buffer, even when one of them fails; re-raise the first failure."""
         buffers, self._buffers = self._buffers, {}
-        first: BaseException | None = None
-        for buffer in buffers.values():
-            try:
-                buffer.free()
-            except Exception as exc:  # keep freeing the others
-                first = first or exc
-        if first is not None:
-            raise first
+        free_each(buffers.values())
 
 
 class CudaDevice:

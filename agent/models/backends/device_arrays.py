@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from agent.models.backends.cuda import CudaDevice, CudaError, size_class
+from agent.models.backends.cuda import CudaDevice, CudaError, free_each, size_class
 
 __all__ = ["DeviceArray", "DevicePool"]
 
@@ -134,14 +134,7 @@ class DevicePool:
             spares = [a for allocations in self._free.values() for a in allocations]
             self._free.clear()
             freed = [self._held.pop(id(a)) for a in spares]
-        first: BaseException | None = None
-        for _, allocation in freed:
-            try:
-                allocation.free()
-            except Exception as exc:  # keep freeing the others
-                first = first or exc
-        if first is not None:
-            raise first
+        free_each(allocation for _, allocation in freed)
         return sum(size for size, _ in freed)
 
     def give_back(self, size: int, allocation: Any) -> None:
@@ -176,11 +169,4 @@ class DevicePool:
             held, self._held = list(self._held.values()), {}
             self._free.clear()
             self._returned.clear()
-        first: BaseException | None = None
-        for _, allocation in held:
-            try:
-                allocation.free()
-            except Exception as exc:
-                first = first or exc
-        if first is not None:
-            raise first
+        free_each(allocation for _, allocation in held)
