@@ -312,7 +312,7 @@ class OnnxSession:
             values = session.run(self._output_list, dict(inputs))
         except Exception as exc:
             raise InferenceError(_one_line(exc)) from exc
-        self._shrink = None
+        self._shrink, self._last_run, self._shrunk = None, time.monotonic(), False
         log.warning(
             "%s: ONNX Runtime refused to shrink its memory arena (%s); not asked again",
             self.model_file,
