@@ -183,3 +183,65 @@ def test_a_decoder_generates_the_same_tokens_with_memory_given_by_run(
         assert fake_gpu.live("trt-context") == []
     finally:
         session.close()
+
+
+ONE_PROFILE = {"x": ShapeRange((1, 16), (4, 16), (16, 16))}
+
+
+@pytest.mark.parametrize("fake_gpu", ["10.10.0"], indirect=True)
+def test_an_engine_built_to_resize_gives_each_run_what_its_shapes_need(
+    fake_gpu: FakeGPU, tmp_path: Path
+) -> None:
+    """Built with RUNTIME_ACTIVATION_RESIZE_10_10 (`activation_resize`, what the agent's own
+    builds ask for a model with `activation_memory = "by_run"`), a small run of a profile
+    gets a small part of what the profile's largest would: a decoder's one-token steps
+    need less than its prefill."""
+    plan = build(
+        tmp_path, demo_models.mlp(), "mlp", profiles=(ONE_PROFILE,), activation_resize=True
+    )
+    session = load(plan, activation_memory="by_run")
+    try:
+        for batch, want in ((2, 2), (16, 16), (1, 16)):  # grown by 16, kept until trimmed
+            x = RNG.standard_normal((batch, 16)).astype(np.float32)
+            y = session.run({"x": x})["y"]
+            assert rel_err(y, reference(demo_models.mlp(), {"x": x})["y"]) < 1e-6
+            assert activation_allocations(fake_gpu) == [size_class(profile_bytes(want))]
+    finally:
+        session.close()
+
+
+@pytest.mark.parametrize("fake_gpu", ["10.3.0"], indirect=True)
+def test_before_10_10_the_engine_is_built_without_resizing_and_says_so(
+    fake_gpu: FakeGPU, tmp_path: Path
+) -> None:
+    from agent.models.engine_builder import BuildOptions, build_engine
+
+    said: list[str] = []
+    onnx_path = demo_models.save(demo_models.mlp(), tmp_path / "models" / "mlp" / "1" / "m.onnx")
+    options = BuildOptions(
+        cache_dir=tmp_path / "cache",
+        progress=said.append,
+        profiles=(ONE_PROFILE,),
+        activation_resize=True,
+    )
+    session = load(
+        build_engine(onnx_path, tmp_path / "models" / "mlp", options), activation_memory="by_run"
+    )
+    try:
+        session.run({"x": np.ones((2, 16), np.float32)})
+        assert activation_allocations(fake_gpu) == [size_class(profile_bytes(16))]
+    finally:
+        session.close()
+    assert any("RUNTIME_ACTIVATION_RESIZE_10_10 came in 10.10" in line for line in said), said
+
+
+def test_the_agents_builds_resize_where_runs_give_the_memory() -> None:
+    """`tensorrt.activation_memory = "by_run"` makes the agent's own builds ask for it, and
+    the option is part of the engine cache's key (an engine built without is not reused)."""
+    from agent.models.engine_builds import build_options
+
+    by_run = build_options(BackendOptions(extra={"tensorrt": {"activation_memory": "by_run"}}))
+    static = build_options(BackendOptions(extra={"tensorrt": {}}))
+    assert by_run.activation_resize and not static.activation_resize
+    assert by_run.key_fields() != static.key_fields()
+    assert "activation_resize" not in static.key_fields()  # older cache keys stay as they were

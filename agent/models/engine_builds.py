@@ -84,7 +84,7 @@ def build_options(options: BackendOptions, *, context: int | None = None) -> Bui
     """``[backend_options.tensorrt.build]`` (and ``tensorrt.device``) as BuildOptions;
     ModelLoadError naming the key for a bad value, before anything is built. `context`: the
     model's ``[generate] context``, used where ``tensorrt.build.context`` is not set."""
-    device = TensorRTOptions.from_extra(options.extra).device  # as the load checks it
+    tensorrt = TensorRTOptions.from_extra(options.extra)  # as the load checks it
     table = TensorRTOptions.table(options.extra).get("build", {})
     if not isinstance(table, Mapping):
         raise ModelLoadError("tensorrt.build must be a table")
@@ -105,8 +105,10 @@ def build_options(options: BackendOptions, *, context: int | None = None) -> Bui
             workspace_bytes=None if workspace_mib is None else workspace_mib * 1024 * 1024,
             profiles=tuple(parse_profile(spec) for spec in profiles),
             max_batch=_count(table, "max_batch", 8),
-            device=device,
+            device=tensorrt.device,
             context=_count(table, "context", context),  # a decoder's (agent.models.engine_builder)
+            # a run's activation memory given by the agent: let it follow the run's shapes
+            activation_resize=tensorrt.activation_memory == "by_run",
         )
     except ValueError as exc:
         raise ModelLoadError(f"tensorrt.build: {exc}") from None

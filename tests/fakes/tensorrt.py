@@ -23,8 +23,9 @@ NvInferRuntime.h comments of 8.5.3, 8.6.1 and 10.3.0), where the agent depends o
   refuses to enqueue until ``device_memory`` (write-only) or ``set_device_memory(ptr, size)``
   (10.1+) gives it some; ``update_device_memory_size_for_shapes()`` (10.0+) returns the
   current profile's size (what TensorRT returns unless the engine was built with the
-  ``RUNTIME_ACTIVATION_RESIZE_10_10`` preview feature) and 0 before every input shape is
-  set. A run scribbles over its activation memory, so memory shared with a tensor shows.
+  ``RUNTIME_ACTIVATION_RESIZE_10_10`` preview feature, 10.10+: then the current shapes') and
+  0 before every input shape is set. A run scribbles over its activation memory, so memory
+  shared with a tensor shows.
 
 The "plan" is a small header (TensorRT version, GPU, I/O, profiles, flags) plus the ONNX
 model; the engine computes with ONNX Runtime on the CPU, so outputs can be compared.
@@ -54,6 +55,25 @@ MAGIC = b"FTRT"
 TIMING_MAGIC = b"FTRTTC1\n"
 ACTIVATION_BYTES = 64 * 1024  # a profile's activation memory: this, plus ACTIVATION_PER_BYTE
 ACTIVATION_PER_BYTE = 64  # times the bytes of its largest inputs
+
+
+_RUNTIME_ACTIVATION_RESIZE = 2
+
+
+class _PreviewFeature(enum.IntEnum):
+    """Before 10.10 (reached as ``PreviewFeature`` through the module's ``__getattr__``)."""
+
+    PROFILE_SHARING_0806 = 0
+    ALIASED_PLUGIN_IO_10_03 = 1
+
+
+class _PreviewFeature_10_10(enum.IntEnum):
+    PROFILE_SHARING_0806 = 0
+    ALIASED_PLUGIN_IO_10_03 = 1
+    RUNTIME_ACTIVATION_RESIZE_10_10 = _RUNTIME_ACTIVATION_RESIZE
+
+
+_PreviewFeature.__name__ = _PreviewFeature_10_10.__name__ = "PreviewFeature"
 
 
 class ExecutionContextAllocationStrategy(enum.IntEnum):
@@ -430,12 +450,19 @@ class ICudaEngine:
 
     def _profile_memory(self, profile: int) -> int:
         """Activation memory of `profile` (fake only): grows with its largest inputs."""
-        total = 0
+        largest = {}
         for t in self._io:
             if t["input"]:
                 ranges = self._profiles[profile].get(t["name"]) if self._profiles else None
-                shape = ranges[2] if ranges is not None else t["shape"]
-                volume = int(np.prod([max(d, 1) for d in shape], dtype=np.int64))
+                largest[t["name"]] = tuple(ranges[2] if ranges is not None else t["shape"])
+        return self._shapes_memory(largest)
+
+    def _shapes_memory(self, shapes: dict[str, tuple[int, ...]]) -> int:
+        """Activation memory of a run on inputs of these shapes (fake only)."""
+        total = 0
+        for t in self._io:
+            if t["input"]:
+                volume = int(np.prod([max(d, 1) for d in shapes[t["name"]]], dtype=np.int64))
                 total += volume * np.dtype(_NP[DataType[t["dtype"]]]).itemsize
         return ACTIVATION_BYTES + ACTIVATION_PER_BYTE * total
 
@@ -630,12 +657,20 @@ class IExecutionContext:
                 "all input shapes and the optimization profile must be set first",
             )
             return 0
-        return self._engine._profile_memory(self._profile)
+        return self._needed()
+
+    def _needed(self) -> int:
+        """Activation memory this run needs: its profile's, or (an engine built with
+        RUNTIME_ACTIVATION_RESIZE_10_10) its input shapes'."""
+        assert self._profile is not None
+        if not self._engine._meta.get("activation_resize"):
+            return self._engine._profile_memory(self._profile)
+        return self._engine._shapes_memory(self._input_shapes())
 
     def _activation_memory(self, where: str) -> tuple[int, int] | None:
         """(address, bytes) of the memory a run may use; None (logged) when it has none."""
         assert self._profile is not None
-        needed = self._engine._profile_memory(self._profile)
+        needed = self._needed()
         if self._memory is None:
             _error(
                 3,
@@ -1188,6 +1223,13 @@ class IBuilderConfig:
         self._monitor: Any = None
         self.int8_calibrator: Any = None
         self.builder_optimization_level = 3
+        self._preview: set[int] = set()
+
+    def set_preview_feature(self, feature: Any, enable: bool) -> None:
+        (self._preview.add if enable else self._preview.discard)(int(feature))
+
+    def get_preview_feature(self, feature: Any) -> bool:
+        return int(feature) in self._preview
 
     def set_flag(self, flag: BuilderFlag) -> None:
         self._flags.add(flag)
@@ -1402,6 +1444,7 @@ class Builder:
             "profiles": profiles,
             "fp16": fp16,
             "int8": config.get_flag(BuilderFlag.INT8),
+            "activation_resize": _RUNTIME_ACTIVATION_RESIZE in config._preview,
             "layers": len(network._nodes),
             "onnx_sha256": hashlib.sha256(network._onnx).hexdigest(),
         }
@@ -1461,6 +1504,8 @@ def __getattr__(name: str) -> Any:
         return _IProgressMonitor
     if name == "ExecutionContextAllocationStrategy" and _version() >= (10, 0):
         return _ExecutionContextAllocationStrategy
+    if name == "PreviewFeature":
+        return _PreviewFeature_10_10 if _version() >= (10, 10) else _PreviewFeature
     raise AttributeError(f"module 'tensorrt' has no attribute '{name}'")
 
 

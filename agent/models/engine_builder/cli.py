@@ -53,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: config.json beside the ONNX file)",
     )
     parser.add_argument(
+        "--activation-resize",
+        action="store_true",
+        help="let a run's activation memory follow its input shapes (TensorRT 10.10+), for "
+        'models run with tensorrt.activation_memory = "by_run"',
+    )
+    parser.add_argument(
         "--cache-dir", type=Path, help=f"engine cache (default {default_cache_dir()})"
     )
     parser.add_argument(
@@ -93,6 +99,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             force=args.force,
             device=args.device,
             context=args.context,
+            activation_resize=args.activation_resize,
             progress=None
             if args.quiet
             else (lambda line: print(line, file=sys.stderr, flush=True)),

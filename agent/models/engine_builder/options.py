@@ -67,8 +67,11 @@ class BuildOptions:
     other dynamic dim needs an explicit profile, except a decoder's, whose default profiles
     cover past length 0 up to ``context`` (None: from ``config.json`` beside the ONNX file;
     :mod:`.decoder_profile`). ``workspace_bytes``: builder workspace
-    limit (None: TensorRT's default, all device memory). ``cache_dir``, ``timing_cache``,
-    ``force`` and ``progress`` are not part of the key.
+    limit (None: TensorRT's default, all device memory). ``activation_resize``: the engine
+    lets a run's activation memory follow its shapes, not its profile's largest (TensorRT's
+    ``RUNTIME_ACTIVATION_RESIZE_10_10`` preview feature, 10.10+; an older TensorRT builds
+    without it, and says so), for contexts given their memory by each run (decision 0038).
+    ``cache_dir``, ``timing_cache``, ``force`` and ``progress`` are not part of the key.
     """
 
     fp16: bool = False
@@ -82,6 +85,7 @@ class BuildOptions:
     progress: Callable[[str], None] | None = field(default=None, compare=False)
     device: int = 0
     context: int | None = None  # a decoder's context length (None: config.json's)
+    activation_resize: bool = False
 
     def __post_init__(self) -> None:
         if self.workspace_bytes is not None and self.workspace_bytes <= 0:
@@ -105,6 +109,8 @@ class BuildOptions:
         }
         if self.context is not None:
             fields["context"] = self.context
+        if self.activation_resize:  # only where asked, as `context`
+            fields["activation_resize"] = True
         return fields
 
 

@@ -142,6 +142,16 @@ def _configure(
             "INT8 without a calibrator: only explicitly quantized (Q/DQ) layers run in INT8, "
             "the rest fall back to FP16/FP32"
         )
+    if options.activation_resize:
+        features = getattr(trt, "PreviewFeature", None)
+        feature = getattr(features, "RUNTIME_ACTIVATION_RESIZE_10_10", None)
+        if feature is None:
+            say(
+                f"TensorRT {getattr(trt, '__version__', '?')} cannot size activations by the "
+                "run's shapes (RUNTIME_ACTIVATION_RESIZE_10_10 came in 10.10): by the profile"
+            )
+        else:
+            trt_config.set_preview_feature(feature, True)
 
 
 def _build_plan(
