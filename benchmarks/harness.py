@@ -153,6 +153,19 @@ class StampSubscriber:
             time.sleep(0.01)
         return self.count >= n
 
+    def wait_quiet(self, n: int, timeout: float, quiet_s: float = 2.0) -> bool:
+        """As `wait_for`, but also give up once nothing arrived for `quiet_s`: at QoS 0 the
+        broker drops what a subscriber that falls behind cannot take, so `n` may never come."""
+        deadline = time.monotonic() + timeout
+        seen, since = self.count, time.monotonic()
+        while self.count < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+            if self.count != seen:
+                seen, since = self.count, time.monotonic()
+            elif time.monotonic() - since >= quiet_s:
+                break
+        return self.count >= n
+
     def rate(self, skip: float = 0.1) -> float:
         """Messages per second between the first arrival after `skip` of them and the last."""
         times = self.times()

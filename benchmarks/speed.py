@@ -355,7 +355,16 @@ def measure_agent_stream(
                 "qos": qos,
             }
             client.publish(f"{root}/infer/{model}", encode_payload(body), 1)
-        if not sub.wait_for(expect, max(60.0, expect / 1000)):
+        if qos == 0:  # as the raw baseline's: what a subscriber that falls behind missed
+            if not sub.wait_quiet(expect, max(60.0, expect / 1000)):
+                if sub.count < expect // 2:
+                    raise RuntimeError(f"agent QoS 0: {sub.count} of {expect} messages arrived")
+                print(
+                    f"agent QoS 0: {sub.count} of {expect} arrived (the broker dropped the "
+                    "rest for a subscriber behind): the rate is what arrived",
+                    flush=True,
+                )
+        elif not sub.wait_for(expect, max(60.0, expect / 1000)):
             raise RuntimeError(f"agent QoS {qos}: {sub.count} of {expect} messages arrived")
         return sub.rate()
     finally:
