@@ -204,6 +204,11 @@ def session_device_bytes(session: object) -> int | None:
     return count if isinstance(count, int) else None
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line (runtimes' span several), or its type's name."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 # A session that ran nothing for this long gives back what it keeps for runs to come
 # (`release_idle_memory`): a TensorRT session its buffers, an ONNX Runtime session its arena.
 IDLE_RELEASE_S = 300.0

@@ -32,6 +32,8 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
+from agent.models.backends.base import one_line
+
 __all__ = [
     "PYCUDA_HINT",
     "BufferPool",
@@ -84,11 +86,6 @@ def import_driver() -> Any:
         return importlib.import_module("pycuda.driver")
     except ImportError as exc:
         raise CudaError(f"{PYCUDA_HINT} ({exc})") from exc
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text or type(exc).__name__
 
 
 def _aligned(nbytes: int) -> int:
@@ -313,7 +310,7 @@ class CudaDevice:
         except CudaError:
             raise
         except Exception as exc:
-            raise CudaError(f"cannot open CUDA device {ordinal}: {_one_line(exc)}") from exc
+            raise CudaError(f"cannot open CUDA device {ordinal}: {one_line(exc)}") from exc
         major, minor = self._device.compute_capability()
         self.identity = DeviceIdentity(
             name=str(self._device.name()),

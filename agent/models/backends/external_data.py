@@ -12,12 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path, PureWindowsPath
 from typing import Any
 
+from agent.models.backends.base import one_line
+
 __all__ = ["external_data_problem"]
-
-
-def _one_line(exc: BaseException) -> str:
-    squashed = " ".join(str(exc).split())
-    return squashed or type(exc).__name__
 
 
 def external_data_problem(model_file: Path, *, refuse_unreadable: bool = True) -> str | None:
@@ -39,7 +36,7 @@ def external_data_problem(model_file: Path, *, refuse_unreadable: bool = True) -
     try:
         model = onnx.load(str(model_file), load_external_data=False)
     except Exception as exc:
-        return f"not a readable ONNX model: {_one_line(exc)}" if refuse_unreadable else None
+        return f"not a readable ONNX model: {one_line(exc)}" if refuse_unreadable else None
     folder = model_file.parent.resolve()
     for tensor in _all_tensors(model):
         for entry in tensor.external_data:

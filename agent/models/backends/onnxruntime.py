@@ -23,6 +23,7 @@ from agent.models.backends.base import (
     InferenceError,
     ModelLoadError,
     TensorSpec,
+    one_line,
 )
 from agent.models.backends.external_data import external_data_problem
 from agent.models.backends.ort_steps import OrtStepBinding, bindable
@@ -65,12 +66,6 @@ def _shrink_options() -> Any:
     except Exception:  # an onnxruntime without RunOptions config entries
         return None
     return options
-
-
-def _one_line(exc: BaseException) -> str:
-    """ORT messages span lines and carry stack-ish prefixes; events and logs want one line."""
-    text = " ".join(str(exc).split())
-    return text or type(exc).__name__
 
 
 def select_providers(requested: Sequence[str], available: Sequence[str]) -> list[str]:
@@ -225,7 +220,7 @@ class OnnxSession:
         self._shrink: Any = _shrink_options()  # None: this session's runs never shrink
         self._next_shrink = time.monotonic() + SHRINK_EVERY_S
         # Idle: the inputs of a run that shrinks the arena once no run came for a while
-        # (`release_idle`); when the last run ended, and whether it shrank.
+        # (`release_idle`); when the last run began, and whether it shrank.
         self._idle_inputs: dict[str, npt.NDArray[Any]] | None = None
         self._last_run = time.monotonic()
         self._shrunk = True
@@ -257,14 +252,15 @@ class OnnxSession:
         session = self._session  # one read: a concurrent close() cannot pull it out mid-run
         if session is None:
             raise InferenceError("session closed")
-        shrink = self._shrink_now()
+        now = time.monotonic()  # one clock read a run: the shrink's turn, and the idle clock
+        shrink = self._shrink_now(now)
         try:
             values = session.run(self._output_list, dict(inputs), shrink)
         except Exception as exc:
             if shrink is None:
-                raise InferenceError(_one_line(exc)) from exc
+                raise InferenceError(one_line(exc)) from exc
             return self._run_unshrunk(session, inputs, exc)
-        self._last_run, self._shrunk = time.monotonic(), shrink is not None
+        self._last_run, self._shrunk = now, shrink is not None
         return dict(zip(self._output_names, values, strict=True))
 
     def keep_for_idle(self, inputs: Mapping[str, npt.NDArray[Any]]) -> None:
@@ -285,19 +281,18 @@ class OnnxSession:
         try:
             session.run(self._output_list, dict(inputs), shrink)
         except Exception as exc:  # the next request's run shrinks it instead
-            log.warning("%s: idle, the run to shrink its arena failed: %s", self, _one_line(exc))
+            log.warning("%s: idle, the run to shrink its arena failed: %s", self, one_line(exc))
             self._idle_inputs = None
             return 0
         self._shrunk = True
         log.info("%s: idle for %.0f s or more; its memory arena shrunk", self, idle_s)
         return 0
 
-    def _shrink_now(self) -> Any:
+    def _shrink_now(self, now: float) -> Any:
         """The run options that shrink the arena, once every `SHRINK_EVERY_S`; else None.
         (Two threads may both take them at the deadline: one more shrink, no harm.)"""
         if self._shrink is None:
             return None
-        now = time.monotonic()
         if now < self._next_shrink:
             return None
         self._next_shrink = now + SHRINK_EVERY_S
@@ -311,12 +306,12 @@ class OnnxSession:
         try:
             values = session.run(self._output_list, dict(inputs))
         except Exception as exc:
-            raise InferenceError(_one_line(exc)) from exc
+            raise InferenceError(one_line(exc)) from exc
         self._shrink, self._last_run, self._shrunk = None, time.monotonic(), False
         log.warning(
             "%s: ONNX Runtime refused to shrink its memory arena (%s); not asked again",
             self.model_file,
-            _one_line(failure),
+            one_line(failure),
         )
         return dict(zip(self._output_names, values, strict=True))
 
@@ -357,7 +352,7 @@ class OnnxSession:
                 for name, value in zip(self._output_names, values, strict=True)
             }
         except Exception as exc:
-            raise InferenceError(_one_line(exc)) from exc
+            raise InferenceError(one_line(exc)) from exc
 
     def bind_steps(
         self, inputs: Mapping[str, Any], outputs: Mapping[str, Any], links: Mapping[str, str]
@@ -371,9 +366,9 @@ class OnnxSession:
             return None
         self._shrunk = False  # the loop's runs use the arena too (not counted in `run`)
         try:
-            return OrtStepBinding(self._live, inputs, outputs, links, _one_line)
+            return OrtStepBinding(self._live, inputs, outputs, links, one_line)
         except Exception as exc:  # an ORT build without host binding: run unbound
-            log.debug("%s: steps run unbound: %s", self.model_file, _one_line(exc))
+            log.debug("%s: steps run unbound: %s", self.model_file, one_line(exc))
             return None
 
     def _live(self) -> Any:
@@ -419,7 +414,7 @@ class OnnxRuntimeBackend:
                 provider_options=provider_options,
             )
         except Exception as exc:
-            raise ModelLoadError(f"cannot load {model_file}: {_one_line(exc)}") from exc
+            raise ModelLoadError(f"cannot load {model_file}: {one_line(exc)}") from exc
         result = OnnxSession(session, Path(model_file), model_metadata(model_file))
         dropped = [p for p in providers if p not in result.providers]
         if dropped:
