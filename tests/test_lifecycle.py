@@ -32,7 +32,9 @@ def test_stop_answers_queued_requests_with_shutting_down(broker, repository, mak
     assert agent.wait_ready(10)
     client = make_client(broker, agent)
     replies = _listen(client, f"{agent.root}/result/mlp/+")
-    x = np.random.default_rng(0).standard_normal((512, 16)).astype(np.float32)
+    # Large enough that the one worker cannot empty the queue between `depth` and `stop()`
+    # (with 512 rows it did, now and then: every request answered `end`).
+    x = np.random.default_rng(0).standard_normal((8192, 16)).astype(np.float32)
     for i in range(20):
         body = {"id": f"stop-{i}", "inputs": {"x": x}}
         client.publish_raw(f"{agent.root}/infer/mlp", encode_payload(body), qos=1)
