@@ -6,11 +6,10 @@ also makes each window's chunk with the protocol's own functions (`reply_envelop
 `encode_payload`) and publishes it at QoS 1 on a minimal MQTT client
 (`benchmarks.lean_mqtt`), in the loop's own thread: the packets of 8 windows in one write, the
 broker's acknowledgements read without waiting after each write, a C subscriber
-(`mosquitto_sub`, its output discarded) taking every message from the broker. No spool, no
-other thread, no checks: about the least one message a window costs a publisher written in
-Python. Rounds
-alternate bare, lean, bare; the figure is the median of the rounds' lean / mean of the bare
-runs around it (decision 0040).
+(`mosquitto_sub`, as for the agent's rows, its output to a file) taking every message from the
+broker. No spool, no other thread, no checks: about the least one message a window costs a
+publisher written in Python. Rounds alternate bare, lean, bare; the figure is the median of
+the rounds' lean / mean of the bare runs around it (decision 0040).
 """
 
 from __future__ import annotations
@@ -38,9 +37,11 @@ def _subscriber(
 ) -> subprocess.Popen[bytes]:
     """`mosquitto_sub` at QoS 1 writing to a file, once a probe through the broker reached it."""
     out = workdir / "lean-sub.txt"
+    command = ["mosquitto_sub", "-h", broker.host, "-p", str(broker.port), "-t", TOPIC]
+    command += ["-q", "1", "-F", "%U", "--nodelay"]  # a receive time a message, as the agent's rows
     with out.open("wb") as sink:
         sub = subprocess.Popen(
-            ["mosquitto_sub", "-h", broker.host, "-p", str(broker.port), "-t", TOPIC, "-q", "1"],
+            command,
             stdout=sink,
             stderr=subprocess.DEVNULL,
         )
