@@ -11,7 +11,9 @@ the cache fed back, the arg max taken with numpy; the figure is the agent's rate
 and its time to first token against the bare prefill alone. A third rate, "generate loop", is
 the agent's own generate strategy (`agent.inference.generate`, text decoding included) driving
 a session in this process with no MQTT: what generation costs on top of the model, apart from
-what delivering a chunk costs.
+what delivering a chunk costs. A fourth, "lean loop", is that loop publishing each token's chunk
+itself with no agent (benchmarks/lean_loop.py): a reference for what a chunk a token costs any
+Python publisher here.
 
     python benchmarks/generate.py [--quick]     # this section alone, printed
 """
@@ -45,6 +47,7 @@ from benchmarks.harness import (  # noqa: E402
     unique_id,
     wait_online,
 )
+from benchmarks.lean_loop import LeanPublisher  # noqa: E402
 
 FIXTURE = REPO / "tests" / "fixtures" / "real" / "decoders" / "gpt2"
 TARGET_RATIO, TARGET_TTFT_MS = 0.9, 2.0
@@ -71,6 +74,10 @@ class GenerateResult:
     # (their steps in lock-step), medians of alternating bursts; 0: not measured
     concurrent_tokens_s: float = 0.0
     batched_tokens_s: float = 0.0
+    # The generate strategy publishing each token's chunk itself, no agent (benchmarks/
+    # lean_loop.py): its tokens/s and the median of each round's lean / bare; 0: not measured
+    lean_tokens_s: float = 0.0
+    lean_ratio: float = 0.0
     # The same on ONNX Runtime's CUDA provider, where this onnxruntime has one (a GPU box)
     cuda: GenerateResult | None = None
 
@@ -136,9 +143,12 @@ def bare_loop(session: Any, tokens: int, prompt: list[int]) -> tuple[float, floa
     return (tokens - 1) / (time.perf_counter() - steps_started), prefill * 1000
 
 
-def generate_loop(threads: int, tokens: int, provider: str = CPU) -> Callable[[], float]:
+def generate_loop(
+    threads: int, tokens: int, provider: str = CPU
+) -> Callable[[LeanPublisher | None], float]:
     """A function giving the tokens/s of the one-token steps of the agent's generate strategy
-    over a session of the fixture, no MQTT (the pieces are made and dropped)."""
+    over a session of the fixture, no agent around it: given no publisher the pieces are
+    made and dropped (no MQTT), given one each becomes a chunk it publishes (the lean row)."""
     from agent.inference import generate
     from agent.inference.modes import Member, Run
     from agent.models.backends.base import BackendOptions
@@ -151,14 +161,23 @@ def generate_loop(threads: int, tokens: int, provider: str = CPU) -> Callable[[]
     setup = open_generation(None, session, FIXTURE)
     prompt = np.array(PROMPT, dtype=object)
 
-    def rate() -> float:
+    def publish(publisher: LeanPublisher | None, pieces: list[Any]) -> None:
+        for piece in pieces if publisher is not None else ():
+            publisher.chunk(piece.index, piece.outputs, **(piece.extra or {}))
+
+    def rate(publisher: LeanPublisher | None = None) -> float:
         ask = generate.ask_of({"prompt": prompt}, {"max_new_tokens": tokens}, setup)
         steps = generate.generate(
             Run(session, StreamConfig(mode="generate"), [Member({}, 1, generation=ask)])
         )
-        next(steps)  # the prefill and the first token
+        publish(publisher, next(steps))  # the prefill and the first token
         started = time.perf_counter()
-        made = sum(1 for _ in steps)
+        made = 0
+        for pieces in steps:
+            publish(publisher, pieces)
+            made += 1
+        if publisher is not None:
+            publisher.end()
         return made / (time.perf_counter() - started)
 
     return rate
@@ -193,6 +212,7 @@ def measure_on(
     assert tokenizer is not None
     prompt_ids = list(tokenizer.encode(PROMPT))
     rates, ttfts, bare_rates, prefills, loop_rates = [], [], [], [], []
+    lean_rates, lean_ratios = [], []
     env = {"EDGE_AGENT__MODELS__PROVIDERS": json.dumps(providers(provider))}
     name = "bench-generate" if provider == CPU else "bench-generate-gpu"
     with AgentProcess(workdir, broker, root, device_id=name, env=env) as agent:
@@ -201,14 +221,21 @@ def measure_on(
         loop = generate_loop(threads, tokens, provider)
         wait_online(broker, agent.root, agent.started)
         stream(broker, agent.root, tokens)  # warm
-        for _ in range(5 if quick else 60):  # 60: this VM's speed moves in phases of seconds
-            rate, ttft = stream(broker, agent.root, tokens)
-            rates.append(rate)
-            ttfts.append(ttft)
-            rate, prefill = bare_loop(session, tokens, prompt_ids)
-            bare_rates.append(rate)
-            prefills.append(prefill)
-            loop_rates.append(loop())
+        publisher = LeanPublisher(broker, workdir)
+        try:
+            loop(publisher)  # warm
+            for _ in range(5 if quick else 60):  # 60: this VM's speed moves in phases of seconds
+                rate, ttft = stream(broker, agent.root, tokens)
+                rates.append(rate)
+                ttfts.append(ttft)
+                rate, prefill = bare_loop(session, tokens, prompt_ids)
+                bare_rates.append(rate)
+                prefills.append(prefill)
+                loop_rates.append(loop(None))
+                lean_rates.append(loop(publisher))
+                lean_ratios.append(lean_rates[-1] / rate)
+        finally:
+            publisher.close()
         alone, batched = concurrent_rates(broker, agent.root, tokens, 3 if quick else 8)
     med = statistics.median
     ratios = [agent / bare for agent, bare in zip(rates, bare_rates, strict=True)]
@@ -223,6 +250,8 @@ def measure_on(
         round_ratios=[round(r, 3) for r in ratios],
         concurrent_tokens_s=alone,
         batched_tokens_s=batched,
+        lean_tokens_s=med(lean_rates),
+        lean_ratio=med(lean_ratios),
     )
 
 
@@ -295,7 +324,8 @@ def met(result: GenerateResult) -> bool:
 
 def headline(result: GenerateResult) -> str:
     """The target figures in one cell (the report's table of hosts)."""
-    return f"tokens/s x{result.ratio:.2f}, first token +{result.ttft_over_ms:.2f} ms"
+    cell = f"tokens/s x{result.ratio:.2f}, first token +{result.ttft_over_ms:.2f} ms"
+    return cell + (f" (lean loop x{result.lean_ratio:.2f})" if result.lean_ratio else "")
 
 
 def _us(rate: float) -> float:
@@ -324,6 +354,7 @@ def section(result: GenerateResult) -> list[str]:
         f"{result.bare_prefill_ms:.2f} | +{result.ttft_over_ms:.2f} ms | <= {TARGET_TTFT_MS} ms |",
         f"| generate loop alone, no MQTT (tokens/s) | {loop:.0f} | "
         f"{result.bare_tokens_s:.0f} | x{loop / result.bare_tokens_s:.2f} | |",
+        *_lean_lines(result),
         "",
         f"Per token: the model's run and a bare loop's numpy {_us(result.bare_tokens_s):.0f} "
         f"µs; the generate loop (token choice, cache and mask handling, text decoding) "
@@ -334,6 +365,22 @@ def section(result: GenerateResult) -> list[str]:
         "",
         *_concurrent_lines(result),
         *_cuda_lines(result.cuda),
+    ]
+
+
+def _lean_lines(result: GenerateResult) -> list[str]:
+    """The lean row (a reference with no agent, decision 0040) and what it is."""
+    if not result.lean_tokens_s:
+        return []
+    return [
+        f"| lean loop, no agent (tokens/s) | {result.lean_tokens_s:.0f} | "
+        f"{result.bare_tokens_s:.0f} | x{result.lean_ratio:.2f} | reference |",
+        "",
+        "The lean row is the generate loop above publishing each token's chunk itself at "
+        "QoS 1, from its own thread on a minimal MQTT client, its writes timed as the agent's "
+        "send hold times them, with no spool and no other thread (benchmarks/lean_loop.py, "
+        "decision 0040): "
+        "about the least a chunk a token costs a Python publisher on this machine.",
     ]
 
 

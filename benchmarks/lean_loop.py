@@ -1,15 +1,14 @@
-"""The scan section's reference row: what one message a window leaves of the bare rate on this
-machine when no agent is involved at all.
+"""Reference rows with no agent at all: what one message a window (scan) or a token (generate)
+leaves of the bare rate on this machine.
 
-The loop is the bare loop (`InferenceSession.run` over the windows, the state fed back) that
-also makes each window's chunk with the protocol's own functions (`reply_envelope`,
-`encode_payload`) and publishes it at QoS 1 on a minimal MQTT client
-(`benchmarks.lean_mqtt`), in the loop's own thread: the packets of 8 windows in one write, the
-broker's acknowledgements read without waiting after each write, a C subscriber
-(`mosquitto_sub`, as for the agent's rows, its output to a file) taking every message from the
-broker. No spool, no other thread, no checks: about the least one message a window costs a
-publisher written in Python. Rounds alternate bare, lean, bare; the figure is the median of
-the rounds' lean / mean of the bare runs around it (decision 0040).
+A lean loop is the section's bare loop that also makes each window's or token's chunk with the
+protocol's own functions (`reply_envelope`, `encode_payload`) and publishes it at QoS 1 on a
+minimal MQTT client (`benchmarks.lean_mqtt`), in the loop's own thread (`LeanPublisher`). It
+writes as the agent's send hold does: the first message at once, then what waits in one write
+once the oldest waited `HOLD_MAX_S` (or `HOLD_MAX_MESSAGES` wait). It reads the broker's
+acknowledgements without waiting after each write. A C subscriber (`mosquitto_sub`, as for
+the agent's rows) takes every message from the broker. No spool, no other thread, no checks:
+about the least one message costs a publisher written in Python (decision 0040).
 """
 
 from __future__ import annotations
@@ -17,19 +16,63 @@ from __future__ import annotations
 import statistics
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from agent.demo.broker import EmbeddedBroker
+from agent.inference.send_hold import HOLD_MAX_MESSAGES, HOLD_MAX_S
 from agent.protocol.payload import encode_payload
 from agent.protocol.replies import reply_envelope
 from benchmarks.lean_mqtt import LeanClient
 
-PER_WRITE = 8  # windows' packets a socket write carries
-TOPIC = "edge/bench-lean/result/vad/lean"
+TOPIC = "edge/bench-lean/result/model/lean"
+
+
+class LeanPublisher:
+    """One connection and its subscriber; `chunk()` a message, `end()` after a stream."""
+
+    def __init__(self, broker: EmbeddedBroker, workdir: Path) -> None:
+        self.client = LeanClient(broker.host, broker.port, "bench-lean")
+        self._subscriber = _subscriber(broker, workdir, self.client)
+        self._waiting: list[bytes] = []
+        self._oldest = 0.0
+        self._seq = 0
+
+    def chunk(self, index: int, outputs: dict[str, Any], **more: Any) -> None:
+        """One chunk of the stream, as the protocol has it; written per the send hold's rule."""
+        fields = reply_envelope(
+            request_id="lean", seq=self._seq, type="chunk", model="m", version=1, index=index
+        )
+        fields.update(more)
+        fields["outputs"] = outputs
+        self._seq += 1
+        waiting = self._waiting
+        waiting.append(self.client.publish_packet(TOPIC, encode_payload(fields), 1))
+        now = time.perf_counter()
+        if len(waiting) == 1:
+            self._oldest = now
+        first = self._seq == 1
+        if first or len(waiting) >= HOLD_MAX_MESSAGES or now - self._oldest >= HOLD_MAX_S:
+            self._write()
+
+    def end(self) -> None:
+        """The stream ended: what waits goes; the next chunk starts a new stream."""
+        self._write()
+        self._seq = 0
+
+    def _write(self) -> None:
+        if self._waiting:
+            self.client.sock.sendall(b"".join(self._waiting))
+            self._waiting.clear()
+            self.client.read(0)  # the acknowledgements already there
+
+    def close(self) -> None:
+        self.client.close()
+        self._subscriber.terminate()
+        self._subscriber.wait(10)
 
 
 def _subscriber(
@@ -40,11 +83,7 @@ def _subscriber(
     command = ["mosquitto_sub", "-h", broker.host, "-p", str(broker.port), "-t", TOPIC]
     command += ["-q", "1", "-F", "%U", "--nodelay"]  # a receive time a message, as the agent's rows
     with out.open("wb") as sink:
-        sub = subprocess.Popen(
-            command,
-            stdout=sink,
-            stderr=subprocess.DEVNULL,
-        )
+        sub = subprocess.Popen(command, stdout=sink, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
     while not out.stat().st_size:
         if time.monotonic() > deadline or sub.poll() is not None:
@@ -55,70 +94,46 @@ def _subscriber(
     return sub
 
 
-class LeanLoop:
-    """One session, one connection; `bare()` and `lean()` give windows a second."""
-
-    def __init__(self, session: Any, windows: Sequence[np.ndarray], feed: dict[str, Any]):
-        self.session = session
-        self.windows = windows
-        self.feed = feed  # the inputs every window shares (`sr`)
-        self.client: LeanClient | None = None
-
-    def _state(self) -> np.ndarray:
-        return np.zeros((2, 1, 128), np.float32)
-
-    def bare(self) -> float:
-        run, feed, state = self.session.run, self.feed, self._state()
-        started = time.perf_counter()
-        for window in self.windows:
-            _, state = run(None, {**feed, "input": window, "state": state})
-        return len(self.windows) / (time.perf_counter() - started)
-
-    def lean(self) -> float:
-        client = self.client
-        assert client is not None
-        run, feed, state = self.session.run, self.feed, self._state()
-        waiting: list[bytes] = []
-        started = time.perf_counter()
-        for n, window in enumerate(self.windows):
-            output, state = run(None, {**feed, "input": window, "state": state})
-            fields = reply_envelope(
-                request_id="lean", seq=n, type="chunk", model="vad", version=1, index=n
-            )
-            fields["offset"] = n * 512
-            fields["outputs"] = {"output": output}
-            waiting.append(client.publish_packet(TOPIC, encode_payload(fields), 1))
-            if len(waiting) == PER_WRITE:
-                client.sock.sendall(b"".join(waiting))
-                waiting.clear()
-                client.read(0)  # the acknowledgements already there
-        client.sock.sendall(b"".join(waiting))
-        return len(self.windows) / (time.perf_counter() - started)
+def alternate(
+    bare: Callable[[], float], lean: Callable[[], float], rounds: int
+) -> tuple[float, float, float]:
+    """(bare rate, lean rate, median of the rounds' lean / mean of the bare runs around it);
+    each warmed once first."""
+    bare()
+    lean()
+    bare_rates, lean_rates, ratios = [], [], []
+    before = bare()
+    for _ in range(rounds):
+        rate = lean()
+        after = bare()
+        bare_rates.append(after)
+        lean_rates.append(rate)
+        ratios.append(rate / ((before + after) / 2))
+        before = after
+    med = statistics.median
+    return med(bare_rates), med(lean_rates), med(ratios)
 
 
-def lean_vs_bare(
+def scan_vs_bare(
     broker: EmbeddedBroker, workdir: Path, session: Any, windows: Sequence[np.ndarray], rounds: int
 ) -> tuple[float, float, float]:
-    """(bare windows/s, lean windows/s, median of the rounds' lean / bare), both in this
-    thread with `session` (its `sr` given as 16 kHz)."""
-    loop = LeanLoop(session, windows, {"sr": np.array(16000, dtype=np.int64)})
-    loop.client = LeanClient(broker.host, broker.port, "bench-lean")
-    subscriber = _subscriber(broker, workdir, loop.client)
+    """The scan section's lean row: silero's windows with the state fed back (`sr` 16 kHz),
+    bare and lean in turn in this thread (`alternate`)."""
+    feed = {"sr": np.array(16000, dtype=np.int64)}
+
+    def loop(publisher: LeanPublisher | None) -> float:
+        run, state = session.run, np.zeros((2, 1, 128), np.float32)
+        started = time.perf_counter()
+        for n, window in enumerate(windows):
+            output, state = run(None, {**feed, "input": window, "state": state})
+            if publisher is not None:
+                publisher.chunk(n, {"output": output}, offset=n * 512)
+        if publisher is not None:
+            publisher.end()
+        return len(windows) / (time.perf_counter() - started)
+
+    publisher = LeanPublisher(broker, workdir)
     try:
-        loop.bare()
-        loop.lean()  # warm
-        bare_rates, lean_rates, ratios = [], [], []
-        before = loop.bare()
-        for _ in range(rounds):
-            lean = loop.lean()
-            after = loop.bare()
-            bare_rates.append(after)
-            lean_rates.append(lean)
-            ratios.append(lean / ((before + after) / 2))
-            before = after
-        med = statistics.median
-        return med(bare_rates), med(lean_rates), med(ratios)
+        return alternate(lambda: loop(None), lambda: loop(publisher), rounds)
     finally:
-        loop.client.close()
-        subscriber.terminate()
-        subscriber.wait(10)
+        publisher.close()

@@ -36,7 +36,7 @@ if str(REPO) not in sys.path:
 
 from agent.demo.broker import EmbeddedBroker  # noqa: E402
 from benchmarks.harness import section_main  # noqa: E402
-from benchmarks.lean_loop import lean_vs_bare  # noqa: E402
+from benchmarks.lean_loop import scan_vs_bare  # noqa: E402
 from benchmarks.sources import StreamRecorder, threads  # noqa: E402
 from tests.silero_helpers import HOP, LEAD, RATE, SILERO, WINDOW, scan_config  # noqa: E402
 
@@ -196,7 +196,7 @@ def measure(broker: EmbeddedBroker, workdir: Path, quick: bool) -> list[ScanResu
         f"the model's run in the agent {infer_us:.0f} µs a window (QoS 0 {infer['qos0']:.0f}, "
         f"stream false {infer['whole']:.0f}), bare {1e6 / bare:.0f}"
     )
-    bare, lean, ratio = lean_vs_bare(broker, workdir, bare_session(), windows, 3 if quick else 8)
+    bare, lean, ratio = scan_vs_bare(broker, workdir, bare_session(), windows, 3 if quick else 8)
     results.append(ScanResult(1, len(windows), bare, lean, ratio, "lean"))
     print(f"lean loop, no agent: {lean:.0f} windows/s, bare {bare:.0f} (x{ratio:.2f})")
     return results
@@ -287,9 +287,10 @@ def section(results: list[ScanResult]) -> list[str]:
         "",
         "The `lean` row is a reference, not the agent: the bare loop over the request row's "
         "windows that also makes each window's chunk with the protocol's own encoder and "
-        "publishes it at QoS 1 from its own thread on a minimal MQTT client, 8 windows a "
-        "write, no spool and no other thread (benchmarks/lean_loop.py, decision 0040): about "
-        "the least that one message a window costs a Python publisher on this machine.",
+        "publishes it at QoS 1 from its own thread on a minimal MQTT client, its writes timed "
+        "as the agent's send hold times them, with no spool and no other thread "
+        "(benchmarks/lean_loop.py, decision 0040): about the least that one message a window "
+        "costs a Python publisher on this machine.",
         "",
         "| path | windows a message | bare inference | through the agent (lean: the loop) | "
         "agent / bare | agent cost per window | target |",
