@@ -116,3 +116,35 @@ def test_an_idle_session_shrinks_its_arena_with_its_warm_up_inputs(
         assert abs(rss() - runs) < 4 * MIB
     finally:
         manager.close(drain_timeout=1)
+
+
+def test_a_version_served_without_a_warm_up_shrinks_with_a_requests_inputs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`[warmup] enabled = false`: no warm-up inputs are kept, so the session keeps a copy of
+    the first small request's, and the idle release runs those."""
+    import shutil
+
+    from agent.models.backends import base
+    from agent.models.manager import ModelManager
+
+    monkeypatch.setattr(ort_backend, "SHRINK_EVERY_S", 3600.0)  # no request shrinks it here
+    (tmp_path / "ocr" / "1").mkdir(parents=True)
+    shutil.copy(DETECTOR, tmp_path / "ocr" / "1" / "model.onnx")
+    (tmp_path / "ocr" / "config.toml").write_text("[warmup]\nenabled = false\n")
+    manager = ModelManager(tmp_path, BackendOptions(intra_op_threads=1), settle_s=0)
+    try:
+        manager.sync()
+        assert manager.inventory()["models"]["ocr"]["versions"]["1"]["warmup"] != "ok"
+        large = {"x": np.zeros((4, 3, 960, 960), np.float32)}
+        with manager.lease("ocr") as lease:
+            before = rss()
+            lease.session.run(large)  # over the size kept: not kept
+            lease.session.run(SMALL)
+            grown = rss() - before
+        assert grown > 32 * MIB, grown
+        monkeypatch.setattr(base, "IDLE_RELEASE_S", 0.0)
+        manager.sync()
+        assert rss() - before < 0.25 * grown, (grown, rss() - before)
+    finally:
+        manager.close(drain_timeout=1)

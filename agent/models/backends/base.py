@@ -226,8 +226,9 @@ IDLE_INPUTS_MAX_BYTES = 1 << 20  # inputs a session keeps to shrink its memory w
 
 
 def offer_idle_inputs(session: object, inputs: Mapping[str, Any]) -> None:
-    """Inputs the session has just answered (its warm-up): a session that needs a run to give
-    memory back when idle (ONNX Runtime's arena) keeps them, where they are small."""
+    """Inputs the session has just answered (its warm-up; without one, a request): a session
+    that needs a run to give memory back when idle (ONNX Runtime's arena) keeps a copy, where
+    they are small."""
     keep = getattr(session, "keep_for_idle", None)
     if not callable(keep):
         return

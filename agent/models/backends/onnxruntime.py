@@ -220,8 +220,11 @@ class OnnxSession:
         self._shrink: Any = _shrink_options()  # None: this session's runs never shrink
         self._next_shrink = time.monotonic() + SHRINK_EVERY_S
         # Idle: the inputs of a run that shrinks the arena once no run came for a while
-        # (`release_idle`); when the last run began, and whether it shrank.
+        # (`release_idle`): the warm-up's, else the first small request's (`_seek_idle`
+        # until some are kept, and no more once a shrinking run of them failed); when the
+        # last run began, and whether it shrank.
         self._idle_inputs: dict[str, npt.NDArray[Any]] | None = None
+        self._seek_idle = self._shrink is not None
         self._last_run = time.monotonic()
         self._shrunk = True
 
@@ -261,11 +264,13 @@ class OnnxSession:
                 raise InferenceError(one_line(exc)) from exc
             return self._run_unshrunk(session, inputs, exc)
         self._last_run, self._shrunk = now, shrink is not None
+        if self._seek_idle and self._idle_inputs is None:  # served without a warm-up
+            base.offer_idle_inputs(self, inputs)
         return dict(zip(self._output_names, values, strict=True))
 
     def keep_for_idle(self, inputs: Mapping[str, npt.NDArray[Any]]) -> None:
-        """Inputs this session answered (its warm-up, `base.offer_idle_inputs`): what
-        `release_idle` runs to shrink the arena."""
+        """Inputs this session answered (its warm-up or a request, `base.offer_idle_inputs`):
+        what `release_idle` runs to shrink the arena."""
         self._idle_inputs = dict(inputs)
 
     def release_idle(self, idle_s: float | None = None) -> int:
@@ -282,7 +287,7 @@ class OnnxSession:
             session.run(self._output_list, dict(inputs), shrink)
         except Exception as exc:  # the next request's run shrinks it instead
             log.warning("%s: idle, the run to shrink its arena failed: %s", self, one_line(exc))
-            self._idle_inputs = None
+            self._idle_inputs, self._seek_idle = None, False
             return 0
         self._shrunk = True
         log.info("%s: idle for %.0f s or more; its memory arena shrunk", self, idle_s)
@@ -308,6 +313,7 @@ class OnnxSession:
         except Exception as exc:
             raise InferenceError(one_line(exc)) from exc
         self._shrink, self._last_run, self._shrunk = None, time.monotonic(), False
+        self._seek_idle = False
         log.warning(
             "%s: ONNX Runtime refused to shrink its memory arena (%s); not asked again",
             self.model_file,
