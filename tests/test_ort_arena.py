@@ -17,7 +17,7 @@ import pytest
 
 from agent.models.backends import onnxruntime as ort_backend
 from agent.models.backends.base import BackendOptions, InferenceError
-from agent.models.backends.onnxruntime import OnnxRuntimeBackend
+from agent.models.backends.onnxruntime import OnnxRuntimeBackend, OnnxSession
 
 DETECTOR = Path(__file__).resolve().parent / "fixtures" / "real" / "ocr_det" / "model.onnx"
 SMALL = {"x": np.zeros((1, 3, 64, 64), np.float32)}
@@ -70,7 +70,7 @@ def test_an_onnxruntime_that_refuses_the_shrink_is_not_asked_again(
     try:
         refused = ort.RunOptions()
         refused.add_run_config_entry(ort_backend.SHRINK_KEY, "gpu:0")
-        session._shrink = refused
+        session._shrink = session._shrink_cpu = refused  # the CPU arena's own shrink refused
         with pytest.raises(InferenceError, match=r"rank|dimension"):
             session.run({"x": np.zeros((1, 3, 64), np.float32)})
         assert session._shrink is refused  # a bad input says nothing about the shrink
@@ -79,6 +79,46 @@ def test_an_onnxruntime_that_refuses_the_shrink_is_not_asked_again(
             assert session.run(SMALL)
         warnings = [r for r in caplog.records if "refused to shrink" in r.getMessage()]
         assert len(warnings) == 1 and session._shrink is None
+    finally:
+        session.close()
+
+
+def test_a_gpu_session_asks_its_device_arena_too_and_drops_it_where_refused(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A session on the CUDA (or TensorRT) provider asks for `cpu:0;gpu:N`, N its device.
+    Where ONNX Runtime refuses the device arena's shrink, the run is made again without it and
+    later runs ask for the CPU arena's alone, with one warning (here on the CPU, whose ONNX
+    Runtime has no `gpu:0` arena to shrink)."""
+
+    class CudaSession:  # what OnnxSession reads of an InferenceSession on GPU 1
+        def get_inputs(self) -> list[object]:
+            return []
+
+        def get_outputs(self) -> list[object]:
+            return []
+
+        def get_providers(self) -> list[str]:
+            return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+        def get_provider_options(self) -> dict[str, dict[str, str]]:
+            return {"CUDAExecutionProvider": {"device_id": "1"}}
+
+    on_gpu = OnnxSession(CudaSession(), DETECTOR)
+    assert on_gpu._shrink.get_run_config_entry(ort_backend.SHRINK_KEY) == "cpu:0;gpu:1"
+    assert on_gpu._shrink_cpu.get_run_config_entry(ort_backend.SHRINK_KEY) == "cpu:0"
+
+    monkeypatch.setattr(ort_backend, "SHRINK_EVERY_S", 0.0)
+    session = OnnxRuntimeBackend().load(DETECTOR, BackendOptions(intra_op_threads=1))
+    try:
+        assert session._shrink is session._shrink_cpu  # a CPU session: its CPU arena's
+        session._shrink = ort_backend._shrink_options("cpu:0;gpu:0")
+        with caplog.at_level(logging.WARNING, logger="agent.models.backends.onnxruntime"):
+            assert session.run(SMALL)
+            assert session.run(SMALL)
+        warnings = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert len(warnings) == 1 and "GPU memory arena" in warnings[0], warnings
+        assert session._shrink is session._shrink_cpu
     finally:
         session.close()
 

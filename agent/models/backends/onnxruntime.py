@@ -55,14 +55,15 @@ ORT_DTYPES: dict[str, np.dtype[Any]] = {
 _OBJECT = np.dtype(object)
 
 
-def _shrink_options() -> Any:
-    """Run options asking ONNX Runtime to free the CPU arena's unused chunks at the end of
-    the run; None where this onnxruntime cannot make them."""
+def _shrink_options(arenas: str = "cpu:0") -> Any:
+    """Run options asking ONNX Runtime to free the unused chunks of `arenas` (its format:
+    "cpu:0", "cpu:0;gpu:1") at the end of the run; None where this onnxruntime cannot make
+    them."""
     try:
         import onnxruntime as ort
 
         options = ort.RunOptions()
-        options.add_run_config_entry(SHRINK_KEY, "cpu:0")
+        options.add_run_config_entry(SHRINK_KEY, arenas)
     except Exception:  # an onnxruntime without RunOptions config entries
         return None
     return options
@@ -217,7 +218,12 @@ class OnnxSession:
         self._output_list = list(self._output_names)
         self._providers = tuple(str(p) for p in session.get_providers())
         self._device = _device_of(session, self._providers)
-        self._shrink: Any = _shrink_options()  # None: this session's runs never shrink
+        # The arenas a run shrinks: the CPU's, and a GPU session's device arena too (None:
+        # this session's runs never shrink); the CPU's alone where ONNX Runtime refuses that.
+        self._shrink_cpu: Any = _shrink_options()
+        kind, device_id = self._device
+        gpu = _shrink_options(f"cpu:0;gpu:{device_id}") if kind == "cuda" else None
+        self._shrink: Any = gpu if gpu is not None else self._shrink_cpu
         self._next_shrink = time.monotonic() + SHRINK_EVERY_S
         # Idle: the inputs of a run that shrinks the arena once no run came for a while
         # (`release_idle`): the warm-up's, else the first small request's (`_seek_idle`
@@ -307,17 +313,22 @@ class OnnxSession:
         self, session: Any, inputs: Mapping[str, npt.NDArray[Any]], failure: Exception
     ) -> dict[str, npt.NDArray[Any]]:
         """A run with the shrink failed: again without it. Where that one runs, the shrink
-        was the cause (an ONNX Runtime without a CPU arena): this session stops asking."""
+        was the cause: a GPU session asks for the CPU arena's alone from then on (its device
+        arena could not be shrunk), else (an ONNX Runtime without a CPU arena) the session
+        stops asking."""
         try:
             values = session.run(self._output_list, dict(inputs))
         except Exception as exc:
             raise InferenceError(one_line(exc)) from exc
-        self._shrink, self._last_run, self._shrunk = None, time.monotonic(), False
-        self._seek_idle = False
+        self._last_run, self._shrunk = time.monotonic(), False
+        if self._shrink is not self._shrink_cpu:
+            self._shrink = self._shrink_cpu
+            what = "its GPU memory arena; its CPU arena's alone are shrunk from now on"
+        else:
+            self._shrink, self._seek_idle = None, False
+            what = "its memory arena; not asked again"
         log.warning(
-            "%s: ONNX Runtime refused to shrink its memory arena (%s); not asked again",
-            self.model_file,
-            one_line(failure),
+            "%s: ONNX Runtime refused to shrink %s (%s)", self.model_file, what, one_line(failure)
         )
         return dict(zip(self._output_names, values, strict=True))
 
