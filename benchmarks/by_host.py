@@ -59,7 +59,10 @@ def lines(
         "ratios (those that depend on the agent's threads handing work to each other) differ "
         "between hosts by more than any change to the agent moved them. Each row is the latest "
         "full run of a section on one host (`benchmarks/results/by-host.json`); the sections "
-        "below show the latest run of each, on whichever host made it.",
+        "below show the latest run of each, on whichever host made it. A `lean loop` figure in "
+        "brackets is a reference, not a target: the same loop publishing its own messages with "
+        "no agent, the least a Python publisher reaches on that host "
+        "([decisions/0040](decisions/0040-lean-loops-beside-the-targets.md)).",
         "",
         "| section | host | measured | figures | targets |",
         "|---|---|---|---|---|",
