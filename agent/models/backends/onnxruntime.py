@@ -226,9 +226,9 @@ class OnnxSession:
         self._shrink: Any = gpu if gpu is not None else self._shrink_cpu
         self._next_shrink = time.monotonic() + SHRINK_EVERY_S
         # Idle: the inputs of a run that shrinks the arena once no run came for a while
-        # (`release_idle`): the warm-up's, else the first small request's (`_seek_idle`
-        # until some are kept, and no more once a shrinking run of them failed); when the
-        # last run began, and whether it shrank.
+        # (`release_idle`): the warm-up's, else (none, or over `IDLE_INPUTS_MAX_BYTES`) the
+        # first small request's (`_seek_idle` until some are kept, and no more once a
+        # shrinking run of them failed); when the last run began, and whether it shrank.
         self._idle_inputs: dict[str, npt.NDArray[Any]] | None = None
         self._seek_idle = self._shrink is not None
         self._last_run = time.monotonic()
@@ -270,7 +270,7 @@ class OnnxSession:
                 raise InferenceError(one_line(exc)) from exc
             return self._run_unshrunk(session, inputs, exc)
         self._last_run, self._shrunk = now, shrink is not None
-        if self._seek_idle and self._idle_inputs is None:  # served without a warm-up
+        if self._seek_idle and self._idle_inputs is None:  # no warm-up's, or too large
             base.offer_idle_inputs(self, inputs)
         return dict(zip(self._output_names, values, strict=True))
 
