@@ -112,7 +112,10 @@ def test_a_gpu_session_asks_its_device_arena_too_and_drops_it_where_refused(
     session = OnnxRuntimeBackend().load(DETECTOR, BackendOptions(intra_op_threads=1))
     try:
         assert session._shrink is session._shrink_cpu  # a CPU session: its CPU arena's
-        session._shrink = ort_backend._shrink_options("cpu:0;gpu:0")
+        combined = ort_backend._shrink_options("cpu:0;gpu:0")
+        if _accepted(session, combined):
+            pytest.skip("this ONNX Runtime does not check a shrink list's later entries (1.23)")
+        session._shrink = combined
         with caplog.at_level(logging.WARNING, logger="agent.models.backends.onnxruntime"):
             assert session.run(SMALL)
             assert session.run(SMALL)
@@ -121,6 +124,16 @@ def test_a_gpu_session_asks_its_device_arena_too_and_drops_it_where_refused(
         assert session._shrink is session._shrink_cpu
     finally:
         session.close()
+
+
+def _accepted(session: OnnxSession, options: object) -> bool:
+    """Whether ONNX Runtime runs `session` with `options` (on the CPU: whether it checks the
+    `gpu:0` after a `cpu:0` in a shrink list; 1.32 does, 1.23 does not)."""
+    try:
+        session._session.run(None, SMALL, options)
+    except Exception:
+        return False
+    return True
 
 
 def test_an_idle_session_shrinks_its_arena_with_its_warm_up_inputs(
