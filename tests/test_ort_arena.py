@@ -2,15 +2,22 @@
 in every `SHRINK_EVERY_S` asks ONNX Runtime to free the arena's unused chunks at its end.
 
 Real ONNX Runtime, a real exported model (the Paddle OCR detector fixture, whose activations
-grow with the image), the process's resident memory from /proc.
+grow with the image), the process's resident memory from /proc. What a run adds to it depends
+on what the process freed before (a large request may reuse it and grow it less), so the
+scenarios that measure it run in a fresh interpreter of their own (`in_fresh_process`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,8 +26,10 @@ from agent.models.backends import onnxruntime as ort_backend
 from agent.models.backends.base import BackendOptions, InferenceError
 from agent.models.backends.onnxruntime import OnnxRuntimeBackend, OnnxSession
 
-DETECTOR = Path(__file__).resolve().parent / "fixtures" / "real" / "ocr_det" / "model.onnx"
+REPO = Path(__file__).resolve().parent.parent
+DETECTOR = REPO / "tests" / "fixtures" / "real" / "ocr_det" / "model.onnx"
 SMALL = {"x": np.zeros((1, 3, 64, 64), np.float32)}
+LARGE = {"x": np.zeros((4, 3, 960, 960), np.float32)}
 MIB = 1024 * 1024
 
 
@@ -31,30 +40,54 @@ def rss() -> int:
     raise AssertionError("no VmRSS")
 
 
-def test_a_large_requests_memory_goes_back_at_the_next_shrinking_run(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """One session: the arena keeps what a large request grew it to through the runs before
-    the shrink's turn, and the first run after `SHRINK_EVERY_S` gives it back. (One session
-    throughout: a second one could reuse memory the first freed, and grow less.)"""
-    monkeypatch.setattr(ort_backend, "SHRINK_EVERY_S", 3600.0)
+def in_fresh_process(scenario: str, *args: str) -> dict[str, Any]:
+    """What the scenario function `scenario` of this module returns, run with `args` in a new
+    interpreter (its resident memory owes nothing to the tests before it)."""
+    code = (
+        "import json, sys\n"
+        "from tests import test_ort_arena as t\n"
+        f"print(json.dumps(t.{scenario}(*sys.argv[1:])))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def grown_kept_left() -> dict[str, int]:
+    """Scenario: one session with `SHRINK_EVERY_S` an hour: a large run, a small one, then a
+    small one after the clock passed the shrink's turn; resident bytes over the first small
+    run's after each."""
+    ort_backend.SHRINK_EVERY_S = 3600.0
     session = OnnxRuntimeBackend().load(DETECTOR, BackendOptions(intra_op_threads=1))
     try:
         session.run(SMALL)
         before = rss()
-        session.run({"x": np.zeros((4, 3, 960, 960), np.float32)})
+        session.run(LARGE)
         grown = rss() - before
         session.run(SMALL)
         kept = rss() - before
-        assert grown > 32 * MIB and kept > 0.75 * grown, (grown, kept)
-
         an_hour_later = time.monotonic() + 3601
-        monkeypatch.setattr(ort_backend, "time", SimpleNamespace(monotonic=lambda: an_hour_later))
+        ort_backend.time = SimpleNamespace(monotonic=lambda: an_hour_later)
         session.run(SMALL)  # the shrink's turn
-        left = rss() - before
-        assert left < 0.25 * grown, (grown, left)
+        return {"grown": grown, "kept": kept, "left": rss() - before}
     finally:
         session.close()
+
+
+def test_a_large_requests_memory_goes_back_at_the_next_shrinking_run() -> None:
+    """The arena keeps what a large request grew it to through the runs before the shrink's
+    turn, and the first run after `SHRINK_EVERY_S` gives it back."""
+    got = in_fresh_process("grown_kept_left")
+    grown = got["grown"]
+    assert grown > 32 * MIB and got["kept"] > 0.75 * grown, got
+    assert got["left"] < 0.25 * grown, got
 
 
 def test_an_onnxruntime_that_refuses_the_shrink_is_not_asked_again(
@@ -136,68 +169,70 @@ def _accepted(session: OnnxSession, options: object) -> bool:
     return True
 
 
-def test_an_idle_session_shrinks_its_arena_with_its_warm_up_inputs(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def idle_release(folder: str, warmup: str, small_first: str) -> dict[str, Any]:
+    """Scenario: the detector as version 1 of a repository in `folder` ([warmup] enabled
+    where `warmup` is "on"), `SHRINK_EVERY_S` an hour; a large request (after a small one where
+    `small_first` is "yes", else before it), the manager's sync before and after
+    `IDLE_RELEASE_S` passed, and once more with nothing run since; resident bytes over those
+    before the large request after each."""
+    from agent.models.backends import base
+    from agent.models.manager import ModelManager
+
+    ort_backend.SHRINK_EVERY_S = 3600.0  # no request shrinks it here
+    root = Path(folder)
+    (root / "ocr" / "1").mkdir(parents=True)
+    shutil.copy(DETECTOR, root / "ocr" / "1" / "model.onnx")
+    if warmup != "on":
+        (root / "ocr" / "config.toml").write_text("[warmup]\nenabled = false\n")
+    manager = ModelManager(root, BackendOptions(intra_op_threads=1), settle_s=0)
+    try:
+        manager.sync()
+        warmed = manager.inventory()["models"]["ocr"]["versions"]["1"]["warmup"]
+        with manager.lease("ocr") as lease:
+            if small_first == "yes":
+                lease.session.run(SMALL)
+            before = rss()
+            lease.session.run(LARGE)  # over the size a session keeps: never kept
+            if small_first != "yes":
+                lease.session.run(SMALL)
+            grown = rss() - before
+        manager.sync()  # not idle long enough
+        not_yet = rss() - before
+        base.IDLE_RELEASE_S = 0.0
+        manager.sync()
+        released = rss() - before
+        manager.sync()  # nothing ran since: no second shrinking run
+        again = rss() - before
+        return {
+            "warmup": warmed,
+            "grown": grown,
+            "not_yet": not_yet,
+            "released": released,
+            "again": again,
+        }
+    finally:
+        manager.close(drain_timeout=1)
+
+
+def test_an_idle_session_shrinks_its_arena_with_its_warm_up_inputs(tmp_path: Path) -> None:
     """The manager's sync asks every loaded session to give back what it keeps once idle for
     `IDLE_RELEASE_S`: an ONNX Runtime session runs the warm-up's inputs (kept when it loaded)
     once with the shrink, so a large request's memory goes without another request."""
-    import shutil
-
-    from agent.models.backends import base
-    from agent.models.manager import ModelManager
-
-    monkeypatch.setattr(ort_backend, "SHRINK_EVERY_S", 3600.0)  # no request shrinks it here
-    (tmp_path / "ocr" / "1").mkdir(parents=True)
-    shutil.copy(DETECTOR, tmp_path / "ocr" / "1" / "model.onnx")
-    manager = ModelManager(tmp_path, BackendOptions(intra_op_threads=1), settle_s=0)
-    try:
-        manager.sync()
-        assert manager.inventory()["models"]["ocr"]["versions"]["1"]["warmup"] == "ok"
-        with manager.lease("ocr") as lease:
-            lease.session.run(SMALL)
-            before = rss()
-            lease.session.run({"x": np.zeros((4, 3, 960, 960), np.float32)})
-            grown = rss() - before
-        manager.sync()  # not idle long enough
-        assert grown > 32 * MIB and rss() - before > 0.75 * grown
-        monkeypatch.setattr(base, "IDLE_RELEASE_S", 0.0)
-        manager.sync()
-        assert rss() - before < 0.25 * grown, (grown, rss() - before)
-        runs = rss()
-        manager.sync()  # nothing ran since: no second shrinking run
-        assert abs(rss() - runs) < 4 * MIB
-    finally:
-        manager.close(drain_timeout=1)
+    got = in_fresh_process("idle_release", str(tmp_path / "models"), "on", "yes")
+    grown = got["grown"]
+    assert got["warmup"] == "ok", got
+    assert grown > 32 * MIB and got["not_yet"] > 0.75 * grown, got
+    assert got["released"] < 0.25 * grown, got
+    assert abs(got["again"] - got["released"]) < 4 * MIB, got
 
 
 def test_a_version_served_without_a_warm_up_shrinks_with_a_requests_inputs(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    tmp_path: Path,
 ) -> None:
     """`[warmup] enabled = false`: no warm-up inputs are kept, so the session keeps a copy of
     the first small request's, and the idle release runs those."""
-    import shutil
-
-    from agent.models.backends import base
-    from agent.models.manager import ModelManager
-
-    monkeypatch.setattr(ort_backend, "SHRINK_EVERY_S", 3600.0)  # no request shrinks it here
-    (tmp_path / "ocr" / "1").mkdir(parents=True)
-    shutil.copy(DETECTOR, tmp_path / "ocr" / "1" / "model.onnx")
-    (tmp_path / "ocr" / "config.toml").write_text("[warmup]\nenabled = false\n")
-    manager = ModelManager(tmp_path, BackendOptions(intra_op_threads=1), settle_s=0)
-    try:
-        manager.sync()
-        assert manager.inventory()["models"]["ocr"]["versions"]["1"]["warmup"] != "ok"
-        large = {"x": np.zeros((4, 3, 960, 960), np.float32)}
-        with manager.lease("ocr") as lease:
-            before = rss()
-            lease.session.run(large)  # over the size kept: not kept
-            lease.session.run(SMALL)
-            grown = rss() - before
-        assert grown > 32 * MIB, grown
-        monkeypatch.setattr(base, "IDLE_RELEASE_S", 0.0)
-        manager.sync()
-        assert rss() - before < 0.25 * grown, (grown, rss() - before)
-    finally:
-        manager.close(drain_timeout=1)
+    got = in_fresh_process("idle_release", str(tmp_path / "models"), "off", "no")
+    grown = got["grown"]
+    assert got["warmup"] != "ok", got
+    assert grown > 32 * MIB and got["not_yet"] > 0.75 * grown, got
+    assert got["released"] < 0.25 * grown, got
