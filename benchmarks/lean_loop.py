@@ -16,11 +16,9 @@ from __future__ import annotations
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from agent.demo.broker import EmbeddedBroker
 from agent.inference.send_hold import HOLD_MAX_MESSAGES, HOLD_MAX_S
@@ -112,28 +110,3 @@ def alternate(
         before = after
     med = statistics.median
     return med(bare_rates), med(lean_rates), med(ratios)
-
-
-def scan_vs_bare(
-    broker: EmbeddedBroker, workdir: Path, session: Any, windows: Sequence[np.ndarray], rounds: int
-) -> tuple[float, float, float]:
-    """The scan section's lean row: silero's windows with the state fed back (`sr` 16 kHz),
-    bare and lean in turn in this thread (`alternate`)."""
-    feed = {"sr": np.array(16000, dtype=np.int64)}
-
-    def loop(publisher: LeanPublisher | None) -> float:
-        run, state = session.run, np.zeros((2, 1, 128), np.float32)
-        started = time.perf_counter()
-        for n, window in enumerate(windows):
-            output, state = run(None, {**feed, "input": window, "state": state})
-            if publisher is not None:
-                publisher.chunk(n, {"output": output}, offset=n * 512)
-        if publisher is not None:
-            publisher.end()
-        return len(windows) / (time.perf_counter() - started)
-
-    publisher = LeanPublisher(broker, workdir)
-    try:
-        return alternate(lambda: loop(None), lambda: loop(publisher), rounds)
-    finally:
-        publisher.close()

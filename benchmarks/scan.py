@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ if str(REPO) not in sys.path:
 
 from agent.demo.broker import EmbeddedBroker  # noqa: E402
 from benchmarks.harness import section_main  # noqa: E402
-from benchmarks.lean_loop import scan_vs_bare  # noqa: E402
+from benchmarks.lean_loop import LeanPublisher, alternate  # noqa: E402
 from benchmarks.sources import StreamRecorder, threads  # noqa: E402
 from tests.silero_helpers import HOP, LEAD, RATE, SILERO, WINDOW, scan_config  # noqa: E402
 
@@ -89,18 +90,44 @@ def bare_session() -> Any:
     return ort.InferenceSession(str(SILERO), options, providers=["CPUExecutionProvider"])
 
 
-def bare_wps(windows: list[np.ndarray]) -> float:
-    """Every window through ORT with the state fed back, as a plain loop would."""
-    session = bare_session()
+def window_loop(
+    session: Any, windows: Sequence[np.ndarray], publisher: LeanPublisher | None = None
+) -> float:
+    """Windows a second of every window through ORT with the state fed back, as a plain loop
+    would; given a `publisher`, each window's output published as a chunk (the lean row)."""
     state = np.zeros((2, 1, 128), np.float32)
     sr = np.array(RATE, dtype=np.int64)
-    for window in windows[:200]:  # warm
-        _, state = session.run(None, {"input": window, "state": state, "sr": sr})
-    state = np.zeros((2, 1, 128), np.float32)
     started = time.perf_counter()
-    for window in windows:
-        _, state = session.run(None, {"input": window, "state": state, "sr": sr})
+    for n, window in enumerate(windows):
+        output, state = session.run(None, {"input": window, "state": state, "sr": sr})
+        if publisher is not None:
+            publisher.chunk(n, {"output": output}, offset=n * HOP)
+    if publisher is not None:
+        publisher.end()
     return len(windows) / (time.perf_counter() - started)
+
+
+def bare_wps(windows: list[np.ndarray]) -> float:
+    """`window_loop` on a fresh session, after 200 windows to warm it."""
+    session = bare_session()
+    window_loop(session, windows[:200])
+    return window_loop(session, windows)
+
+
+def lean_vs_bare(
+    broker: EmbeddedBroker, workdir: Path, windows: list[np.ndarray], rounds: int
+) -> tuple[float, float, float]:
+    """The lean row: `window_loop` bare and publishing, in turn, on one session."""
+    session = bare_session()
+    publisher = LeanPublisher(broker, workdir)
+    try:
+        return alternate(
+            lambda: window_loop(session, windows),
+            lambda: window_loop(session, windows, publisher),
+            rounds,
+        )
+    finally:
+        publisher.close()
 
 
 def add_model(repository: Path) -> None:
@@ -196,7 +223,7 @@ def measure(broker: EmbeddedBroker, workdir: Path, quick: bool) -> list[ScanResu
         f"the model's run in the agent {infer_us:.0f} µs a window (QoS 0 {infer['qos0']:.0f}, "
         f"stream false {infer['whole']:.0f}), bare {1e6 / bare:.0f}"
     )
-    bare, lean, ratio = scan_vs_bare(broker, workdir, bare_session(), windows, 3 if quick else 8)
+    bare, lean, ratio = lean_vs_bare(broker, workdir, windows, 3 if quick else 8)
     results.append(ScanResult(1, len(windows), bare, lean, ratio, "lean"))
     print(f"lean loop, no agent: {lean:.0f} windows/s, bare {bare:.0f} (x{ratio:.2f})")
     return results

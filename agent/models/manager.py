@@ -204,9 +204,7 @@ class ModelManager:
         """GPU memory each loaded version's session holds itself, by (model, version), where
         its backend counts it (the agent's TensorRT sessions: their buffers and kept
         arrays; not the engine's own, nor ONNX Runtime's)."""
-        with self._lock:
-            loaded = [v for v in loaded_versions(self._models) if not v.closed]
-        counts = {(v.model, v.version): session_device_bytes(v.session) for v in loaded}
+        counts = {(v.model, v.version): session_device_bytes(v.session) for v in self._open()}
         return {key: count for key, count in counts.items() if count is not None}
 
     # -- reconciling with the disk -----------------------------------------------------------
@@ -237,17 +235,19 @@ class ModelManager:
 
     def _release_idle_memory(self) -> None:
         """Sessions idle for `base.IDLE_RELEASE_S` give back what they keep for runs to come
-        (TensorRT: their buffers; ONNX Runtime: its arena, by one run of the warm-up's
-        inputs)."""
-        with self._lock:
-            loaded = [v for v in loaded_versions(self._models) if not v.closed]
-        for version in loaded:
+        (TensorRT: their buffers; ONNX Runtime: its arena, by one run of inputs it kept)."""
+        for version in self._open():
             try:
                 release_idle_memory(version.session)
             except Exception:  # a CUDA error: the version's next run reports it
                 log.exception(
                     "%s v%d: releasing idle memory failed", version.model, version.version
                 )
+
+    def _open(self) -> list[LoadedVersion]:
+        """The loaded versions not closed yet, as they are now."""
+        with self._lock:
+            return [v for v in loaded_versions(self._models) if not v.closed]
 
     def recheck_s(self) -> float | None:
         """How soon the disk should be looked at again, file events or not: FAILED_RECHECK_S

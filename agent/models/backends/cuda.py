@@ -41,6 +41,7 @@ __all__ = [
     "CudaError",
     "DeviceIdentity",
     "HostDeviceBuffer",
+    "call_each",
     "free_each",
     "get_device",
     "import_driver",
@@ -100,17 +101,22 @@ def size_class(nbytes: int) -> int:
     return -(-wanted // step) * step
 
 
-def free_each(memory: Iterable[Any]) -> None:
-    """`free()` every one, even when one of them fails; re-raise the first failure after.
-    Call with the context current."""
+def call_each(calls: Iterable[Callable[[], object]]) -> None:
+    """Call every one, even when one of them fails; re-raise the first failure after (what
+    releasing several pieces of GPU memory must do)."""
     first: BaseException | None = None
-    for item in memory:
+    for call in calls:
         try:
-            item.free()
-        except Exception as exc:  # keep freeing the others
+            call()
+        except Exception as exc:  # keep releasing the others
             first = first or exc
     if first is not None:
         raise first
+
+
+def free_each(memory: Iterable[Any]) -> None:
+    """`free()` every one (`call_each`). Call with the context current."""
+    call_each(item.free for item in memory)
 
 
 class HostDeviceBuffer:

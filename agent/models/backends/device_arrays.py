@@ -159,7 +159,7 @@ class DevicePool:
         """Of `device_bytes`, the allocations no live array holds (kept for reuse)."""
         with self._lock:
             self._collect()
-            return sum(size for size, allocations in self._free.items() for _ in allocations)
+            return sum(size * len(allocations) for size, allocations in self._free.items())
 
     def free_all(self) -> None:
         """Free every allocation, arrays still alive included (the session is gone). Call

@@ -460,20 +460,11 @@ class TensorRTSession:
             self._closed = True
             workers, self._workers, self._idle = self._workers, [], []
         self._profiles.clear()
-        first: BaseException | None = None
-        with self._device.activate():
-            for worker in workers:
-                worker.context = None
-            self._engine = None
-            for worker in workers:
-                try:
-                    worker.buffers.free_all()
-                except Exception as exc:
-                    first = first or exc
-            try:
-                self._kept.free_all()
-            except Exception as exc:
-                first = first or exc
-        log.debug("%s: released %d execution context(s)", self.model_file, len(workers))
-        if first is not None:
-            raise first
+        try:
+            with self._device.activate():
+                for worker in workers:
+                    worker.context = None
+                self._engine = None
+                cuda.call_each([*(w.buffers.free_all for w in workers), self._kept.free_all])
+        finally:
+            log.debug("%s: released %d execution context(s)", self.model_file, len(workers))
