@@ -162,7 +162,9 @@ def generate_loop(
     prompt = np.array(PROMPT, dtype=object)
 
     def publish(publisher: LeanPublisher | None, pieces: list[Any]) -> None:
-        for piece in pieces if publisher is not None else ():
+        if publisher is None:
+            return
+        for piece in pieces:
             publisher.chunk(piece.index, piece.outputs, **(piece.extra or {}))
 
     def rate(publisher: LeanPublisher | None = None) -> float:

@@ -4,6 +4,7 @@ costs next to nothing, paho clients with TCP_NODELAY, and the machine's descript
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import shutil
@@ -148,10 +149,8 @@ class StampSubscriber:
         return self.stamps[self._skip :]
 
     def wait_for(self, n: int, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while self.count < n and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return self.count >= n
+        """True once `n` messages arrived, False at `timeout`."""
+        return self.wait_quiet(n, timeout, quiet_s=math.inf)
 
     def wait_quiet(self, n: int, timeout: float, quiet_s: float = 2.0) -> bool:
         """As `wait_for`, but also give up once nothing arrived for `quiet_s`: at QoS 0 the
