@@ -14,6 +14,9 @@ It writes
   query attention, rotary positions), each exported with optimum's
   ``text-generation-with-past`` (``model.onnx``), with the ``config.json`` and
   ``generation_config.json`` that ``save_pretrained`` wrote and a copy of ``tokenizer.json``;
+- ``gpt2_optimized/``: that GPT-2-like export run through ONNX Runtime's transformer optimizer
+  (``onnxruntime.transformers.optimizer``, what optimum's ``ORTOptimizer`` calls), whose fused
+  operators of the ``com.microsoft`` domain the agent loads as they are;
 - ``models/writer/1/``: the GPT-2-like one again, the README's bundled example model
   (with ``--out`` elsewhere, left alone);
 - ``reference.json``: per model and prompt, the prompt's token ids, Hugging Face's greedy
@@ -21,7 +24,8 @@ It writes
   the best and second-best logit on that path (a tie would make greedy ill-defined).
 
 Everything is seeded (torch.manual_seed, a fixed corpus), so a rerun with the same pins
-writes the same tokens.
+writes the same tokens. ``--optimized-only`` rewrites ``gpt2_optimized/`` from the ``gpt2/``
+already there; it needs only onnx, onnxruntime and sympy (the optimizer's shape inference).
 """
 
 from __future__ import annotations
@@ -130,10 +134,37 @@ def export(model: Any, dst: Path) -> None:
             shutil.copy(src / extra, dst / extra)
 
 
+def optimize(src: Path, dst: Path) -> None:
+    """`src`'s GPT-2 export fused by ONNX Runtime's transformer optimizer into `dst`, with the
+    other files of the folder. `opt_level=0`: only the optimizer's own fusions (layer norms,
+    GELU), none of a provider's, so the file runs on any provider that has the fused ops."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    config = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    model = optimize_model(
+        str(src / "model.onnx"),
+        model_type="gpt2",
+        num_heads=config["n_head"],
+        hidden_size=config["n_embd"],
+        opt_level=0,
+    )
+    fused = {op: n for op, n in model.get_fused_operator_statistics().items() if n}
+    print(f"{dst.name}: {fused}")
+    dst.mkdir(parents=True, exist_ok=True)
+    model.save_model_to_file(str(dst / "model.onnx"))
+    for extra in ("config.json", "generation_config.json", "tokenizer.json"):
+        shutil.copy(src / extra, dst / extra)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    out: Path = parser.parse_args().out
+    parser.add_argument("--optimized-only", action="store_true")
+    args = parser.parse_args()
+    out: Path = args.out
+    if args.optimized_only:
+        optimize(out / "gpt2", out / "gpt2_optimized")
+        return
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(out / "tokenizer.json")
     vocab, eos = tokenizer.get_vocab_size(), tokenizer.token_to_id(EOS)
@@ -152,6 +183,7 @@ def main() -> None:
         reference["models"][name] = cases
     (out / "reference.json").write_text(json.dumps(reference, indent=1, ensure_ascii=False) + "\n")
     (out / "tokenizer.json").unlink()  # each model folder has its copy
+    optimize(out / "gpt2", out / "gpt2_optimized")
     if out.resolve() == DEFAULT_OUT.resolve():
         BUNDLED.mkdir(parents=True, exist_ok=True)
         for name in BUNDLED_FILES:

@@ -1,5 +1,6 @@
 """`mode = "generate"` with real optimum exports (a GPT-2-like and a Llama-like decoder with
-grouped-query attention and rotary positions): greedy tokens equal to Hugging Face's
+grouped-query attention and rotary positions, and the GPT-2-like one fused by ONNX Runtime's
+transformer optimizer): greedy tokens equal to Hugging Face's
 `generate(do_sample=False)`, text equal to the tokenizer's decode, finish reasons and usage,
 stop strings, max_new_tokens, context overflow refused, `stream: false`, tokens_per_chunk."""
 
@@ -9,6 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+import onnx
 import pytest
 
 from agent.client import AgentClient, AgentError
@@ -34,6 +36,7 @@ def agent_client(
     models = {
         "gpt2": ("gpt2", ""),
         "llama": ("llama", ""),
+        "gpt2_optimized": ("gpt2_optimized", ""),
         "gpt2_ids": ("gpt2", ""),
         "gpt2_eos": ("gpt2", f"[generate]\neos = [{eos_at}]\n"),
         "gpt2_short": ("gpt2", "[generate]\ncontext = 12\nmax_new_tokens = 8\n"),
@@ -77,6 +80,25 @@ def test_greedy_tokens_and_text_equal_hugging_face(
     assert reply.end.finish_reason == "length"
     assert reply.end.usage == {"prompt_tokens": len(ref["ids"]), "completion_tokens": N}
     assert reply.end.timing["ttft_ms"] <= reply.end.timing["total_ms"]
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_an_export_fused_by_onnx_runtimes_optimizer_streams_the_same_tokens(
+    agent_client: tuple[Agent, AgentClient], case: int
+) -> None:
+    """Fused operators of the `com.microsoft` domain (SkipLayerNormalization, FastGelu) load
+    and run as they are: the tokens and text are Hugging Face's for the unfused model."""
+    _, client = agent_client
+    graph = onnx.load(str(DECODERS / "gpt2_optimized" / "model.onnx"), load_external_data=False)
+    assert {n.op_type for n in graph.graph.node if n.domain == "com.microsoft"} >= {
+        "SkipLayerNormalization",
+        "FastGelu",
+    }
+    ref = REFERENCE["models"]["gpt2"][case]
+    reply, chunks = generate(client, "gpt2_optimized", {"prompt": ref["prompt"]}, max_new_tokens=N)
+    assert tokens_of(chunks) == ref["greedy"]
+    assert "".join(c.text for c in chunks) == ref["text"]
+    assert reply.end.finish_reason == "length"
 
 
 def test_input_ids_without_a_tokenizer(agent_client: tuple[Agent, AgentClient]) -> None:
