@@ -15,7 +15,7 @@ from agent.demo import models as demo_models
 from agent.models.backends.base import BackendOptions, TensorSpec
 from agent.models.backends.onnxruntime import OnnxRuntimeBackend
 from agent.models.model_config import ModelConfig, parse_model_config
-from agent.models.signature import check_signature
+from agent.models.signature import check_signature, request_inputs
 from tests.models_helpers import FULL_CONFIG, STEPS_H, STOP
 
 
@@ -121,3 +121,19 @@ def test_batch_mode_needs_a_leading_axis() -> None:
     assert check_signature(config, session) == [
         "batch mode slices the leading axis, but input 'scale' is a scalar"
     ]
+
+
+def test_a_scan_request_carries_a_recording_of_any_length_along_the_windows_axis() -> None:
+    """A model that fixes its window's size there still takes a whole recording; its other
+    inputs, and every input of another mode, are checked as the model declares them."""
+    inputs = [spec("input", "float32", "batch", 576), spec("state", "float32", 2, "batch", 32)]
+    scan = parse_model_config(
+        "[stream]\nmode = 'scan'\nstate = { state = 'state_out' }\n"
+        "[scan]\ninput = 'input'\nwindow = 576\nhop = 512\n",
+        "c.toml",
+    )
+    assert [s.shape for s in request_inputs(inputs, scan)] == [
+        ("batch", "recording"),
+        (2, "batch", 32),
+    ]
+    assert request_inputs(inputs, parse_model_config("", "c.toml")) == tuple(inputs)

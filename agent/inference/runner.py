@@ -380,7 +380,7 @@ def _checked_inputs(job: Job, loaded: LoadedVersion) -> dict[str, Any]:
     given, geometry = images.prepared_inputs(job, loaded)  # a JPEG/PNG decoded, preprocessed
     images.bind_outputs(job, loaded, geometry)
     optional = (*loaded.config.stream.state, *loaded.config.defaults)
-    specs = required_inputs(loaded.session.inputs, optional, given)
+    specs = required_inputs(loaded.request_inputs, optional, given)
     return validate_inputs(request.id, given, specs)
 
 

@@ -21,6 +21,7 @@ from agent.models.decoder_layout import Generation
 from agent.models.model_config import BatchingConfig, ModelConfig, StreamConfig
 from agent.models.postprocess import Postprocessor
 from agent.models.preprocess import image_input
+from agent.models.signature import request_inputs
 
 __all__ = [
     "INVENTORY_DETAIL_BYTES",
@@ -62,6 +63,15 @@ class LoadedVersion:
     details: VersionDetails | None = field(default=None, repr=False, compare=False)
     postprocess: Postprocessor | None = field(default=None, repr=False, compare=False)
     generation: Generation | None = field(default=None, repr=False, compare=False)  # generate
+    _request_inputs: tuple[TensorSpec, ...] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def request_inputs(self) -> tuple[TensorSpec, ...]:
+        """What a request's inputs are checked against (`agent.models.signature.request_inputs`:
+        a scan's recording may be of any length)."""
+        if self._request_inputs is None:
+            self._request_inputs = request_inputs(self.session.inputs, self.config)
+        return self._request_inputs
 
 
 @dataclass
@@ -108,7 +118,7 @@ class Serving:
         batching = config.batching
         return cls(
             loaded.version,
-            loaded.session.inputs,
+            loaded.request_inputs,
             config.stream,
             batching if batching.enabled else None,
             tuple(config.defaults),

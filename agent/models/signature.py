@@ -7,13 +7,16 @@ names the tensor and what differs, so the inventory says exactly what to fix.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Mapping, Sequence
 
 from agent.models.backends.base import Dim, Session, TensorSpec
 from agent.models.defaults import default_problems
 from agent.models.model_config import ModelConfig, ScanConfig, TensorDecl
 
-__all__ = ["check_signature", "incompatibilities"]
+__all__ = ["check_signature", "incompatibilities", "request_inputs"]
+
+RECORDING = "recording"  # a scan request's dim along the windows' axis: any length
 
 
 def check_signature(config: ModelConfig, session: Session) -> list[str]:
@@ -74,6 +77,24 @@ def _scan_problems(scan: ScanConfig, inputs: Mapping[str, TensorSpec]) -> list[s
     if isinstance(size, int) and size != scan.window:
         return [f"[scan] window {scan.window} does not fit input {spec.describe()}"]
     return []
+
+
+def request_inputs(specs: Sequence[TensorSpec], config: ModelConfig) -> tuple[TensorSpec, ...]:
+    """The inputs a request is checked against: the model's, but a scan's `[scan] input`
+    takes a recording of any length along the windows' axis, where the model may fix the
+    window's size (`_scan_problems` checked that size against `[scan] window` at load)."""
+    scan = config.scan if config.stream.mode == "scan" else None
+    if scan is None:
+        return tuple(specs)
+    return tuple(_recording(spec, scan) if spec.name == scan.input else spec for spec in specs)
+
+
+def _recording(spec: TensorSpec, scan: ScanConfig) -> TensorSpec:
+    if not spec.rank:
+        return spec
+    axis = scan.axis % spec.rank
+    shape = (*spec.shape[:axis], RECORDING, *spec.shape[axis + 1 :])
+    return dataclasses.replace(spec, shape=shape)
 
 
 def _names(specs: Mapping[str, TensorSpec]) -> str:
