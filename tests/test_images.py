@@ -1,8 +1,10 @@
-"""Encoded images in, decoded detections out: a real Ultralytics YOLO export and a torch
-classifier behind `[preprocess]` and `[[postprocess]]`, asked with JPEG and PNG bytes.
+"""Encoded images in, decoded detections out: real Ultralytics YOLO exports (a YOLOv8 with
+its raw head, a YOLO26 with its NMS-free one) and a torch classifier behind `[preprocess]` and
+`[[postprocess]]`, asked with JPEG and PNG bytes.
 
-Fixtures from `scripts/make_vision_models.py`: the references are Ultralytics' own pipeline
-(LetterBox, the torch model, `non_max_suppression`, `scale_boxes`) and `torch.topk`.
+Fixtures from `scripts/make_vision_models.py` and `scripts/make_yolo_end2end.py`: the
+references are Ultralytics' own pipeline (LetterBox, the torch model, `non_max_suppression`,
+`scale_boxes`) and `torch.topk`.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ cv2 = pytest.importorskip("cv2")
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "real"
 YOLO = FIXTURES / "yolo"
+YOLO26 = FIXTURES / "yolo26_end2end"
 CLASSIFIER = FIXTURES / "classifier"
 META = json.loads((YOLO / "reference.json").read_text())
+META26 = json.loads((YOLO26 / "reference.json").read_text())
 
 YOLO_CONFIG = f"""
 [preprocess]
@@ -45,6 +49,20 @@ format = "yolov8"
 score_threshold = {META["score_threshold"]}
 iou_threshold = {META["iou_threshold"]}
 max_detections = {META["max_detections"]}
+labels = "labels.txt"
+"""
+YOLO26_CONFIG = f"""
+[preprocess]
+resize = [160, 160]
+resize_mode = "letterbox"
+pad_value = 114
+scale = "1/255"
+
+[[postprocess]]
+output = "output0"
+op = "detect"
+format = "end2end"
+score_threshold = {META26["score_threshold"]}
 labels = "labels.txt"
 """
 CLASSIFIER_CONFIG = """
@@ -82,6 +100,7 @@ def vision_agent(
     tmp = tmp_path_factory.mktemp("vision")
     root = tmp / "models"
     install(root, "yolo", YOLO, YOLO_CONFIG)
+    install(root, "yolo26", YOLO26, YOLO26_CONFIG)
     install(root, "classifier", CLASSIFIER, CLASSIFIER_CONFIG)
     yield from serve_agent(broker, agent_config(tmp, broker, root))
 
@@ -114,6 +133,25 @@ def test_detections_match_ultralytics(vision_agent: tuple[Agent, AgentClient], k
     }
     assert reply.timing is not None
     assert reply.timing["decode_ms"] > 0 and "preprocess_ms" in reply.timing
+
+
+@pytest.mark.parametrize("kind", ["jpeg", "png"])
+def test_nms_free_detections_match_ultralytics(
+    vision_agent: tuple[Agent, AgentClient], kind: str
+) -> None:
+    """YOLO26's one-to-one head has done its NMS: the agent keeps the rows over the
+    threshold, in the model's order, and maps them back to the source image."""
+    _, client = vision_agent
+    got = client.request("yolo26", {"images": image_bytes(kind)}, stream=False).collect()
+    with np.load(YOLO26 / "reference.npz") as ref:
+        boxes, scores = ref[f"{kind}.boxes"], ref[f"{kind}.scores"]
+        classes = ref[f"{kind}.classes"]
+    assert len(boxes) > 10  # enough boxes to say something
+    assert got["boxes"].shape == boxes.shape and got["boxes"].dtype == np.float32
+    np.testing.assert_array_equal(got["classes"], classes)
+    np.testing.assert_allclose(got["scores"], scores, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got["boxes"], boxes, atol=1.0)  # as for the YOLOv8 above
+    assert list(got["labels"]) == [META26["labels"][c] for c in classes]
 
 
 def test_uint8_image_tensor_and_streamed_geometry(vision_agent: tuple[Agent, AgentClient]) -> None:

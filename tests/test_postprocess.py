@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.models.backends.base import ModelLoadError
+from agent.models.backends.base import InferenceError, ModelLoadError
 from agent.models.detect import nms
 from agent.models.model_config import ModelConfigError, parse_model_config
 from agent.models.postprocess import build_postprocess
@@ -139,6 +139,42 @@ def test_yolov5_and_boxes_scores_layouts(tmp_path: Path) -> None:
     assert post is not None
     got = post.apply({"b": np.array([[0, 0, 4, 4]], np.float32), "s": np.array([[0.1, 0.7]])})
     assert got["classes"].tolist() == [1] and set(got) == {"boxes", "scores", "classes"}
+
+
+def test_end2end_rows_over_the_threshold_in_the_models_order(tmp_path: Path) -> None:
+    """Final detections (x1, y1, x2, y2, score, class): no NMS (the two overlapping boxes
+    both stay), the model's order kept, the first `max_detections`."""
+    rows = np.array(
+        [
+            [
+                [10, 10, 20, 20, 0.9, 2],
+                [11, 10, 21, 20, 0.8, 2],
+                [50, 50, 60, 60, 0.2, 0],
+                [30, 30, 40, 40, 0.7, 1],
+                [0, 0, 0, 0, 0.0, 0],
+            ]
+        ],
+        np.float32,
+    )
+    config = parse_model_config(
+        '[[postprocess]]\noutput = "out"\nop = "detect"\nformat = "end2end"\n'
+        "score_threshold = 0.5\nmax_detections = 2\n",
+        "c",
+    )
+    post = build_postprocess(config.postprocess, ["out"], tmp_path)
+    assert post is not None
+    got = post.apply({"out": rows})
+    assert got["classes"].tolist() == [2, 2] and got["classes"].dtype == np.int64
+    np.testing.assert_allclose(got["scores"], [0.9, 0.8])
+    np.testing.assert_array_equal(got["boxes"], [[10, 10, 20, 20], [11, 10, 21, 20]])
+    with pytest.raises(InferenceError, match="an end2end output has 6"):
+        post.apply({"out": np.zeros((1, 5, 7), np.float32)})
+    with pytest.raises(ModelConfigError, match='"end2end" takes no iou_threshold'):
+        parse_model_config(
+            '[[postprocess]]\noutput = "o"\nop = "detect"\nformat = "end2end"\n'
+            "iou_threshold = 0.5\n",
+            "c",
+        )
 
 
 def test_elementwise_ops(tmp_path: Path) -> None:

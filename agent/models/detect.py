@@ -8,12 +8,17 @@ Layouts (`format`):
 - ``yolov5``: one output ``[1, N, 5 + C]`` (``cx, cy, w, h, objectness``, then C class
   scores; a box's score is objectness times its class score);
 - ``boxes_scores``: two outputs, ``output`` the boxes ``[1, N, 4]`` (``box_format``,
-  ``xyxy`` unless said otherwise) and ``scores`` ``[1, N, C]``.
+  ``xyxy`` unless said otherwise) and ``scores`` ``[1, N, C]``;
+- ``end2end``: one output ``[1, K, 6]`` of final detections, ``x1, y1, x2, y2, score, class``
+  a row, best first, as Ultralytics exports YOLO26's NMS-free head (``nms=False``) or a YOLOv8
+  or YOLO11 with its NMS inside (``nms=True``).
 
 Then, as Ultralytics' ``non_max_suppression`` does it (without multi-label): each box keeps its
 best class; boxes scoring at most ``score_threshold`` are dropped; the rest, best first (at
 most 30000), go through greedy NMS per class (boxes of different classes never suppress each
 other: they are shifted apart by class, one NMS for all); at most ``max_detections`` stay.
+An ``end2end`` output has had its NMS: its rows scoring above ``score_threshold`` stay, in the
+model's order, the first ``max_detections`` of them (Ultralytics' own end-to-end branch).
 
 All in numpy, vectorised: the candidates are filtered, decoded and shifted as whole arrays;
 NMS is one vectorised IoU row per kept box (at most ``max_detections`` rows). Written here
@@ -44,7 +49,7 @@ class DetectSpec:
     """One `detect` op, checked at load (agent.models.postprocess)."""
 
     output: str
-    format: str  # yolov8 | yolov5 | boxes_scores
+    format: str  # yolov8 | yolov5 | boxes_scores | end2end
     scores: str | None
     box_format: str  # xywh (centre, size) | xyxy
     score_threshold: float
@@ -129,6 +134,8 @@ def decode_detections(
     """`outputs` with the detector's output(s) replaced by `boxes` (xyxy, float32, in the
     source image's pixels where `geometry` is known, else the input's), `scores`, `classes`
     (int64) and, with labels, `labels` (a string tensor)."""
+    if spec.format == "end2end":
+        return _detected(spec, outputs, *_final_rows(spec, outputs), geometry)
     boxes, scores = _candidates(spec, outputs)
     classes = np.argmax(scores, axis=1)
     best = np.take_along_axis(scores, classes[:, None], axis=1)[:, 0].astype(np.float32)
@@ -140,13 +147,38 @@ def decode_detections(
     shifted = xyxy + (kept_classes.astype(np.float32) * _CLASS_OFFSET)[:, None]
     chosen_scores = best[chosen]
     keep = nms(shifted, chosen_scores, spec.iou_threshold, spec.max_detections)
+    return _detected(spec, outputs, xyxy[keep], chosen_scores[keep], kept_classes[keep], geometry)
+
+
+def _final_rows(spec: DetectSpec, outputs: dict[str, Any]) -> tuple[Array, Array, Array]:
+    """An `end2end` output's detections above the threshold: (boxes, scores, classes)."""
+    rows = _squeeze_batch(np.asarray(outputs[spec.output]), spec.output)
+    if rows.shape[1] != 6:
+        raise ValueError(
+            f"detect: {spec.output} has {rows.shape[1]} values per detection, an end2end "
+            "output has 6 (x1, y1, x2, y2, score, class)"
+        )
+    rows = rows[np.flatnonzero(rows[:, 4] > spec.score_threshold)[: spec.max_detections]]
+    boxes = rows[:, :4].astype(np.float32)
+    return boxes, rows[:, 4].astype(np.float32), rows[:, 5].astype(np.int64)
+
+
+def _detected(
+    spec: DetectSpec,
+    outputs: dict[str, Any],
+    boxes: Array,
+    scores: Array,
+    classes: Array,
+    geometry: Geometry | None,
+) -> dict[str, Any]:
+    """`outputs` with the detector's output(s) replaced by the kept detections."""
     result = {k: v for k, v in outputs.items() if k not in (spec.output, spec.scores)}
-    kept = xyxy[keep].reshape(-1, 4)
+    kept = boxes.reshape(-1, 4)
     result["boxes"] = to_source_boxes(kept, geometry) if geometry is not None else kept
-    result["scores"] = chosen_scores[keep]
-    result["classes"] = kept_classes[keep]
+    result["scores"] = scores
+    result["classes"] = classes
     if spec.label_table is not None:
-        result["labels"] = _labels_of(spec.label_table, result["classes"])
+        result["labels"] = _labels_of(spec.label_table, classes)
     return result
 
 

@@ -14,6 +14,7 @@ Each op works on one output (``output = NAME``)::
     output = "output0"
     op = "detect"              # boxes, scores, classes, labels (agent.models.detect)
     format = "yolov8"          # yolov8 (also YOLO11) | yolov5 | boxes_scores (+ scores = NAME)
+                               # | end2end (final detections: YOLO26 NMS-free, nms=True)
     score_threshold = 0.25
     iou_threshold = 0.45
     max_detections = 300
@@ -77,7 +78,7 @@ class PostprocessOp(BaseModel):
     labels: str | None = None
     value: float = 0.5
     dtype: CastDtype | None = None
-    format: Literal["yolov8", "yolov5", "boxes_scores"] = "yolov8"
+    format: Literal["yolov8", "yolov5", "boxes_scores", "end2end"] = "yolov8"
     scores: str | None = None
     box_format: Literal["xywh", "xyxy"] | None = None
     score_threshold: float = Field(default=0.25, ge=0, le=1)
@@ -93,6 +94,11 @@ class PostprocessOp(BaseModel):
             raise ValueError('op = "cast" needs dtype')
         if self.op == "detect" and (self.format == "boxes_scores") != (self.scores is not None):
             raise ValueError('format = "boxes_scores" and scores = NAME go together')
+        if self.format == "end2end" and self.model_fields_set & {"iou_threshold", "box_format"}:
+            raise ValueError(
+                'format = "end2end" takes no iou_threshold or box_format: its output is the '
+                "model's final detections, x1, y1, x2, y2, score, class"
+            )
         name = self.labels
         if name is not None and (not name or "/" in name or "\\" in name):
             raise ValueError("labels must be a file name in the version folder (no folders)")
