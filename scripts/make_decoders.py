@@ -14,6 +14,8 @@ It writes
   query attention, rotary positions), each exported with optimum's
   ``text-generation-with-past`` (``model.onnx``), with the ``config.json`` and
   ``generation_config.json`` that ``save_pretrained`` wrote and a copy of ``tokenizer.json``;
+- ``gpt2_nocache/``: a smaller seeded GPT-2-like decoder exported with optimum's
+  ``text-generation`` task: no cache in or out, the whole sequence every step;
 - ``gpt2_optimized/``: that GPT-2-like export run through ONNX Runtime's transformer optimizer
   (``onnxruntime.transformers.optimizer``, what optimum's ``ORTOptimizer`` calls), whose fused
   operators of the ``com.microsoft`` domain the agent loads as they are;
@@ -26,6 +28,8 @@ It writes
 Everything is seeded (torch.manual_seed, a fixed corpus), so a rerun with the same pins
 writes the same tokens. ``--optimized-only`` rewrites ``gpt2_optimized/`` from the ``gpt2/``
 already there; it needs only onnx, onnxruntime and sympy (the optimizer's shape inference).
+``--nocache-only`` rewrites ``gpt2_nocache/`` and its entry of ``reference.json`` with the
+tokenizer already there.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "real" / "decoders"
 BUNDLED = REPO_ROOT / "models" / "writer" / "1"  # the README's example (config.toml kept)
 BUNDLED_FILES = ("model.onnx", "tokenizer.json", "config.json", "generation_config.json")
 EOS = "<|endoftext|>"
+NOCACHE = "gpt2_nocache"
 VOCAB = 384
 NEW_TOKENS = 24
 PROMPTS = ["The little robot", "Edge boxes stream tokens", "日本語 café 🙂"]
@@ -89,6 +94,11 @@ def build(name: str, vocab: int, eos: int) -> Any:
             n_layer=4, n_head=4, n_embd=128, n_positions=128, initializer_range=0.2, **common
         )
         return GPT2LMHeadModel(config).eval()
+    if name == NOCACHE:
+        config = GPT2Config(
+            n_layer=2, n_head=2, n_embd=32, n_positions=64, initializer_range=0.5, **common
+        )
+        return GPT2LMHeadModel(config).eval()
     config = LlamaConfig(
         hidden_size=128,
         intermediate_size=352,
@@ -121,13 +131,13 @@ def greedy(model: Any, ids: list[int]) -> tuple[list[int], float]:
     return tokens, min(gaps)
 
 
-def export(model: Any, dst: Path) -> None:
+def export(model: Any, dst: Path, task: str = "text-generation-with-past") -> None:
     from optimum.exporters.onnx import main_export
 
     with tempfile.TemporaryDirectory(prefix="decoder-export-") as tmp:
         src, onnx_dir = Path(tmp) / "hf", Path(tmp) / "onnx"
         model.save_pretrained(src)
-        main_export(str(src), output=str(onnx_dir), task="text-generation-with-past", device="cpu")
+        main_export(str(src), output=str(onnx_dir), task=task, device="cpu")
         dst.mkdir(parents=True, exist_ok=True)
         shutil.copy(onnx_dir / "model.onnx", dst / "model.onnx")
         for extra in ("config.json", "generation_config.json"):
@@ -156,32 +166,53 @@ def optimize(src: Path, dst: Path) -> None:
         shutil.copy(src / extra, dst / extra)
 
 
+def make(name: str, tokenizer: Any, out: Path, task: str) -> list[dict[str, Any]]:
+    """`out/name/`: the seeded decoder `name` exported for `task`, with the tokenizer; its
+    reference cases (Hugging Face's greedy tokens for each prompt)."""
+    vocab, eos = tokenizer.get_vocab_size(), tokenizer.token_to_id(EOS)
+    model = build(name, vocab, eos)
+    export(model, out / name, task)
+    tokenizer.save(str(out / name / "tokenizer.json"))
+    cases = []
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt).ids
+        tokens, gap = greedy(model, ids)
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        cases.append({"prompt": prompt, "ids": ids, "greedy": tokens, "text": text, "gap": gap})
+        print(f"{name}: {prompt!r} -> {tokens} (min gap {gap:.3f})")
+    return cases
+
+
+def write_reference(out: Path, reference: dict[str, Any]) -> None:
+    (out / "reference.json").write_text(json.dumps(reference, indent=1, ensure_ascii=False) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--optimized-only", action="store_true")
+    parser.add_argument("--nocache-only", action="store_true")
     args = parser.parse_args()
     out: Path = args.out
     if args.optimized_only:
         optimize(out / "gpt2", out / "gpt2_optimized")
         return
+    if args.nocache_only:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(out / "gpt2" / "tokenizer.json"))
+        reference = json.loads((out / "reference.json").read_text(encoding="utf-8"))
+        reference["models"][NOCACHE] = make(NOCACHE, tokenizer, out, "text-generation")
+        write_reference(out, reference)
+        return
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(out / "tokenizer.json")
     vocab, eos = tokenizer.get_vocab_size(), tokenizer.token_to_id(EOS)
-    reference: dict[str, Any] = {"eos": eos, "vocab": vocab, "models": {}}
+    reference = {"eos": eos, "vocab": vocab, "models": {}}
     for name in ("gpt2", "llama"):
-        model = build(name, vocab, eos)
-        export(model, out / name)
-        shutil.copy(out / "tokenizer.json", out / name / "tokenizer.json")
-        cases = []
-        for prompt in PROMPTS:
-            ids = tokenizer.encode(prompt).ids
-            tokens, gap = greedy(model, ids)
-            text = tokenizer.decode(tokens, skip_special_tokens=True)
-            cases.append({"prompt": prompt, "ids": ids, "greedy": tokens, "text": text, "gap": gap})
-            print(f"{name}: {prompt!r} -> {tokens} (min gap {gap:.3f})")
-        reference["models"][name] = cases
-    (out / "reference.json").write_text(json.dumps(reference, indent=1, ensure_ascii=False) + "\n")
+        reference["models"][name] = make(name, tokenizer, out, "text-generation-with-past")
+    reference["models"][NOCACHE] = make(NOCACHE, tokenizer, out, "text-generation")
+    write_reference(out, reference)
     (out / "tokenizer.json").unlink()  # each model folder has its copy
     optimize(out / "gpt2", out / "gpt2_optimized")
     if out.resolve() == DEFAULT_OUT.resolve():

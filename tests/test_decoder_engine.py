@@ -73,6 +73,29 @@ def test_a_decoders_profiles_cover_past_0_to_the_context(
         session.close()
 
 
+def test_a_decoder_without_a_cache_gets_the_prefills_profile_and_runs(
+    fake_gpu: FakeGPU, tmp_path: Path
+) -> None:
+    """Every step of a cache-less decoder is the whole sequence so far: one profile of 1 to
+    the context (64: its config.json) tokens covers the loop, to Hugging Face's tokens."""
+    onnx = decoder_version(tmp_path, "gpt2_nocache")
+    session = TensorRTBackend().load(build(tmp_path, onnx), BackendOptions())
+    try:
+        (profile,) = session.profiles
+        assert profile["input_ids"] == ((1, 1), (1, 32), (1, 64))
+        assert profile["attention_mask"] == ((1, 1), (1, 32), (1, 64))
+        setup = open_generation(None, session, onnx.parent)
+        case = REFERENCE["models"]["gpt2_nocache"][1]
+        ask = generate.ask_of({"input_ids": np.array(case["ids"])}, {}, setup)
+        run = Run(session, StreamConfig(mode="generate"), [Member({}, 1, generation=ask)])
+        for _ in generate.generate(run):
+            pass
+        assert ask.tokens[: len(case["greedy"])] == case["greedy"]
+        assert ask.finish_reason == "length" and len(case["ids"]) + len(ask.tokens) == 64
+    finally:
+        session.close()
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_the_generate_loop_runs_on_the_engine_to_the_end_of_the_context(
     fake_gpu: FakeGPU, tmp_path: Path, arch: str

@@ -1,8 +1,9 @@
 """`mode = "generate"` with real optimum exports (a GPT-2-like and a Llama-like decoder with
-grouped-query attention and rotary positions, and the GPT-2-like one fused by ONNX Runtime's
-transformer optimizer): greedy tokens equal to Hugging Face's
-`generate(do_sample=False)`, text equal to the tokenizer's decode, finish reasons and usage,
-stop strings, max_new_tokens, context overflow refused, `stream: false`, tokens_per_chunk."""
+grouped-query attention and rotary positions; the GPT-2-like one fused by ONNX Runtime's
+transformer optimizer; a smaller one exported without its cache): greedy tokens equal to
+Hugging Face's `generate(do_sample=False)`, text equal to the tokenizer's decode, finish
+reasons and usage, stop strings, max_new_tokens, context overflow refused, `stream: false`,
+tokens_per_chunk."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def agent_client(
         "gpt2": ("gpt2", ""),
         "llama": ("llama", ""),
         "gpt2_optimized": ("gpt2_optimized", ""),
+        "gpt2_nocache": ("gpt2_nocache", ""),
         "gpt2_ids": ("gpt2", ""),
         "gpt2_eos": ("gpt2", f"[generate]\neos = [{eos_at}]\n"),
         "gpt2_short": ("gpt2", "[generate]\ncontext = 12\nmax_new_tokens = 8\n"),
@@ -99,6 +101,22 @@ def test_an_export_fused_by_onnx_runtimes_optimizer_streams_the_same_tokens(
     assert tokens_of(chunks) == ref["greedy"]
     assert "".join(c.text for c in chunks) == ref["text"]
     assert reply.end.finish_reason == "length"
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_a_decoder_exported_without_its_cache_runs_the_whole_sequence(
+    agent_client: tuple[Agent, AgentClient], case: int
+) -> None:
+    """optimum's `text-generation` task exports no `past_key_values.*`: each step feeds the
+    prompt and every new token again, and the tokens are Hugging Face's."""
+    _, client = agent_client
+    graph = onnx.load(str(DECODERS / "gpt2_nocache" / "model.onnx"), load_external_data=False)
+    assert [i.name for i in graph.graph.input] == ["input_ids", "attention_mask", "position_ids"]
+    ref = REFERENCE["models"]["gpt2_nocache"][case]
+    reply, chunks = generate(client, "gpt2_nocache", {"prompt": ref["prompt"]}, max_new_tokens=N)
+    assert tokens_of(chunks) == ref["greedy"]
+    assert "".join(c.text for c in chunks) == ref["text"]
+    assert reply.end.usage == {"prompt_tokens": len(ref["ids"]), "completion_tokens": N}
 
 
 def test_input_ids_without_a_tokenizer(agent_client: tuple[Agent, AgentClient]) -> None:

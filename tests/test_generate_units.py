@@ -244,7 +244,8 @@ def test_a_member_cancelled_mid_lock_step_leaves_and_the_others_go_on() -> None:
 
 def test_generate_batching_needs_onnxruntime_and_a_batchable_layout() -> None:
     """What a version with `[batching]` is refused for at load: a TensorRT engine (its
-    decoder profiles take one row), a layout that cannot be left-padded."""
+    decoder profiles take one row), a layout that cannot be left-padded (no positions, no
+    cache)."""
     session = _session("gpt2")
     setup = open_generation(None, session, DECODERS / "gpt2")
     _check_generate_batching(setup, "onnxruntime")  # optimum's export: fine
@@ -253,6 +254,10 @@ def test_generate_batching_needs_onnxruntime_and_a_batchable_layout() -> None:
     no_positions = dataclasses.replace(setup.layout, position_ids=None)
     with pytest.raises(ModelLoadError, match="position_ids"):
         _check_generate_batching(dataclasses.replace(setup, layout=no_positions), "onnxruntime")
+    no_cache = open_generation(None, _session("gpt2_nocache"), DECODERS / "gpt2_nocache")
+    assert no_cache.layout.cache == () and not no_cache.layout.batchable
+    with pytest.raises(ModelLoadError, match=r"a cache \(past_key_values"):
+        _check_generate_batching(no_cache, "onnxruntime")
 
 
 def _session(arch: str) -> OnnxSession:

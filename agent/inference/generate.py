@@ -345,9 +345,12 @@ def _prefill_inputs(ask: GenerateAsk) -> Arrays:
 
 
 def _next_inputs(state: _Decoding, outputs: Arrays, token: int) -> Arrays:
-    """One new token, the past from `present.*`, the mask and the positions one longer."""
+    """One new token, the past from `present.*`, the mask and the positions one longer; for
+    a decoder without a cache, the whole sequence again."""
     ask = state.ask
     layout = ask.setup.layout
+    if not layout.cache:
+        return _whole_sequence(state)
     past = _past(ask)  # tokens the cache holds after this run
     state.token[0, 0] = token
     nxt: Arrays = {layout.input_ids: state.token}
@@ -361,6 +364,20 @@ def _next_inputs(state: _Decoding, outputs: Arrays, token: int) -> Arrays:
     for slot in layout.cache:
         nxt[slot.input] = outputs[slot.output]
     return nxt
+
+
+def _whole_sequence(state: _Decoding) -> Arrays:
+    """A cache-less decoder's next run: the prompt and every new token, as the prefill."""
+    ask = state.ask
+    layout = ask.setup.layout
+    ids = [*ask.prompt, *ask.tokens]
+    inputs: Arrays = {layout.input_ids: np.array([ids], dtype=layout.int_dtypes[layout.input_ids])}
+    if state.mask is not None and layout.attention_mask is not None:
+        inputs[layout.attention_mask] = state.mask[:, : len(ids)]
+    if layout.position_ids is not None:
+        dtype = layout.int_dtypes[layout.position_ids]
+        inputs[layout.position_ids] = np.arange(len(ids), dtype=dtype)[None, :]
+    return inputs
 
 
 modes.STRATEGIES["generate"] = generate

@@ -6,7 +6,10 @@ their tensors `input_ids`, `attention_mask`, optional `position_ids`,
 `past_key_values.N.key/value` in and `present.N.key/value` out, `logits`, and (optimum's older
 merged decoders) a `use_cache_branch` flag. A cache tensor is `[batch, heads, past, head_dim]`:
 its batch axis is the first, its past axis the symbolic one after it; every other axis must be
-fixed. `[generate]` overrides the names, the eos ids and the context length.
+fixed. A decoder exported without its cache (optimum's `text-generation`: no
+`past_key_values.*`) is recognised too and run as Hugging Face's `generate(use_cache=False)`:
+every step the whole sequence again. `[generate]` overrides the names, the eos ids and the
+context length.
 
 The eos ids come from `[generate] eos`, else `generation_config.json`, else `config.json` in the
 version folder; the context length from `[generate] context`, else `config.json`
@@ -84,10 +87,11 @@ class DecoderLayout:
     def batchable(self) -> bool:
         """Whether several generations can share runs, a row each
         (`agent.inference.generate_lockstep`): left padding needs the mask and explicit
-        positions, and every cache tensor a batch axis before its past axis."""
+        positions, a cache to pad, and every cache tensor a batch axis before its past axis."""
         return (
             self.attention_mask is not None
             and self.position_ids is not None
+            and bool(self.cache)
             and all(slot.past_axis > 0 for slot in self.cache)
         )
 

@@ -10,6 +10,9 @@ time (the loop runs each request alone):
 - the prefill: a sequence of 1..context tokens with past length 0;
 - the steps: one token with a past of 0..context - 1.
 
+A decoder exported without its cache runs the whole sequence every step, so the prefill's
+profile alone covers it.
+
 `attention_mask` spans past + sequence, 1..context, in both. One profile with both ranges
 would have a maximum that no run can have (a whole context of tokens on a full past) and that
 the TensorRT session probes at load (`agent.models.backends.tensorrt`: every profile's
@@ -39,11 +42,10 @@ _SEQUENCE_INPUTS = ("input_ids", "position_ids")
 
 
 def is_decoder(inputs: Mapping[str, Shape]) -> bool:
-    """Whether the network's inputs are a decoder's with a cache (names as exporters write)."""
-    return (
-        "input_ids" in inputs
-        and any(PAST_INPUT.match(name) for name in inputs)
-        and all(name in DECODER_INPUTS or PAST_INPUT.match(name) for name in inputs)
+    """Whether the network's inputs are a decoder's, with or without a cache (names as
+    exporters write them)."""
+    return "input_ids" in inputs and all(
+        name in DECODER_INPUTS or PAST_INPUT.match(name) for name in inputs
     )
 
 
@@ -57,19 +59,22 @@ def decoder_context(onnx_path: Path, context: int | None) -> int:
         raise EngineBuildError(str(exc)) from exc
     if found is None:
         raise EngineBuildError(
-            f"{onnx_path.name} is a decoder but its context length is unknown (no config.json "
-            "beside it with n_positions or max_position_embeddings): give --context N "
-            "(tensorrt.build.context) or the shapes with --profile"
+            f"{onnx_path.name} takes token ids (a decoder's inputs) but its context length is "
+            "unknown (no config.json beside it with n_positions or max_position_embeddings): "
+            "give --context N (tensorrt.build.context) or the shapes with --profile"
         )
     return found
 
 
 def decoder_profiles(inputs: Mapping[str, Shape], context: int) -> list[dict[str, ShapeRange]]:
-    """The prefill's and the steps' profiles of a decoder whose inputs are `inputs`."""
+    """The prefill's and the steps' profiles of a decoder whose inputs are `inputs` (the
+    prefill's alone without a cache)."""
     if context < 1:
         raise EngineBuildError(f"the context must be >= 1, got {context}")
     half = max(1, context // 2)
     prefill = _profile(inputs, sequence=(1, half, context), past=(0, 0, 0), context=context)
+    if not any(PAST_INPUT.match(name) for name in inputs):
+        return [prefill]  # no cache: every step is a prefill of the sequence so far
     steps = _profile(
         inputs, sequence=(1, 1, 1), past=(0, min(half, context - 1), context - 1), context=context
     )
