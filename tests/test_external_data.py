@@ -128,6 +128,23 @@ def test_a_link_out_of_the_version_folder_is_refused(tmp_path: Path, secret: Pat
     assert problem is not None and "resolves outside the version folder" in problem
 
 
+def test_a_missing_or_short_data_file_is_named(tmp_path: Path):
+    """As when a user copies model.onnx without model.onnx.data, or before its copy ends:
+    said plainly, before ONNX Runtime's own message."""
+    path = write_version(tmp_path / "1", add_model("weights.bin"))
+    (path.parent / "weights.bin").unlink()
+    problem = external_data_problem(path)
+    assert problem == (
+        "tensor 'W': external data 'weights.bin' is not in the version folder: copy it beside "
+        "the model file"
+    )
+    with pytest.raises(ModelLoadError, match="copy it beside the model file"):
+        OnnxRuntimeBackend().load(path, CPU)
+    (path.parent / "weights.bin").write_bytes(WEIGHTS.tobytes()[:10])
+    problem = external_data_problem(path)
+    assert problem is not None and "is 10 bytes, the tensor ends at byte 16" in problem
+
+
 def test_tensors_of_subgraphs_are_checked(tmp_path: Path):
     path = write_version(tmp_path / "1", nested_model("/etc/passwd"), "/etc/passwd")
     problem = external_data_problem(path)

@@ -2,7 +2,9 @@
 
 An ONNX model may keep tensors outside the ``.onnx`` file (``external_data`` with a
 ``location``), and both ONNX Runtime and TensorRT's parser read whatever the location names.
-The agent checks it first, whatever those libraries' own checks are in the installed version.
+The agent checks it first, whatever those libraries' own checks are in the installed version,
+and says plainly where the file is missing or too short (torch's exporter writes
+``model.onnx.data`` beside ``model.onnx``: a user may copy only the one).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ def external_data_problem(model_file: Path, *, refuse_unreadable: bool = True) -
     outside the folder is refused here, before ONNX Runtime opens anything, whatever ONNX
     Runtime's own checks are in the installed version. The model is parsed without its
     external data; initializers, sparse ones, tensors in node attributes, subgraphs (If,
-    Loop, Scan) and functions are all looked at. A file that cannot be parsed is refused,
+    Loop, Scan) and functions are all looked at. A permitted file that is not there, or is
+    shorter than a tensor's end, is named too. A file that cannot be parsed is refused,
     unless ``refuse_unreadable`` is false (a caller whose own parser reports it better).
     """
     if not _may_name_external_data(model_file):
@@ -39,11 +42,13 @@ def external_data_problem(model_file: Path, *, refuse_unreadable: bool = True) -
         return f"not a readable ONNX model: {one_line(exc)}" if refuse_unreadable else None
     folder = model_file.parent.resolve()
     for tensor in _all_tensors(model):
-        for entry in tensor.external_data:
-            if entry.key == "location":
-                problem = _location_problem(entry.value, folder)
-                if problem is not None:
-                    return f"tensor {tensor.name!r}: external data {entry.value!r} {problem}"
+        entries = {entry.key: entry.value for entry in tensor.external_data}
+        location = entries.get("location")
+        if location is None:
+            continue
+        problem = _location_problem(location, folder) or _extent_problem(entries, folder)
+        if problem is not None:
+            return f"tensor {tensor.name!r}: external data {location!r} {problem}"
     return None
 
 
@@ -76,6 +81,23 @@ def _location_problem(location: str, folder: Path) -> str | None:
         return "cannot be resolved"
     if not target.is_relative_to(folder):
         return "resolves outside the version folder"
+    return None
+
+
+def _extent_problem(entries: dict[str, str], folder: Path) -> str | None:
+    """Why a tensor's bytes cannot be in its (permitted) external file: the file is not
+    there, or is shorter than the tensor's `offset` + `length` (still being copied, or cut
+    short): said plainly, before ONNX Runtime's own message."""
+    try:
+        size = (folder / entries["location"]).stat().st_size
+    except OSError:
+        return "is not in the version folder: copy it beside the model file"
+    try:
+        end = int(entries.get("offset", "0")) + int(entries.get("length", "0"))
+    except ValueError:
+        return None  # ONNX Runtime says what is wrong with the numbers
+    if end > size:
+        return f"is {size} bytes, the tensor ends at byte {end} (a copy cut short?)"
     return None
 
 
