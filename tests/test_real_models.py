@@ -3,7 +3,8 @@ as a user brings them: each loads, says how its warm-up went and what it takes, 
 as its own framework did.
 
 The fixtures come from `scripts/make_real_models.py` (optimum, the silero-vad wheel,
-torch.onnx, skl2onnx), each with the framework's reference outputs.
+torch.onnx, skl2onnx) and `scripts/make_paddle_models.py` (Paddle2ONNX), each with the
+framework's reference outputs.
 """
 
 from __future__ import annotations
@@ -22,7 +23,15 @@ from agent.demo.broker import EmbeddedBroker
 from agent.service.agent import Agent
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "real"
-FAMILIES = ("gpt2", "silero_vad", "ocr_det", "sklearn_iris", "sklearn_strings", "sklearn_text")
+FAMILIES = (
+    "gpt2",
+    "silero_vad",
+    "ocr_det",
+    "paddle_det",
+    "sklearn_iris",
+    "sklearn_strings",
+    "sklearn_text",
+)
 # What the synthetic warm-up makes of each (`ok` where its guesses fit the model).
 WARMUP = {name: "ok" for name in FAMILIES}
 
