@@ -16,6 +16,9 @@ It writes
   ``generation_config.json`` that ``save_pretrained`` wrote and a copy of ``tokenizer.json``;
 - ``gpt2_nocache/``: a smaller seeded GPT-2-like decoder exported with optimum's
   ``text-generation`` task: no cache in or out, the whole sequence every step;
+- ``gpt2_merged/``: the same small decoder as optimum's older exports wrote it: a decoder
+  without past inputs and one with them, merged by ``optimum.onnx.merge_decoders`` into one
+  graph that picks its branch by a ``use_cache_branch`` input;
 - ``gpt2_optimized/``: that GPT-2-like export run through ONNX Runtime's transformer optimizer
   (``onnxruntime.transformers.optimizer``, what optimum's ``ORTOptimizer`` calls), whose fused
   operators of the ``com.microsoft`` domain the agent loads as they are;
@@ -28,8 +31,8 @@ It writes
 Everything is seeded (torch.manual_seed, a fixed corpus), so a rerun with the same pins
 writes the same tokens. ``--optimized-only`` rewrites ``gpt2_optimized/`` from the ``gpt2/``
 already there; it needs only onnx, onnxruntime and sympy (the optimizer's shape inference).
-``--nocache-only`` rewrites ``gpt2_nocache/`` and its entry of ``reference.json`` with the
-tokenizer already there.
+``--small-only`` rewrites ``gpt2_nocache/``, ``gpt2_merged/`` and their entries of
+``reference.json`` with the tokenizer already there.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +51,7 @@ DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "real" / "decoders"
 BUNDLED = REPO_ROOT / "models" / "writer" / "1"  # the README's example (config.toml kept)
 BUNDLED_FILES = ("model.onnx", "tokenizer.json", "config.json", "generation_config.json")
 EOS = "<|endoftext|>"
-NOCACHE = "gpt2_nocache"
+NOCACHE, MERGED = "gpt2_nocache", "gpt2_merged"  # the small decoder, two ways
 VOCAB = 384
 NEW_TOKENS = 24
 PROMPTS = ["The little robot", "Edge boxes stream tokens", "日本語 café 🙂"]
@@ -94,7 +98,7 @@ def build(name: str, vocab: int, eos: int) -> Any:
             n_layer=4, n_head=4, n_embd=128, n_positions=128, initializer_range=0.2, **common
         )
         return GPT2LMHeadModel(config).eval()
-    if name == NOCACHE:
+    if name in (NOCACHE, MERGED):
         config = GPT2Config(
             n_layer=2, n_head=2, n_embd=32, n_positions=64, initializer_range=0.5, **common
         )
@@ -144,6 +148,36 @@ def export(model: Any, dst: Path, task: str = "text-generation-with-past") -> No
             shutil.copy(src / extra, dst / extra)
 
 
+def export_merged(model: Any, dst: Path) -> None:
+    """`model` as optimum's older exports wrote a decoder: one without past inputs (its cache
+    out), one with them, merged into one graph choosing by `use_cache_branch`."""
+    from optimum.exporters.onnx import export as export_config
+    from optimum.exporters.onnx.model_configs import GPT2OnnxConfig
+    from optimum.onnx import merge_decoders
+
+    with tempfile.TemporaryDirectory(prefix="decoder-merge-") as tmp:
+        parts = []
+        for past_in in (False, True):
+            config = GPT2OnnxConfig(
+                model.config, task="text-generation", use_past=True, use_past_in_inputs=past_in
+            )
+            parts.append(Path(tmp) / f"decoder-{past_in}.onnx")
+            export_config(model, config, parts[-1], opset=14)
+        dst.mkdir(parents=True, exist_ok=True)
+        merge_decoders(parts[0], parts[1], save_path=dst / "model.onnx")
+        model.save_pretrained(Path(tmp) / "hf")
+        for extra in ("config.json", "generation_config.json"):
+            shutil.copy(Path(tmp) / "hf" / extra, dst / extra)
+
+
+EXPORTS: dict[str, Callable[[Any, Path], None]] = {
+    "gpt2": export,
+    "llama": export,
+    NOCACHE: lambda model, dst: export(model, dst, "text-generation"),
+    MERGED: export_merged,
+}
+
+
 def optimize(src: Path, dst: Path) -> None:
     """`src`'s GPT-2 export fused by ONNX Runtime's transformer optimizer into `dst`, with the
     other files of the folder. `opt_level=0`: only the optimizer's own fusions (layer norms,
@@ -166,12 +200,12 @@ def optimize(src: Path, dst: Path) -> None:
         shutil.copy(src / extra, dst / extra)
 
 
-def make(name: str, tokenizer: Any, out: Path, task: str) -> list[dict[str, Any]]:
-    """`out/name/`: the seeded decoder `name` exported for `task`, with the tokenizer; its
+def make(name: str, tokenizer: Any, out: Path) -> list[dict[str, Any]]:
+    """`out/name/`: the seeded decoder `name` exported (`EXPORTS`), with the tokenizer; its
     reference cases (Hugging Face's greedy tokens for each prompt)."""
     vocab, eos = tokenizer.get_vocab_size(), tokenizer.token_to_id(EOS)
     model = build(name, vocab, eos)
-    export(model, out / name, task)
+    EXPORTS[name](model, out / name)
     tokenizer.save(str(out / name / "tokenizer.json"))
     cases = []
     for prompt in PROMPTS:
@@ -191,27 +225,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--optimized-only", action="store_true")
-    parser.add_argument("--nocache-only", action="store_true")
+    parser.add_argument("--small-only", action="store_true")
     args = parser.parse_args()
     out: Path = args.out
     if args.optimized_only:
         optimize(out / "gpt2", out / "gpt2_optimized")
         return
-    if args.nocache_only:
+    if args.small_only:
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(str(out / "gpt2" / "tokenizer.json"))
         reference = json.loads((out / "reference.json").read_text(encoding="utf-8"))
-        reference["models"][NOCACHE] = make(NOCACHE, tokenizer, out, "text-generation")
+        for name in (NOCACHE, MERGED):
+            reference["models"][name] = make(name, tokenizer, out)
         write_reference(out, reference)
         return
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(out / "tokenizer.json")
     vocab, eos = tokenizer.get_vocab_size(), tokenizer.token_to_id(EOS)
     reference = {"eos": eos, "vocab": vocab, "models": {}}
-    for name in ("gpt2", "llama"):
-        reference["models"][name] = make(name, tokenizer, out, "text-generation-with-past")
-    reference["models"][NOCACHE] = make(NOCACHE, tokenizer, out, "text-generation")
+    for name in EXPORTS:
+        reference["models"][name] = make(name, tokenizer, out)
     write_reference(out, reference)
     (out / "tokenizer.json").unlink()  # each model folder has its copy
     optimize(out / "gpt2", out / "gpt2_optimized")

@@ -1,6 +1,7 @@
 """`mode = "generate"` with real optimum exports (a GPT-2-like and a Llama-like decoder with
 grouped-query attention and rotary positions; the GPT-2-like one fused by ONNX Runtime's
-transformer optimizer; a smaller one exported without its cache): greedy tokens equal to
+transformer optimizer; a smaller one exported without its cache, and merged as optimum's older
+exports were): greedy tokens equal to
 Hugging Face's `generate(do_sample=False)`, text equal to the tokenizer's decode, finish
 reasons and usage, stop strings, max_new_tokens, context overflow refused, `stream: false`,
 tokens_per_chunk."""
@@ -39,6 +40,8 @@ def agent_client(
         "llama": ("llama", ""),
         "gpt2_optimized": ("gpt2_optimized", ""),
         "gpt2_nocache": ("gpt2_nocache", ""),
+        "gpt2_merged": ("gpt2_merged", ""),
+        "gpt2_merged_batched": ("gpt2_merged", BATCHING),
         "gpt2_ids": ("gpt2", ""),
         "gpt2_eos": ("gpt2", f"[generate]\neos = [{eos_at}]\n"),
         "gpt2_short": ("gpt2", "[generate]\ncontext = 12\nmax_new_tokens = 8\n"),
@@ -117,6 +120,22 @@ def test_a_decoder_exported_without_its_cache_runs_the_whole_sequence(
     assert tokens_of(chunks) == ref["greedy"]
     assert "".join(c.text for c in chunks) == ref["text"]
     assert reply.end.usage == {"prompt_tokens": len(ref["ids"]), "completion_tokens": N}
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_an_older_merged_export_takes_its_cache_branch(
+    agent_client: tuple[Agent, AgentClient], case: int
+) -> None:
+    """optimum's older exports: one graph holding the decoder without and with a past, an If
+    choosing by `use_cache_branch` (false for the prefill, true after)."""
+    _, client = agent_client
+    graph = onnx.load(str(DECODERS / "gpt2_merged" / "model.onnx"), load_external_data=False)
+    assert "use_cache_branch" in [i.name for i in graph.graph.input]
+    assert [n.op_type for n in graph.graph.node] == ["If"]
+    ref = REFERENCE["models"]["gpt2_merged"][case]
+    _reply, chunks = generate(client, "gpt2_merged", {"prompt": ref["prompt"]}, max_new_tokens=N)
+    assert tokens_of(chunks) == ref["greedy"]
+    assert "".join(c.text for c in chunks) == ref["text"]
 
 
 def test_input_ids_without_a_tokenizer(agent_client: tuple[Agent, AgentClient]) -> None:
@@ -305,17 +324,21 @@ def test_reply_compression_applies_to_tokens(
     assert refused.value.code == "bad_request"
 
 
+@pytest.mark.parametrize(
+    ("model", "arch"), [("llama_batched", "llama"), ("gpt2_merged_batched", "gpt2_merged")]
+)
 def test_batched_requests_run_in_lock_step_and_get_their_own_tokens(
-    agent_client: tuple[Agent, AgentClient],
+    agent_client: tuple[Agent, AgentClient], model: str, arch: str
 ) -> None:
     """Three prompts of different lengths and limits queued together: one run, the shorter
-    caches left-padded; each request's greedy tokens and text as alone, each its own end."""
+    caches left-padded; each request's greedy tokens and text as alone, each its own end
+    (the merged export's rows on its cache branch together)."""
     agent, client = agent_client
-    cases = REFERENCE["models"]["llama"]
+    cases = REFERENCE["models"][arch]
     limits = [N, 5, 13]  # rows leave the batch at different steps
     replies = [
         client.request(
-            "llama_batched",
+            model,
             {"prompt": case["prompt"]},
             params={"max_new_tokens": n},
             timeout=30,
@@ -329,8 +352,8 @@ def test_batched_requests_run_in_lock_step_and_get_their_own_tokens(
         assert reply.end.finish_reason == "length"
         assert reply.end.usage == {"prompt_tokens": len(case["ids"]), "completion_tokens": n}
     samples = agent.metrics.registry.get_sample_value
-    runs = samples("edge_agent_batch_requests_count", {"model": "llama_batched"})
-    requests = samples("edge_agent_batch_requests_sum", {"model": "llama_batched"})
+    runs = samples("edge_agent_batch_requests_count", {"model": model})
+    requests = samples("edge_agent_batch_requests_sum", {"model": model})
     assert (runs, requests) == (1, 3)  # all three in one run
 
 
