@@ -28,6 +28,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -94,29 +95,13 @@ def test_images(folder: Path) -> dict[str, Path]:
 
 def make_yolo(out: Path) -> None:
     import torch
-    from ultralytics import YOLO
-    from ultralytics.data.augment import LetterBox
     from ultralytics.utils.nms import non_max_suppression
     from ultralytics.utils.ops import scale_boxes
 
     folder = out / "yolo"
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        yaml_path = Path(tmp) / "yolov8t.yaml"
-        yaml_path.write_text(YOLO_YAML)
-        model = YOLO(str(yaml_path))
-        model.model.names = dict(enumerate(LABELS))  # type: ignore[union-attr]
-        spread_head(model.model)
-        here = Path.cwd()
-        os.chdir(tmp)  # the exporter writes beside the working directory
-        try:
-            exported = model.export(format="onnx", imgsz=IMGSZ, simplify=False, dynamic=False)
-        finally:
-            os.chdir(here)
-        shutil.copyfile(Path(tmp) / exported, folder / "model.onnx")
-    (folder / "labels.txt").write_text("\n".join(LABELS) + "\n")
+    model = export_yolo(YOLO_YAML, "yolov8t.yaml", spread_head, folder)
     images = test_images(folder)
     net = model.model.eval()  # type: ignore[union-attr]
     raw: dict[str, np.ndarray[Any, Any]] = {}
@@ -124,10 +109,8 @@ def make_yolo(out: Path) -> None:
     for kind, path in images.items():
         bgr = cv2.imread(str(path))
         sources[kind] = bgr
-        boxed = LetterBox(new_shape=(IMGSZ, IMGSZ), auto=False)(image=bgr)
-        x = np.ascontiguousarray(boxed[..., ::-1].transpose(2, 0, 1))[None] / np.float32(255)
         with torch.no_grad():
-            pred = net(torch.from_numpy(x.astype(np.float32)))
+            pred = net(torch.from_numpy(letterboxed(bgr)))
         raw[kind] = (pred[0] if isinstance(pred, (list, tuple)) else pred).numpy()
     threshold = score_threshold(raw["jpeg"], passing=60)
     arrays: dict[str, np.ndarray[Any, Any]] = {}
@@ -151,6 +134,45 @@ def make_yolo(out: Path) -> None:
         "torch": torch.__version__,
     }
     (folder / "reference.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def export_yolo(
+    yaml_text: str, yaml_name: str, spread: Callable[[Any], None], folder: Path, **export: Any
+) -> Any:
+    """Ultralytics' model of `yaml_text` (the file name tells Ultralytics its scale), seeded,
+    `LABELS` as its names, its head sharpened by `spread`, exported by Ultralytics' exporter to
+    ONNX at `IMGSZ` (`export`: more of its arguments) as `folder/model.onnx`, with
+    `labels.txt`; the YOLO object."""
+    import torch
+    from ultralytics import YOLO
+
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        yaml_path = Path(tmp) / yaml_name
+        yaml_path.write_text(yaml_text)
+        model = YOLO(str(yaml_path))
+        model.model.names = dict(enumerate(LABELS))  # type: ignore[union-attr]
+        spread(model.model)
+        here = Path.cwd()
+        os.chdir(tmp)  # the exporter writes beside the working directory
+        try:
+            exported = model.export(
+                format="onnx", imgsz=IMGSZ, simplify=False, dynamic=False, **export
+            )
+        finally:
+            os.chdir(here)
+        shutil.copyfile(Path(tmp) / exported, folder / "model.onnx")
+    (folder / "labels.txt").write_text("\n".join(LABELS) + "\n")
+    return model
+
+
+def letterboxed(bgr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """Ultralytics' own preprocessing of a BGR image: letterbox, RGB, CHW, [0, 1]."""
+    from ultralytics.data.augment import LetterBox
+
+    boxed = LetterBox(new_shape=(IMGSZ, IMGSZ), auto=False)(image=bgr)
+    x = np.ascontiguousarray(boxed[..., ::-1].transpose(2, 0, 1))[None] / np.float32(255)
+    return x.astype(np.float32)
 
 
 def spread_head(net: Any) -> None:
@@ -178,21 +200,21 @@ def score_threshold(pred: np.ndarray[Any, Any], passing: int) -> float:
 
 
 def check_onnx(
-    path: Path, raw: dict[str, np.ndarray[Any, Any]], sources: dict[str, np.ndarray[Any, Any]]
+    path: Path,
+    raw: dict[str, np.ndarray[Any, Any]],
+    sources: dict[str, np.ndarray[Any, Any]],
+    what: str = "yolo",
 ) -> None:
-    """The exported model gives the torch model's raw output (to float tolerance)."""
+    """The exported model gives the torch model's output (to float tolerance)."""
     import onnxruntime as ort
-    from ultralytics.data.augment import LetterBox
 
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name
     for kind, bgr in sources.items():
-        boxed = LetterBox(new_shape=(IMGSZ, IMGSZ), auto=False)(image=bgr)
-        x = np.ascontiguousarray(boxed[..., ::-1].transpose(2, 0, 1))[None] / np.float32(255)
-        got = session.run(None, {name: x.astype(np.float32)})[0]
+        got = session.run(None, {name: letterboxed(bgr)})[0]
         error = float(np.max(np.abs(got - raw[kind])))
         if error > 1e-3:
-            sys.exit(f"yolo {kind}: onnxruntime differs from torch by {error}")
+            sys.exit(f"{what} {kind}: onnxruntime differs from torch by {error}")
 
 
 def make_classifier(out: Path) -> None:

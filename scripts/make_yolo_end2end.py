@@ -24,13 +24,20 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import cv2
 import numpy as np
-from make_vision_models import DEFAULT_OUT, IMGSZ, LABELS, MAX_DET  # this script's folder
+from make_vision_models import (  # this script's folder
+    DEFAULT_OUT,
+    IMGSZ,
+    LABELS,
+    MAX_DET,
+    check_onnx,
+    export_yolo,
+    letterboxed,
+)
 
 BOX_STD = 0.5  # the one-to-one head's last layers, sharpened (spread_head)
 CLASS_STD = 100.0
@@ -88,41 +95,15 @@ def spread_head(net: Any) -> None:
             conv[-1].bias.fill_(-2.0)
 
 
-def letterboxed(bgr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    """Ultralytics' own preprocessing: letterbox, RGB, CHW, [0, 1]."""
-    from ultralytics.data.augment import LetterBox
-
-    boxed = LetterBox(new_shape=(IMGSZ, IMGSZ), auto=False)(image=bgr)
-    x = np.ascontiguousarray(boxed[..., ::-1].transpose(2, 0, 1))[None] / np.float32(255)
-    return x.astype(np.float32)
-
-
 def make(out: Path) -> None:
     import torch
-    from ultralytics import YOLO
     from ultralytics.utils.nms import non_max_suppression
     from ultralytics.utils.ops import scale_boxes
 
     folder = out / "yolo26_end2end"
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        yaml_path = Path(tmp) / "yolo26t.yaml"
-        yaml_path.write_text(YOLO26_YAML)
-        model = YOLO(str(yaml_path))
-        model.model.names = dict(enumerate(LABELS))  # type: ignore[union-attr]
-        spread_head(model.model)
-        here = Path.cwd()
-        os.chdir(tmp)  # the exporter writes beside the working directory
-        try:
-            exported = model.export(
-                format="onnx", imgsz=IMGSZ, simplify=False, dynamic=False, nms=False
-            )
-        finally:
-            os.chdir(here)
-        shutil.copyfile(Path(tmp) / exported, folder / "model.onnx")
-    (folder / "labels.txt").write_text("\n".join(LABELS) + "\n")
+    model = export_yolo(YOLO26_YAML, "yolo26t.yaml", spread_head, folder, nms=False)
     images = {"jpeg": out / "yolo" / "image.jpg", "png": out / "yolo" / "image.png"}
     net = model.model.eval()  # type: ignore[union-attr]
     net.end2end = True
@@ -147,7 +128,7 @@ def make(out: Path) -> None:
         arrays[f"{kind}.scores"] = det[:, 4].numpy().astype(np.float32)
         arrays[f"{kind}.classes"] = det[:, 5].numpy().astype(np.int64)
         print(f"yolo26 {kind}: {len(det)} detections over {threshold:.6g} (margin {margin:.2g})")
-    check_onnx(folder / "model.onnx", raw, sources)
+    check_onnx(folder / "model.onnx", raw, sources, "yolo26")
     np.savez_compressed(folder / "reference.npz", **arrays)
     meta = {
         "imgsz": IMGSZ,
@@ -172,21 +153,6 @@ def score_threshold(raw: dict[str, np.ndarray[Any, Any]]) -> tuple[float, float]
         if PASSING[0] <= int(np.sum(jpeg > middle)) <= PASSING[1] and high - low > 2 * best[1]:
             best = (middle, float(high - low) / 2)
     return best
-
-
-def check_onnx(
-    path: Path, raw: dict[str, np.ndarray[Any, Any]], sources: dict[str, np.ndarray[Any, Any]]
-) -> None:
-    """The export gives the torch model's detections (to float tolerance)."""
-    import onnxruntime as ort
-
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    name = session.get_inputs()[0].name
-    for kind, bgr in sources.items():
-        got = session.run(None, {name: letterboxed(bgr)})[0]
-        error = float(np.max(np.abs(got - raw[kind])))
-        if error > 1e-3:
-            sys.exit(f"yolo26 {kind}: onnxruntime differs from torch by {error}")
 
 
 def main() -> None:

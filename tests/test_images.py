@@ -35,13 +35,14 @@ CLASSIFIER = FIXTURES / "classifier"
 META = json.loads((YOLO / "reference.json").read_text())
 META26 = json.loads((YOLO26 / "reference.json").read_text())
 
-YOLO_CONFIG = f"""
+LETTERBOX = """
 [preprocess]
 resize = [160, 160]
 resize_mode = "letterbox"
 pad_value = 114
 scale = "1/255"
-
+"""  # Ultralytics' own preprocessing at the fixtures' 160 x 160
+YOLO_CONFIG = f"""{LETTERBOX}
 [[postprocess]]
 output = "output0"
 op = "detect"
@@ -51,13 +52,7 @@ iou_threshold = {META["iou_threshold"]}
 max_detections = {META["max_detections"]}
 labels = "labels.txt"
 """
-YOLO26_CONFIG = f"""
-[preprocess]
-resize = [160, 160]
-resize_mode = "letterbox"
-pad_value = 114
-scale = "1/255"
-
+YOLO26_CONFIG = f"""{LETTERBOX}
 [[postprocess]]
 output = "output0"
 op = "detect"
