@@ -105,11 +105,16 @@ def image_bytes(kind: str, folder: Path = YOLO) -> bytes:
 
 
 @pytest.mark.parametrize("kind", ["jpeg", "png"])
-def test_detections_match_ultralytics(vision_agent: tuple[Agent, AgentClient], kind: str) -> None:
+@pytest.mark.parametrize(("model", "folder"), [("yolo", YOLO), ("yolo26", YOLO26)])
+def test_detections_match_ultralytics(
+    vision_agent: tuple[Agent, AgentClient], kind: str, model: str, folder: Path
+) -> None:
+    """The YOLOv8's raw head through the agent's NMS, and YOLO26's NMS-free one (its rows
+    over the threshold, in the model's order), mapped back to the source image."""
     _, client = vision_agent
-    reply = client.request("yolo", {"images": image_bytes(kind)}, stream=False)
+    reply = client.request(model, {"images": image_bytes(kind)}, stream=False)
     got = reply.collect()
-    with np.load(YOLO / "reference.npz") as ref:
+    with np.load(folder / "reference.npz") as ref:
         boxes, scores = ref[f"{kind}.boxes"], ref[f"{kind}.scores"]
         classes = ref[f"{kind}.classes"]
     assert len(boxes) > 10  # enough boxes to say something
@@ -119,7 +124,8 @@ def test_detections_match_ultralytics(vision_agent: tuple[Agent, AgentClient], k
     # Ultralytics maps back with one gain and a rounded pad; the agent with the exact
     # resized size: the same pixels to within a fraction of one.
     np.testing.assert_allclose(got["boxes"], boxes, atol=1.0)
-    assert list(got["labels"]) == [META["labels"][c] for c in classes]
+    labels = json.loads((folder / "reference.json").read_text())["labels"]
+    assert list(got["labels"]) == [labels[c] for c in classes]
     assert reply.geometry == {
         "source": [240, 320],
         "input": [160, 160],
@@ -128,25 +134,6 @@ def test_detections_match_ultralytics(vision_agent: tuple[Agent, AgentClient], k
     }
     assert reply.timing is not None
     assert reply.timing["decode_ms"] > 0 and "preprocess_ms" in reply.timing
-
-
-@pytest.mark.parametrize("kind", ["jpeg", "png"])
-def test_nms_free_detections_match_ultralytics(
-    vision_agent: tuple[Agent, AgentClient], kind: str
-) -> None:
-    """YOLO26's one-to-one head has done its NMS: the agent keeps the rows over the
-    threshold, in the model's order, and maps them back to the source image."""
-    _, client = vision_agent
-    got = client.request("yolo26", {"images": image_bytes(kind)}, stream=False).collect()
-    with np.load(YOLO26 / "reference.npz") as ref:
-        boxes, scores = ref[f"{kind}.boxes"], ref[f"{kind}.scores"]
-        classes = ref[f"{kind}.classes"]
-    assert len(boxes) > 10  # enough boxes to say something
-    assert got["boxes"].shape == boxes.shape and got["boxes"].dtype == np.float32
-    np.testing.assert_array_equal(got["classes"], classes)
-    np.testing.assert_allclose(got["scores"], scores, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(got["boxes"], boxes, atol=1.0)  # as for the YOLOv8 above
-    assert list(got["labels"]) == [META26["labels"][c] for c in classes]
 
 
 def test_uint8_image_tensor_and_streamed_geometry(vision_agent: tuple[Agent, AgentClient]) -> None:
