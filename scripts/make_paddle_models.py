@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
-"""Dev-only: ``tests/fixtures/real/paddle_det/``, a PaddlePaddle text detector converted by
-Paddle2ONNX, in the layout of ``scripts/make_real_models.py`` (whose writer it uses).
+"""Dev-only: ``tests/fixtures/real/paddle_det/`` and ``paddle_rec/``, a PaddlePaddle text
+detector and recogniser converted by Paddle2ONNX, in the layout of
+``scripts/make_real_models.py`` (whose writer it uses).
 
 Not run by CI, never a runtime dependency. Paddle2ONNX pins an older onnx than the rest of the
 export stack, so it gets a scratch virtualenv of its own::
 
     python3 -m venv .venv-paddle
     .venv-paddle/bin/pip install paddlepaddle==3.3.1 paddle2onnx==2.1.0 onnxruntime==1.32.0
+    .venv-paddle/bin/pip install --no-deps paddlex==3.7.2   # its CTC decoder, the reference
+    .venv-paddle/bin/pip install colorlog requests chardet ruamel.yaml pyyaml filelock \
+        pydantic huggingface_hub modelscope aistudio_sdk pandas   # what importing it needs
     .venv-paddle/bin/python scripts/make_paddle_models.py [--out tests/fixtures/real]
 
 The model is a small DBNet-style detector as PaddleOCR's det models are built (convolutions
@@ -16,12 +20,19 @@ dynamic batch, height and width (``InputSpec([None, 3, None, None])``), and conv
 ``paddle2onnx.export`` at opset 14: its input is ``x``, its output Paddle's ``fetch_name_0``,
 its dynamic dims named ``DynamicDimension.N``. The reference is Paddle's own output for a
 seeded input.
+
+The recogniser is a small CRNN as PaddleOCR's rec models end (convolutions down the height,
+the height averaged away, a linear layer and a softmax over the blank, 36 characters and a
+space at each step of the width), converted the same way with a dynamic batch and width. Its
+``ctc.json`` holds PaddleX's own ``CTCLabelDecode`` (what PaddleOCR decodes with) of Paddle's
+output: the texts and scores the agent's ``ctc`` op must give with ``keys.txt``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -92,6 +103,91 @@ def make_paddle_det() -> Fixture:
     )
 
 
+CHARACTERS = "0123456789abcdefghijklmnopqrstuvwxyz"
+BLANK_BIAS, SPACE_BIAS = 6.0, 5.0
+WEIGHT_STD = 0.5
+
+
+def build_recognizer() -> Any:
+    import paddle
+    from paddle import nn
+
+    class Recognizer(nn.Layer):  # type: ignore[misc]
+        def __init__(self, classes: int) -> None:
+            super().__init__()
+            self.conv1 = nn.Conv2D(3, 16, 3, stride=2, padding=1)
+            self.bn1 = nn.BatchNorm2D(16)
+            self.conv2 = nn.Conv2D(16, 32, 3, stride=(2, 1), padding=1)
+            self.bn2 = nn.BatchNorm2D(32)
+            self.fc = nn.Linear(32, classes)
+
+        def forward(self, x: Any) -> Any:
+            y = nn.functional.relu(self.bn1(self.conv1(x)))
+            y = nn.functional.relu(self.bn2(self.conv2(y)))
+            y = paddle.transpose(y.mean(axis=2), [0, 2, 1])  # [batch, width, channels]
+            return nn.functional.softmax(self.fc(y), axis=2)
+
+    paddle.seed(1)
+    model = Recognizer(len(CHARACTERS) + 2)  # the blank, the characters, the space
+    with paddle.no_grad():  # steps that differ, some blank and some space (biased up)
+        model.fc.weight.set_value(paddle.normal(0.0, WEIGHT_STD, model.fc.weight.shape))
+        bias = np.zeros(len(CHARACTERS) + 2, np.float32)
+        bias[[0, -1]] = BLANK_BIAS, SPACE_BIAS
+        model.fc.bias.set_value(paddle.to_tensor(bias))
+    model.eval()
+    return model
+
+
+def make_paddle_rec(out: Path) -> Fixture:
+    import paddle
+    import paddle2onnx
+    from paddlex.inference.models.text_recognition.processors import CTCLabelDecode
+
+    model = build_recognizer()
+    rng = np.random.default_rng(1)
+    width = np.arange(80)  # two "text crops": waves along the width (so steps differ), noise
+    waves = np.stack([np.sin(width / 3.0), np.cos(width / 5.0), np.sin(width / 7.0 + 1)])
+    signs = np.array([1.0, -1.0])[:, None, None, None]
+    x = rng.standard_normal((2, 3, 32, 80)) * 0.5 + 2 * waves[None, :, None, :] * signs
+    x = x.astype(np.float32)
+    want = model(paddle.to_tensor(x)).numpy()
+    spec = [paddle.static.InputSpec([None, 3, 32, None], "float32", name="x")]
+    with tempfile.TemporaryDirectory(prefix="paddle-rec-") as tmp:
+        prefix = str(Path(tmp) / "inference")
+        paddle.jit.save(model, prefix, input_spec=spec)
+        onnx_file = Path(tmp) / "model.onnx"
+        paddle2onnx.export(
+            f"{prefix}.json", f"{prefix}.pdiparams", str(onnx_file), opset_version=14
+        )
+        data = onnx_file.read_bytes()
+    texts, scores = CTCLabelDecode(list(CHARACTERS), use_space_char=True)([want])
+    folder = out / "paddle_rec"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "keys.txt").write_text("\n".join(CHARACTERS) + "\n")
+    decoded = {
+        "labels": "keys.txt",
+        "space": True,
+        "texts": texts,
+        "scores": scores,
+        "decoder": f"paddlex {_version('paddlex')} CTCLabelDecode(use_space_char=True)",
+    }
+    (folder / "ctc.json").write_text(json.dumps(decoded, indent=2, ensure_ascii=False) + "\n")
+    print(f"  paddle_rec: {texts} {scores}")
+    return Fixture(
+        name="paddle_rec",
+        model=data,
+        inputs={"x": x},
+        outputs={"fetch_name_0": want},
+        family="paddle-rec-crnn",
+        exporter={"name": "paddle2onnx.export (opset 14)", "version": _version("paddle2onnx")},
+        framework={"name": "paddlepaddle", "version": _version("paddlepaddle")},
+        tolerance={"rtol": 1e-4, "atol": 1e-5},
+        notes="CRNN-style CTC recogniser built in Paddle (blank, 36 characters, space), saved "
+        "by paddle.jit.save with a dynamic batch and width, converted by Paddle2ONNX; the "
+        "reference is Paddle's output, ctc.json PaddleX's decoding of it.",
+    )
+
+
 def _version(dist: str) -> str:
     return importlib.metadata.version(dist)
 
@@ -100,8 +196,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     out: Path = parser.parse_args().out
-    fixture = make_paddle_det()
-    write(fixture, out, verify(fixture))
+    for fixture in (make_paddle_det(), make_paddle_rec(out)):
+        write(fixture, out, verify(fixture))
 
 
 if __name__ == "__main__":

@@ -177,6 +177,39 @@ def test_end2end_rows_over_the_threshold_in_the_models_order(tmp_path: Path) -> 
         )
 
 
+def test_ctc_greedy_decoding_as_paddleocr(tmp_path: Path) -> None:
+    """Best class a step; repeats merged unless a blank parts them; blanks dropped; the score
+    the mean probability of the kept steps (0 for no text). Labels kept exactly (a space
+    line is a character); `space` adds one after them; `blank` may be the last class."""
+    (tmp_path / "keys.txt").write_text("a\nb\n \n")
+    steps = [1, 1, 0, 1, 2, 2, 3, 0]  # a a _ a b b " " _   (0: the blank)
+    probs = np.full((2, len(steps), 5), 0.01, np.float32)
+    for t, c in enumerate(steps):
+        probs[0, t, c] = 0.5 + t / 100
+    probs[1, :, 0] = 0.9  # all blank
+    config = parse_model_config(
+        '[[postprocess]]\noutput = "y"\nop = "ctc"\nlabels = "keys.txt"\nspace = true\n', "c"
+    )
+    post = build_postprocess(config.postprocess, ["y"], tmp_path)
+    assert post is not None
+    got = post.apply({"y": probs})
+    assert set(got) == {"y_text", "y_score"}
+    assert got["y_text"].tolist() == ["aab ", ""]
+    kept = [0.5, 0.53, 0.54, 0.56]
+    np.testing.assert_allclose(got["y_score"], [np.float32(np.mean(kept)), 0.0], rtol=1e-6)
+    with pytest.raises(InferenceError, match=r"has 4 classes; the labels .* make 5"):
+        post.apply({"y": probs[:, :, :4]})
+    last = parse_model_config(
+        '[[postprocess]]\noutput = "y"\nop = "ctc"\nlabels = "keys.txt"\nblank = 3\n', "c"
+    )
+    post = build_postprocess(last.postprocess, ["y"], tmp_path)
+    assert post is not None
+    blank_last = probs[:, :, [1, 2, 3, 0]]  # a, b, " ", then the blank
+    assert post.apply({"y": blank_last})["y_text"].tolist() == ["aab ", ""]
+    with pytest.raises(ModelConfigError, match='"ctc" needs labels'):
+        parse_model_config('[[postprocess]]\noutput = "y"\nop = "ctc"\n', "c")
+
+
 def test_elementwise_ops(tmp_path: Path) -> None:
     (tmp_path / "labels.txt").write_text("a\nb\nc\n")
     config = parse_model_config(

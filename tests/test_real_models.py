@@ -28,6 +28,7 @@ FAMILIES = (
     "silero_vad",
     "ocr_det",
     "paddle_det",
+    "paddle_rec",
     "sklearn_iris",
     "sklearn_strings",
     "sklearn_text",
@@ -150,3 +151,36 @@ def test_a_string_input_refuses_numbers(real_agent: tuple[Agent, AgentClient]) -
     _, client = real_agent
     with pytest.raises(AgentError, match=r"bad_request.*string"):
         client.request("sklearn_text", {"input": np.zeros((1, 1), np.float32)}).collect()
+
+
+@pytest.fixture(scope="module")
+def ocr_agent(
+    broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Agent, AgentClient]]:
+    """The Paddle recogniser with `[[postprocess]] op = "ctc"`, as its ctc.json says."""
+    from tests.conftest import agent_config, serve_agent
+
+    tmp = tmp_path_factory.mktemp("ocr")
+    root = tmp / "models"
+    decoded = json.loads((FIXTURES / "paddle_rec" / "ctc.json").read_text())
+    (root / "rec" / "1").mkdir(parents=True)
+    for file in ("model.onnx", decoded["labels"]):
+        shutil.copy(FIXTURES / "paddle_rec" / file, root / "rec" / "1" / file)
+    (root / "rec" / "config.toml").write_text(
+        f'[[postprocess]]\noutput = "fetch_name_0"\nop = "ctc"\nlabels = "{decoded["labels"]}"\n'
+        f"space = {str(decoded['space']).lower()}\n"
+    )
+    yield from serve_agent(broker, agent_config(tmp, broker, root))
+
+
+def test_a_recognisers_text_is_paddleocrs(ocr_agent: tuple[Agent, AgentClient]) -> None:
+    """The `ctc` op gives the texts and scores of PaddleX's own CTC decoder (what PaddleOCR
+    decodes with) of the same probabilities, in place of them."""
+    _, client = ocr_agent
+    _, inputs, _ = reference("paddle_rec")
+    decoded = json.loads((FIXTURES / "paddle_rec" / "ctc.json").read_text())
+    got = client.request("rec", inputs, stream=False).collect()
+    assert set(got) == {"fetch_name_0_text", "fetch_name_0_score"}
+    assert got["fetch_name_0_text"].tolist() == decoded["texts"]
+    np.testing.assert_allclose(got["fetch_name_0_score"], decoded["scores"], rtol=1e-5)
+    assert " " in "".join(decoded["texts"])  # the space class was met

@@ -19,8 +19,10 @@ Each op works on one output (``output = NAME``)::
     iou_threshold = 0.45
     max_detections = 300
 
-and ``argmax`` (axis, keepdims; int64 in place), ``threshold`` (value; a uint8 0/1 mask in
-place: ``x > value``), ``cast`` (dtype), ``drop``. The ops run in numpy on every request's
+and ``ctc`` (``labels``, ``space``, ``blank``: a text recogniser's ``[batch, steps, classes]``
+as ``NAME_text`` and ``NAME_score``, agent.models.ctc), ``argmax`` (axis, keepdims; int64 in
+place), ``threshold`` (value; a uint8 0/1 mask in place: ``x > value``), ``cast`` (dtype),
+``drop``. The ops run in numpy on every request's
 and every source frame's outputs, after the outputs a request or source asked for were
 chosen: an op whose output is not among them is skipped. An op naming an output that neither
 the model nor an earlier op makes, or a labels file that cannot be read, fails the version
@@ -38,6 +40,7 @@ import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agent.models.backends.base import InferenceError, ModelLoadError
+from agent.models.ctc import CtcSpec, decode_ctc
 from agent.models.detect import DetectSpec, decode_detections
 from agent.models.resize import Geometry
 from agent.models.text_file import read_text_limited
@@ -62,6 +65,7 @@ _OP_KEYS: dict[str, frozenset[str]] = {
         {"format", "scores", "box_format", "score_threshold", "iou_threshold"}
         | {"max_detections", "labels"}
     ),
+    "ctc": frozenset({"labels", "space", "blank"}),
 }
 
 
@@ -71,7 +75,9 @@ class PostprocessOp(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     output: str = Field(min_length=1)
-    op: Literal["softmax", "sigmoid", "argmax", "topk", "threshold", "cast", "drop", "detect"]
+    op: Literal[
+        "softmax", "sigmoid", "argmax", "topk", "threshold", "cast", "drop", "detect", "ctc"
+    ]
     axis: int = -1
     keepdims: bool = False
     k: int = Field(default=1, ge=1, le=65536)
@@ -84,6 +90,8 @@ class PostprocessOp(BaseModel):
     score_threshold: float = Field(default=0.25, ge=0, le=1)
     iou_threshold: float = Field(default=0.45, ge=0, le=1)
     max_detections: int = Field(default=300, ge=1, le=10000)
+    space: bool = False  # ctc: a space as the class after the labels (PaddleOCR's use_space_char)
+    blank: int = Field(default=0, ge=0)  # ctc: the blank's class
 
     @model_validator(mode="after")
     def _keys_of_op(self) -> PostprocessOp:
@@ -92,6 +100,8 @@ class PostprocessOp(BaseModel):
             raise ValueError(f'op = "{self.op}" takes no {", ".join(foreign)}')
         if self.op == "cast" and self.dtype is None:
             raise ValueError('op = "cast" needs dtype')
+        if self.op == "ctc" and self.labels is None:
+            raise ValueError('op = "ctc" needs labels (a file of the characters, one a line)')
         if self.op == "detect" and (self.format == "boxes_scores") != (self.scores is not None):
             raise ValueError('format = "boxes_scores" and scores = NAME go together')
         if self.format == "end2end" and self.model_fields_set & {"iou_threshold", "box_format"}:
@@ -105,8 +115,9 @@ class PostprocessOp(BaseModel):
         return self
 
 
-def read_labels(folder: Path, name: str) -> tuple[str, ...]:
-    """One label per line of `folder/name` (blank lines at the end ignored)."""
+def read_labels(folder: Path, name: str, *, exact: bool = False) -> tuple[str, ...]:
+    """One label per line of `folder/name` (blank lines at the end ignored), stripped of
+    surrounding white space unless `exact` (a recogniser's characters: a space is one)."""
     text = read_text_limited(
         folder / name,
         MAX_LABELS_BYTES,
@@ -116,7 +127,8 @@ def read_labels(folder: Path, name: str) -> tuple[str, ...]:
         ),
         not_text=lambda _: ModelLoadError(f"postprocess: labels {name} is not UTF-8 text"),
     )
-    return tuple(line.strip() for line in text.rstrip("\n").split("\n"))
+    lines = text.rstrip("\n").split("\n")
+    return tuple(line.rstrip("\r") if exact else line.strip() for line in lines)
 
 
 Step = Callable[[Outputs, Geometry | None], Outputs]
@@ -157,7 +169,8 @@ def build_postprocess(
             raise ModelLoadError(
                 f"{where}: no output {missing[0]!r} (there are {', '.join(sorted(available))})"
             )
-        labels = read_labels(folder, op.labels) if op.labels is not None else None
+        exact = op.op == "ctc"
+        labels = read_labels(folder, op.labels, exact=exact) if op.labels is not None else None
         steps.append((op.output, _step(op, labels)))
         available |= _made(op)
         available -= _removed(op)
@@ -169,11 +182,13 @@ def _made(op: PostprocessOp) -> set[str]:
         return {op.output, f"{op.output}_indices", f"{op.output}_labels"}
     if op.op == "detect":
         return {"boxes", "scores", "classes", "labels"}
+    if op.op == "ctc":
+        return {f"{op.output}_text", f"{op.output}_score"}
     return set() if op.op == "drop" else {op.output}
 
 
 def _removed(op: PostprocessOp) -> set[str]:
-    if op.op == "drop":
+    if op.op in ("drop", "ctc"):
         return {op.output}
     if op.op == "detect":
         return {op.output, *([op.scores] if op.scores else [])} - {"boxes", "scores"}
@@ -194,6 +209,11 @@ def _step(op: PostprocessOp, labels: tuple[str, ...] | None) -> Step:
             labels=labels,
         )
         return lambda outputs, geometry: decode_detections(spec, outputs, geometry)
+    if op.op == "ctc":
+        assert labels is not None  # checked by PostprocessOp
+        characters = (*labels, " ") if op.space else labels
+        ctc = CtcSpec(name, characters, op.blank)
+        return lambda outputs, _: decode_ctc(ctc, outputs)
     if op.op == "topk":
         # an index past the labels: "" (the table built once, not per request)
         table = np.array([*labels, ""], dtype=object) if labels is not None else None
