@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Dev-only: ``tests/fixtures/real/paddle_det/`` and ``paddle_rec/``, a PaddlePaddle text
-detector and recogniser converted by Paddle2ONNX, in the layout of
-``scripts/make_real_models.py`` (whose writer it uses).
+"""Dev-only: ``tests/fixtures/real/paddle_det/``, ``paddle_rec/`` and ``paddle_db/``: PaddlePaddle
+text detectors and a recogniser converted by Paddle2ONNX, the first two in the layout of
+``scripts/make_real_models.py`` (whose writer they use).
 
 Not run by CI, never a runtime dependency. Paddle2ONNX pins an older onnx than the rest of the
 export stack, so it gets a scratch virtualenv of its own::
@@ -26,6 +26,12 @@ the height averaged away, a linear layer and a softmax over the blank, 36 charac
 space at each step of the width), converted the same way with a dynamic batch and width. Its
 ``ctc.json`` holds PaddleX's own ``CTCLabelDecode`` (what PaddleOCR decodes with) of Paddle's
 output: the texts and scores the agent's ``ctc`` op must give with ``keys.txt``.
+
+``paddle_db/`` is for the agent's ``db`` op: a detector whose map is a smoothed ink density
+(set weights, not random: text regions a random network would not find), converted the same
+way, a drawn page (``page.png``: three bars of "text", one slanted, and a speck), and in
+``db.json`` the preprocessing, the thresholds, and the boxes and scores of PaddleX's own
+``DBPostProcess`` (what PaddleOCR runs) on Paddle's map of that page.
 """
 
 from __future__ import annotations
@@ -188,6 +194,89 @@ def make_paddle_rec(out: Path) -> Fixture:
     )
 
 
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # PaddleOCR's det normalisation
+DB_INPUT = (224, 320)  # the page's 240 x 320 resized to multiples of 32, as PaddleOCR does
+DB = {"thresh": 0.3, "box_thresh": 0.6, "unclip_ratio": 1.5}  # PaddleOCR's det defaults
+
+
+def draw_page(path: Path) -> None:
+    """A 240 x 320 page: light paper with noise, three dark bars, one slanted, a speck."""
+    import cv2
+
+    page = np.full((240, 320, 3), 245, np.uint8)
+    page = cv2.add(page, np.random.default_rng(3).integers(0, 8, page.shape, dtype=np.uint8))
+    cv2.rectangle(page, (20, 30), (180, 52), (30, 30, 30), -1)
+    cv2.rectangle(page, (30, 90), (120, 104), (40, 40, 40), -1)
+    slanted = cv2.boxPoints(((220, 170), (120, 22), -20)).astype(np.int32)
+    cv2.fillPoly(page, [slanted], (20, 20, 20))
+    cv2.rectangle(page, (250, 40), (253, 43), (0, 0, 0), -1)
+    cv2.imwrite(str(path), page)
+
+
+def page_input(path: Path) -> np.ndarray[Any, Any]:
+    """The page as the agent's [preprocess] of db.json makes it: resized (bilinear), BGR,
+    scaled to [0, 1], normalised, CHW."""
+    import cv2
+
+    height, width = DB_INPUT
+    resized = cv2.resize(cv2.imread(str(path)), (width, height), interpolation=cv2.INTER_LINEAR)
+    x = (resized.astype(np.float32) / 255 - np.float32(MEAN)) / np.float32(STD)
+    return x.transpose(2, 0, 1)[None].astype(np.float32)
+
+
+def make_paddle_db(out: Path) -> None:
+    import onnxruntime as ort
+    import paddle
+    import paddle2onnx
+    from paddle import nn
+    from paddlex.inference.models.text_detection.processors import DBPostProcess
+
+    class InkMap(nn.Layer):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.ink = nn.Conv2D(3, 1, 1)
+            self.smooth = nn.AvgPool2D(3, stride=1, padding=1)
+
+        def forward(self, x: Any) -> Any:
+            return nn.functional.sigmoid(self.smooth(self.ink(x)))
+
+    model = InkMap()
+    with paddle.no_grad():  # dark pixels of the normalised page high, paper low
+        model.ink.weight.set_value(paddle.full([1, 3, 1, 1], -1.5))
+        model.ink.bias.set_value(paddle.full([1], 1.0))
+    model.eval()
+    folder = out / "paddle_db"
+    folder.mkdir(parents=True, exist_ok=True)
+    draw_page(folder / "page.png")
+    x = page_input(folder / "page.png")
+    want = model(paddle.to_tensor(x)).numpy()
+    spec = [paddle.static.InputSpec([None, 3, None, None], "float32", name="x")]
+    with tempfile.TemporaryDirectory(prefix="paddle-db-") as tmp:
+        prefix = str(Path(tmp) / "inference")
+        paddle.jit.save(model, prefix, input_spec=spec)
+        paddle2onnx.export(
+            f"{prefix}.json", f"{prefix}.pdiparams", str(folder / "model.onnx"), opset_version=14
+        )
+    session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+    difference = float(np.abs(session.run(None, {"x": x})[0] - want).max())
+    if difference > 1e-5:
+        raise SystemExit(f"paddle_db: onnxruntime differs from paddle by {difference}")
+    height, width = DB_INPUT
+    shape = (240, 320, height / 240, width / 320)  # PaddleOCR's (source h, w, ratio h, w)
+    boxes, scores = DBPostProcess(**DB)([want], [shape])
+    reference = {
+        "image": "page.png",
+        "preprocess": {"resize": list(DB_INPUT), "color": "bgr", "mean": MEAN, "std": STD},
+        "db": DB,
+        "boxes": np.asarray(boxes[0]).tolist(),
+        "scores": [float(v) for v in scores[0]],
+        "decoder": f"paddlex {_version('paddlex')} DBPostProcess (quad, fast score)",
+        "onnxruntime_max_abs_diff": difference,
+    }
+    (folder / "db.json").write_text(json.dumps(reference, indent=1) + "\n")
+    print(f"  paddle_db: {len(reference['boxes'])} boxes, scores {reference['scores']}")
+
+
 def _version(dist: str) -> str:
     return importlib.metadata.version(dist)
 
@@ -198,6 +287,7 @@ def main() -> None:
     out: Path = parser.parse_args().out
     for fixture in (make_paddle_det(), make_paddle_rec(out)):
         write(fixture, out, verify(fixture))
+    make_paddle_db(out)
 
 
 if __name__ == "__main__":

@@ -210,6 +210,28 @@ def test_ctc_greedy_decoding_as_paddleocr(tmp_path: Path) -> None:
         parse_model_config('[[postprocess]]\noutput = "y"\nop = "ctc"\n', "c")
 
 
+def test_db_text_boxes_by_hand(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One bar of text in a 64 x 96 map: its rectangle (20..69, 10..29 at pixel centres)
+    grown by area * 1.5 / perimeter (10.3 pixels), corners clockwise from the top left,
+    clipped to the map; its score the map's mean inside. Only one image's map is taken; the
+    op needs OpenCV, said at load."""
+    probability = np.zeros((1, 1, 64, 96), np.float32)
+    probability[0, 0, 10:30, 20:70] = 0.9
+    config = parse_model_config('[[postprocess]]\noutput = "maps"\nop = "db"\n', "c")
+    post = build_postprocess(config.postprocess, ["maps"], tmp_path)
+    assert post is not None
+    got = post.apply({"maps": probability})
+    assert got["boxes"].tolist() == [[[10, 0], [79, 0], [79, 39], [10, 39]]]
+    np.testing.assert_allclose(got["scores"], [0.9], rtol=1e-6)
+    assert set(got) == {"boxes", "scores"}
+    assert post.apply({"maps": np.zeros((1, 1, 64, 96), np.float32)})["boxes"].shape == (0, 4, 2)
+    with pytest.raises(InferenceError, match="one image's map"):
+        post.apply({"maps": np.zeros((2, 1, 64, 96), np.float32)})
+    monkeypatch.setattr("agent.models.postprocess.load_cv2", lambda: None)
+    with pytest.raises(ModelLoadError, match='"db" needs OpenCV'):
+        build_postprocess(config.postprocess, ["maps"], tmp_path)
+
+
 def test_elementwise_ops(tmp_path: Path) -> None:
     (tmp_path / "labels.txt").write_text("a\nb\nc\n")
     config = parse_model_config(

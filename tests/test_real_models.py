@@ -157,7 +157,8 @@ def test_a_string_input_refuses_numbers(real_agent: tuple[Agent, AgentClient]) -
 def ocr_agent(
     broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Agent, AgentClient]]:
-    """The Paddle recogniser with `[[postprocess]] op = "ctc"`, as its ctc.json says."""
+    """The Paddle recogniser with `[[postprocess]] op = "ctc"`, as its ctc.json says, and the
+    Paddle ink-map detector with `[preprocess]` and `op = "db"`, as its db.json says."""
     from tests.conftest import agent_config, serve_agent
 
     tmp = tmp_path_factory.mktemp("ocr")
@@ -169,6 +170,15 @@ def ocr_agent(
     (root / "rec" / "config.toml").write_text(
         f'[[postprocess]]\noutput = "fetch_name_0"\nop = "ctc"\nlabels = "{decoded["labels"]}"\n'
         f"space = {str(decoded['space']).lower()}\n"
+    )
+    found = json.loads((FIXTURES / "paddle_db" / "db.json").read_text())
+    pre, db = found["preprocess"], found["db"]
+    (root / "det" / "1").mkdir(parents=True)
+    shutil.copy(FIXTURES / "paddle_db" / "model.onnx", root / "det" / "1" / "model.onnx")
+    (root / "det" / "config.toml").write_text(
+        f'[preprocess]\nresize = {pre["resize"]}\ncolor = "{pre["color"]}"\nscale = "1/255"\n'
+        f'mean = {pre["mean"]}\nstd = {pre["std"]}\n\n[[postprocess]]\noutput = "fetch_name_0"\n'
+        f'op = "db"\n' + "".join(f"{key} = {value}\n" for key, value in db.items())
     )
     yield from serve_agent(broker, agent_config(tmp, broker, root))
 
@@ -184,3 +194,18 @@ def test_a_recognisers_text_is_paddleocrs(ocr_agent: tuple[Agent, AgentClient]) 
     assert got["fetch_name_0_text"].tolist() == decoded["texts"]
     np.testing.assert_allclose(got["fetch_name_0_score"], decoded["scores"], rtol=1e-5)
     assert " " in "".join(decoded["texts"])  # the space class was met
+
+
+def test_a_detectors_text_boxes_are_paddleocrs(ocr_agent: tuple[Agent, AgentClient]) -> None:
+    """The `db` op on a page sent as PNG bytes: PaddleX's own DBPostProcess boxes (quads in
+    the page's pixels; a pixel apart at most where pyclipper's integer polygon rounds a
+    slanted corner otherwise) and scores, the speck included, in PaddleOCR's order."""
+    _, client = ocr_agent
+    found = json.loads((FIXTURES / "paddle_db" / "db.json").read_text())
+    page = (FIXTURES / "paddle_db" / found["image"]).read_bytes()
+    got = client.request("det", {"x": page}, stream=False).collect()
+    assert set(got) == {"boxes", "scores"}
+    want = np.array(found["boxes"], dtype=np.int32)
+    assert got["boxes"].dtype == np.int32 and got["boxes"].shape == want.shape == (4, 4, 2)
+    assert np.abs(got["boxes"] - want).max() <= 1
+    np.testing.assert_allclose(got["scores"], found["scores"], rtol=1e-5)

@@ -20,7 +20,9 @@ Each op works on one output (``output = NAME``)::
     max_detections = 300
 
 and ``ctc`` (``labels``, ``space``, ``blank``: a text recogniser's ``[batch, steps, classes]``
-as ``NAME_text`` and ``NAME_score``, agent.models.ctc), ``argmax`` (axis, keepdims; int64 in
+as ``NAME_text`` and ``NAME_score``, agent.models.ctc), ``db`` (``thresh``, ``box_thresh``,
+``unclip_ratio``, ``max_candidates``: a DB text detector's map as ``boxes`` and ``scores``,
+agent.models.text_boxes; needs OpenCV), ``argmax`` (axis, keepdims; int64 in
 place), ``threshold`` (value; a uint8 0/1 mask in place: ``x > value``), ``cast`` (dtype),
 ``drop``. The ops run in numpy on every request's
 and every source frame's outputs, after the outputs a request or source asked for were
@@ -42,7 +44,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from agent.models.backends.base import InferenceError, ModelLoadError
 from agent.models.ctc import CtcSpec, decode_ctc
 from agent.models.detect import DetectSpec, decode_detections
+from agent.models.preprocess import load_cv2
 from agent.models.resize import Geometry
+from agent.models.text_boxes import TextBoxSpec, decode_text_boxes
 from agent.models.text_file import read_text_limited
 
 __all__ = ["PostprocessOp", "Postprocessor", "build_postprocess"]
@@ -66,6 +70,7 @@ _OP_KEYS: dict[str, frozenset[str]] = {
         | {"max_detections", "labels"}
     ),
     "ctc": frozenset({"labels", "space", "blank"}),
+    "db": frozenset({"thresh", "box_thresh", "unclip_ratio", "max_candidates"}),
 }
 
 
@@ -76,7 +81,7 @@ class PostprocessOp(BaseModel):
 
     output: str = Field(min_length=1)
     op: Literal[
-        "softmax", "sigmoid", "argmax", "topk", "threshold", "cast", "drop", "detect", "ctc"
+        "softmax", "sigmoid", "argmax", "topk", "threshold", "cast", "drop", "detect", "ctc", "db"
     ]
     axis: int = -1
     keepdims: bool = False
@@ -92,6 +97,11 @@ class PostprocessOp(BaseModel):
     max_detections: int = Field(default=300, ge=1, le=10000)
     space: bool = False  # ctc: a space as the class after the labels (PaddleOCR's use_space_char)
     blank: int = Field(default=0, ge=0)  # ctc: the blank's class
+    # db: PaddleOCR's inference defaults (DBPostProcess as its det models are run)
+    thresh: float = Field(default=0.3, ge=0, le=1)
+    box_thresh: float = Field(default=0.6, ge=0, le=1)
+    unclip_ratio: float = Field(default=1.5, gt=0, le=10)
+    max_candidates: int = Field(default=1000, ge=1, le=100000)
 
     @model_validator(mode="after")
     def _keys_of_op(self) -> PostprocessOp:
@@ -182,6 +192,8 @@ def _made(op: PostprocessOp) -> set[str]:
         return {op.output, f"{op.output}_indices", f"{op.output}_labels"}
     if op.op == "detect":
         return {"boxes", "scores", "classes", "labels"}
+    if op.op == "db":
+        return {"boxes", "scores"}
     if op.op == "ctc":
         return {f"{op.output}_text", f"{op.output}_score"}
     return set() if op.op == "drop" else {op.output}
@@ -192,6 +204,8 @@ def _removed(op: PostprocessOp) -> set[str]:
         return {op.output}
     if op.op == "detect":
         return {op.output, *([op.scores] if op.scores else [])} - {"boxes", "scores"}
+    if op.op == "db":
+        return {op.output} - {"boxes", "scores"}
     return set()
 
 
@@ -209,6 +223,14 @@ def _step(op: PostprocessOp, labels: tuple[str, ...] | None) -> Step:
             labels=labels,
         )
         return lambda outputs, geometry: decode_detections(spec, outputs, geometry)
+    if op.op == "db":
+        cv2 = load_cv2()
+        if cv2 is None:
+            raise ModelLoadError(
+                'postprocess: op = "db" needs OpenCV (pip install opencv-python-headless)'
+            )
+        boxes = TextBoxSpec(name, op.thresh, op.box_thresh, op.unclip_ratio, op.max_candidates)
+        return lambda outputs, geometry: decode_text_boxes(boxes, outputs, geometry, cv2)
     if op.op == "ctc":
         assert labels is not None  # checked by PostprocessOp
         characters = (*labels, " ") if op.space else labels
