@@ -31,9 +31,11 @@ cv2 = pytest.importorskip("cv2")
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "real"
 YOLO = FIXTURES / "yolo"
 YOLO26 = FIXTURES / "yolo26_end2end"
+RTDETR = FIXTURES / "rtdetr"
 CLASSIFIER = FIXTURES / "classifier"
 META = json.loads((YOLO / "reference.json").read_text())
 META26 = json.loads((YOLO26 / "reference.json").read_text())
+META_RTDETR = json.loads((RTDETR / "reference.json").read_text())
 
 LETTERBOX = """
 [preprocess]
@@ -58,6 +60,20 @@ output = "output0"
 op = "detect"
 format = "end2end"
 score_threshold = {META26["score_threshold"]}
+labels = "labels.txt"
+"""
+RTDETR_CONFIG = f"""
+[preprocess]
+resize = [160, 160]
+scale = "1/255"
+
+[[postprocess]]
+output = "output0"
+op = "detect"
+format = "end2end"
+box_format = "xywh"
+normalized = true
+score_threshold = {META_RTDETR["score_threshold"]}
 labels = "labels.txt"
 """
 CLASSIFIER_CONFIG = """
@@ -96,6 +112,7 @@ def vision_agent(
     root = tmp / "models"
     install(root, "yolo", YOLO, YOLO_CONFIG)
     install(root, "yolo26", YOLO26, YOLO26_CONFIG)
+    install(root, "rtdetr", RTDETR, RTDETR_CONFIG)
     install(root, "classifier", CLASSIFIER, CLASSIFIER_CONFIG)
     yield from serve_agent(broker, agent_config(tmp, broker, root))
 
@@ -134,6 +151,28 @@ def test_detections_match_ultralytics(
     }
     assert reply.timing is not None
     assert reply.timing["decode_ms"] > 0 and "preprocess_ms" in reply.timing
+
+
+@pytest.mark.parametrize("kind", ["jpeg", "png"])
+def test_rtdetr_detections_match_ultralytics(
+    vision_agent: tuple[Agent, AgentClient], kind: str
+) -> None:
+    """RT-DETR's queries: centre boxes in fractions of the (stretched) input, no NMS; the
+    predictor's own boxes, which it leaves unclipped, clipped to the image as the agent's
+    boxes always are."""
+    _, client = vision_agent
+    reply = client.request("rtdetr", {"images": image_bytes(kind)}, stream=False)
+    got = reply.collect()
+    with np.load(RTDETR / "reference.npz") as ref:
+        boxes, scores = ref[f"{kind}.boxes"], ref[f"{kind}.scores"]
+        classes = ref[f"{kind}.classes"]
+    assert len(boxes) > 10
+    np.testing.assert_array_equal(got["classes"], classes)
+    np.testing.assert_allclose(got["scores"], scores, rtol=1e-4, atol=1e-5)
+    clipped = np.clip(boxes, 0, [320, 240, 320, 240])
+    np.testing.assert_allclose(got["boxes"], clipped, atol=0.5)
+    assert list(got["labels"]) == [META_RTDETR["labels"][c] for c in classes]
+    assert reply.geometry is not None and reply.geometry["scale"] == [160 / 240, 0.5]
 
 
 def test_uint8_image_tensor_and_streamed_geometry(vision_agent: tuple[Agent, AgentClient]) -> None:

@@ -9,9 +9,13 @@ Layouts (`format`):
   scores; a box's score is objectness times its class score);
 - ``boxes_scores``: two outputs, ``output`` the boxes ``[1, N, 4]`` (``box_format``,
   ``xyxy`` unless said otherwise) and ``scores`` ``[1, N, C]``;
-- ``end2end``: one output ``[1, K, 6]`` of final detections, ``x1, y1, x2, y2, score, class``
-  a row, best first, as Ultralytics exports YOLO26's NMS-free head (``nms=False``) or a YOLOv8
-  or YOLO11 with its NMS inside (``nms=True``).
+- ``end2end``: one output ``[1, K, 6]`` of final detections, a box (``box_format``, ``xyxy``
+  unless said otherwise), its score and its class a row, best first, as Ultralytics exports
+  YOLO26's NMS-free head (``nms=False``), a YOLOv8 or YOLO11 with its NMS inside
+  (``nms=True``), or RT-DETR (``xywh``, ``normalized``).
+
+Boxes are in input pixels, or with ``normalized`` in fractions of the input's width and height
+(RT-DETR): scaled by the input's size where a geometry is known, left as they are otherwise.
 
 Then, as Ultralytics' ``non_max_suppression`` does it (without multi-label): each box keeps its
 best class; boxes scoring at most ``score_threshold`` are dropped; the rest, best first (at
@@ -56,6 +60,7 @@ class DetectSpec:
     iou_threshold: float
     max_detections: int
     labels: tuple[str, ...] | None
+    normalized: bool = False  # boxes in fractions of the input's size, not its pixels
     # `labels` as an object array, built once here and indexed by each frame's classes
     label_table: Array | None = field(init=False, repr=False, compare=False)
 
@@ -159,7 +164,7 @@ def _final_rows(spec: DetectSpec, outputs: dict[str, Any]) -> tuple[Array, Array
             "output has 6 (x1, y1, x2, y2, score, class)"
         )
     rows = rows[np.flatnonzero(rows[:, 4] > spec.score_threshold)[: spec.max_detections]]
-    boxes = rows[:, :4].astype(np.float32)
+    boxes = _to_xyxy(rows[:, :4], spec.box_format)
     return boxes, rows[:, 4].astype(np.float32), rows[:, 5].astype(np.int64)
 
 
@@ -174,7 +179,12 @@ def _detected(
     """`outputs` with the detector's output(s) replaced by the kept detections."""
     result = {k: v for k, v in outputs.items() if k not in (spec.output, spec.scores)}
     kept = boxes.reshape(-1, 4)
-    result["boxes"] = to_source_boxes(kept, geometry) if geometry is not None else kept
+    if geometry is not None:
+        if spec.normalized:
+            height, width = geometry.input
+            kept = kept * np.array([width, height, width, height], dtype=np.float32)
+        kept = to_source_boxes(kept, geometry)
+    result["boxes"] = kept
     result["scores"] = scores
     result["classes"] = classes
     if spec.label_table is not None:

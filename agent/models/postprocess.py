@@ -14,7 +14,8 @@ Each op works on one output (``output = NAME``)::
     output = "output0"
     op = "detect"              # boxes, scores, classes, labels (agent.models.detect)
     format = "yolov8"          # yolov8 (also YOLO11) | yolov5 | boxes_scores (+ scores = NAME)
-                               # | end2end (final detections: YOLO26 NMS-free, nms=True)
+                               # | end2end (final detections: YOLO26 NMS-free, nms=True,
+                               #   RT-DETR with box_format = "xywh" and normalized = true)
     score_threshold = 0.25
     iou_threshold = 0.45
     max_detections = 300
@@ -66,7 +67,7 @@ _OP_KEYS: dict[str, frozenset[str]] = {
     "cast": frozenset({"dtype"}),
     "drop": frozenset(),
     "detect": frozenset(
-        {"format", "scores", "box_format", "score_threshold", "iou_threshold"}
+        {"format", "scores", "box_format", "normalized", "score_threshold", "iou_threshold"}
         | {"max_detections", "labels"}
     ),
     "ctc": frozenset({"labels", "space", "blank"}),
@@ -92,6 +93,7 @@ class PostprocessOp(BaseModel):
     format: Literal["yolov8", "yolov5", "boxes_scores", "end2end"] = "yolov8"
     scores: str | None = None
     box_format: Literal["xywh", "xyxy"] | None = None
+    normalized: bool = False  # detect: boxes in fractions of the input's size (RT-DETR)
     score_threshold: float = Field(default=0.25, ge=0, le=1)
     iou_threshold: float = Field(default=0.45, ge=0, le=1)
     max_detections: int = Field(default=300, ge=1, le=10000)
@@ -114,10 +116,10 @@ class PostprocessOp(BaseModel):
             raise ValueError('op = "ctc" needs labels (a file of the characters, one a line)')
         if self.op == "detect" and (self.format == "boxes_scores") != (self.scores is not None):
             raise ValueError('format = "boxes_scores" and scores = NAME go together')
-        if self.format == "end2end" and self.model_fields_set & {"iou_threshold", "box_format"}:
+        if self.format == "end2end" and "iou_threshold" in self.model_fields_set:
             raise ValueError(
-                'format = "end2end" takes no iou_threshold or box_format: its output is the '
-                "model's final detections, x1, y1, x2, y2, score, class"
+                'format = "end2end" takes no iou_threshold: its output is the model\'s final '
+                "detections, a box, a score and a class a row"
             )
         name = self.labels
         if name is not None and (not name or "/" in name or "\\" in name):
@@ -216,7 +218,8 @@ def _step(op: PostprocessOp, labels: tuple[str, ...] | None) -> Step:
             output=name,
             format=op.format,
             scores=op.scores,
-            box_format=op.box_format or ("xyxy" if op.format == "boxes_scores" else "xywh"),
+            box_format=op.box_format or _box_format(op.format),
+            normalized=op.normalized,
             score_threshold=op.score_threshold,
             iou_threshold=op.iou_threshold,
             max_detections=op.max_detections,
@@ -244,6 +247,11 @@ def _step(op: PostprocessOp, labels: tuple[str, ...] | None) -> Step:
         return lambda outputs, _: {k: v for k, v in outputs.items() if k != name}
     transform = _elementwise(op)
     return lambda outputs, _: {**outputs, name: transform(_numeric(outputs[name], op))}
+
+
+def _box_format(layout: str) -> str:
+    """A `detect` layout's boxes unless `box_format` says: YOLO's centres, else corners."""
+    return "xywh" if layout in ("yolov8", "yolov5") else "xyxy"
 
 
 def _numeric(value: Any, op: PostprocessOp) -> Array:
