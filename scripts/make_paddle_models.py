@@ -78,23 +78,31 @@ def build() -> Any:
     return model
 
 
-def make_paddle_det() -> Fixture:
+def converted(model: Any, shape: list[int | None]) -> bytes:
+    """`model` saved by `paddle.jit.save` with input `x` of `shape` (None: dynamic) and
+    converted by `paddle2onnx.export` at opset 14: the ONNX file's bytes."""
     import paddle
     import paddle2onnx
 
-    model = build()
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((1, 3, 32, 48)).astype(np.float32)  # a normalised image
-    want = model(paddle.to_tensor(x)).numpy()
-    spec = [paddle.static.InputSpec([None, 3, None, None], "float32", name="x")]
-    with tempfile.TemporaryDirectory(prefix="paddle-det-") as tmp:
+    spec = [paddle.static.InputSpec(shape, "float32", name="x")]
+    with tempfile.TemporaryDirectory(prefix="paddle-export-") as tmp:
         prefix = str(Path(tmp) / "inference")
         paddle.jit.save(model, prefix, input_spec=spec)
         onnx_file = Path(tmp) / "model.onnx"
         paddle2onnx.export(
             f"{prefix}.json", f"{prefix}.pdiparams", str(onnx_file), opset_version=14
         )
-        data = onnx_file.read_bytes()
+        return onnx_file.read_bytes()
+
+
+def make_paddle_det() -> Fixture:
+    import paddle
+
+    model = build()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 3, 32, 48)).astype(np.float32)  # a normalised image
+    want = model(paddle.to_tensor(x)).numpy()
+    data = converted(model, [None, 3, None, None])
     return Fixture(
         name="paddle_det",
         model=data,
@@ -146,7 +154,6 @@ def build_recognizer() -> Any:
 
 def make_paddle_rec(out: Path) -> Fixture:
     import paddle
-    import paddle2onnx
     from paddlex.inference.models.text_recognition.processors import CTCLabelDecode
 
     model = build_recognizer()
@@ -157,15 +164,7 @@ def make_paddle_rec(out: Path) -> Fixture:
     x = rng.standard_normal((2, 3, 32, 80)) * 0.5 + 2 * waves[None, :, None, :] * signs
     x = x.astype(np.float32)
     want = model(paddle.to_tensor(x)).numpy()
-    spec = [paddle.static.InputSpec([None, 3, 32, None], "float32", name="x")]
-    with tempfile.TemporaryDirectory(prefix="paddle-rec-") as tmp:
-        prefix = str(Path(tmp) / "inference")
-        paddle.jit.save(model, prefix, input_spec=spec)
-        onnx_file = Path(tmp) / "model.onnx"
-        paddle2onnx.export(
-            f"{prefix}.json", f"{prefix}.pdiparams", str(onnx_file), opset_version=14
-        )
-        data = onnx_file.read_bytes()
+    data = converted(model, [None, 3, 32, None])
     texts, scores = CTCLabelDecode(list(CHARACTERS), use_space_char=True)([want])
     folder = out / "paddle_rec"
     folder.mkdir(parents=True, exist_ok=True)
@@ -227,7 +226,6 @@ def page_input(path: Path) -> np.ndarray[Any, Any]:
 def make_paddle_db(out: Path) -> None:
     import onnxruntime as ort
     import paddle
-    import paddle2onnx
     from paddle import nn
     from paddlex.inference.models.text_detection.processors import DBPostProcess
 
@@ -250,13 +248,7 @@ def make_paddle_db(out: Path) -> None:
     draw_page(folder / "page.png")
     x = page_input(folder / "page.png")
     want = model(paddle.to_tensor(x)).numpy()
-    spec = [paddle.static.InputSpec([None, 3, None, None], "float32", name="x")]
-    with tempfile.TemporaryDirectory(prefix="paddle-db-") as tmp:
-        prefix = str(Path(tmp) / "inference")
-        paddle.jit.save(model, prefix, input_spec=spec)
-        paddle2onnx.export(
-            f"{prefix}.json", f"{prefix}.pdiparams", str(folder / "model.onnx"), opset_version=14
-        )
+    (folder / "model.onnx").write_bytes(converted(model, [None, 3, None, None]))
     session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
     difference = float(np.abs(session.run(None, {"x": x})[0] - want).max())
     if difference > 1e-5:

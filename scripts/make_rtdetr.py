@@ -20,7 +20,6 @@ images where 10 to 30 of the JPEG's pass.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import shutil
@@ -31,7 +30,7 @@ from typing import Any
 
 import cv2
 import numpy as np
-from make_vision_models import DEFAULT_OUT, IMGSZ, LABELS  # this script's folder
+from make_vision_models import DEFAULT_OUT, IMGSZ, LABELS, widest_gap  # this script's folder
 
 PASSING = (10, 30)
 RTDETR_YAML = """\
@@ -87,7 +86,7 @@ def make(out: Path) -> None:
     images = {"jpeg": out / "yolo" / "image.jpg", "png": out / "yolo" / "image.png"}
     sources = {kind: cv2.imread(str(path)) for kind, path in images.items()}
     everything = {kind: _predicted(model, bgr, 0.0) for kind, bgr in sources.items()}
-    threshold, margin = score_threshold({k: v[1] for k, v in everything.items()})
+    threshold, margin = widest_gap({k: v[1] for k, v in everything.items()}, PASSING)
     if margin < 1e-4:
         sys.exit(f"rtdetr: a score lies {margin:.2g} from the threshold; pick another seed")
     arrays: dict[str, np.ndarray[Any, Any]] = {}
@@ -116,19 +115,6 @@ def _predicted(model: Any, bgr: np.ndarray[Any, Any], conf: float) -> tuple[Any,
         found.conf.numpy().astype(np.float32),
         found.cls.numpy().astype(np.int64),
     )
-
-
-def score_threshold(scores: dict[str, np.ndarray[Any, Any]]) -> tuple[float, float]:
-    """(threshold, its distance to the nearest score of either image): halfway across the
-    widest gap between the scores of both images where `PASSING` of the JPEG's pass."""
-    every = np.unique(np.concatenate(list(scores.values())))[::-1]
-    best = (0.0, 0.0)
-    for high, low in itertools.pairwise(every):
-        middle = float((high + low) / 2)
-        passing = int(np.sum(scores["jpeg"] > middle))
-        if PASSING[0] <= passing <= PASSING[1] and high - low > 2 * best[1]:
-            best = (middle, float(high - low) / 2)
-    return best
 
 
 def main() -> None:

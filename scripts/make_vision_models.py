@@ -23,6 +23,7 @@ torch runs cannot fall on different sides of it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -197,6 +198,22 @@ def score_threshold(pred: np.ndarray[Any, Any], passing: int) -> float:
     """Halfway between the `passing`-th and the next best box score."""
     best = np.sort(pred[0, 4:, :].max(axis=0))[::-1]
     return float((best[passing - 1] + best[passing]) / 2)
+
+
+def widest_gap(
+    scores: dict[str, np.ndarray[Any, Any]], passing: tuple[int, int]
+) -> tuple[float, float]:
+    """(threshold, its distance to the nearest score of any image) for detectors whose scores
+    crowd together: halfway across the widest gap between the scores of all the images where
+    `passing` (low, high) of the JPEG's pass."""
+    every = np.unique(np.concatenate([v.ravel() for v in scores.values()]))[::-1]
+    best = (0.0, 0.0)
+    for high, low in itertools.pairwise(every):
+        middle = float((high + low) / 2)
+        count = int(np.sum(scores["jpeg"] > middle))
+        if passing[0] <= count <= passing[1] and high - low > 2 * best[1]:
+            best = (middle, float(high - low) / 2)
+    return best
 
 
 def check_onnx(

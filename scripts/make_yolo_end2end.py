@@ -19,7 +19,6 @@ and torch runs cannot fall on different sides of it.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import shutil
@@ -37,6 +36,7 @@ from make_vision_models import (  # this script's folder
     check_onnx,
     export_yolo,
     letterboxed,
+    widest_gap,
 )
 
 BOX_STD = 0.5  # the one-to-one head's last layers, sharpened (spread_head)
@@ -115,7 +115,7 @@ def make(out: Path) -> None:
         raw[kind] = (pred[0] if isinstance(pred, (list, tuple)) else pred).numpy()
         if raw[kind].shape != (1, MAX_DET, 6):
             sys.exit(f"yolo26 {kind}: the torch model gave {raw[kind].shape}, not end-to-end")
-    threshold, margin = score_threshold(raw)
+    threshold, margin = widest_gap({k: v[0, :, 4] for k, v in raw.items()}, PASSING)
     if margin < 1e-4:
         sys.exit(f"yolo26: a score lies {margin:.2g} from the threshold; pick another seed")
     arrays: dict[str, np.ndarray[Any, Any]] = {}
@@ -140,19 +140,6 @@ def make(out: Path) -> None:
         "torch": torch.__version__,
     }
     (folder / "reference.json").write_text(json.dumps(meta, indent=2) + "\n")
-
-
-def score_threshold(raw: dict[str, np.ndarray[Any, Any]]) -> tuple[float, float]:
-    """(threshold, its distance to the nearest score of either image): halfway across the
-    widest gap between the scores of both images where 30 to 60 of the JPEG's pass."""
-    every = np.unique(np.concatenate([pred[0, :, 4] for pred in raw.values()]))[::-1]
-    jpeg = raw["jpeg"][0, :, 4]
-    best = (0.0, 0.0)
-    for high, low in itertools.pairwise(every):
-        middle = float((high + low) / 2)
-        if PASSING[0] <= int(np.sum(jpeg > middle)) <= PASSING[1] and high - low > 2 * best[1]:
-            best = (middle, float(high - low) / 2)
-    return best
 
 
 def main() -> None:
