@@ -161,7 +161,7 @@ def _final_rows(spec: DetectSpec, outputs: dict[str, Any]) -> tuple[Array, Array
     if rows.shape[1] != 6:
         raise ValueError(
             f"detect: {spec.output} has {rows.shape[1]} values per detection, an end2end "
-            "output has 6 (x1, y1, x2, y2, score, class)"
+            "output has 6 (a box's four, the score, the class)"
         )
     rows = rows[np.flatnonzero(rows[:, 4] > spec.score_threshold)[: spec.max_detections]]
     boxes = _to_xyxy(rows[:, :4], spec.box_format)

@@ -23,13 +23,13 @@ Each op works on one output (``output = NAME``)::
 and ``ctc`` (``labels``, ``space``, ``blank``: a text recogniser's ``[batch, steps, classes]``
 as ``NAME_text`` and ``NAME_score``, agent.models.ctc), ``db`` (``thresh``, ``box_thresh``,
 ``unclip_ratio``, ``max_candidates``: a DB text detector's map as ``boxes`` and ``scores``,
-agent.models.text_boxes; needs OpenCV), ``argmax`` (axis, keepdims; int64 in
-place), ``threshold`` (value; a uint8 0/1 mask in place: ``x > value``), ``cast`` (dtype),
-``drop``. The ops run in numpy on every request's
-and every source frame's outputs, after the outputs a request or source asked for were
-chosen: an op whose output is not among them is skipped. An op naming an output that neither
-the model nor an earlier op makes, or a labels file that cannot be read, fails the version
-at load (:func:`build_postprocess` raises :class:`ModelLoadError`).
+agent.models.text_boxes; needs OpenCV), ``argmax`` (axis, keepdims; int64 in place),
+``threshold`` (value; a uint8 0/1 mask in place: ``x > value``), ``cast`` (dtype), ``drop``.
+The ops run in numpy on every request's and every source frame's outputs, after the outputs
+a request or source asked for were chosen: an op whose output is not among them is skipped.
+An op naming an output that neither the model nor an earlier op makes, or a labels file that
+cannot be read, fails the version at load (:func:`build_postprocess` raises
+:class:`ModelLoadError`).
 """
 
 from __future__ import annotations
