@@ -206,6 +206,11 @@ def test_ctc_greedy_decoding_as_paddleocr(tmp_path: Path) -> None:
     assert post is not None
     blank_last = probs[:, :, [1, 2, 3, 0]]  # a, b, " ", then the blank
     assert post.apply({"y": blank_last})["y_text"].tolist() == ["aab ", ""]
+    past = parse_model_config(
+        '[[postprocess]]\noutput = "y"\nop = "ctc"\nlabels = "keys.txt"\nblank = 9\n', "c"
+    )
+    with pytest.raises(ModelLoadError, match="blank 9 is past the 4 classes"):
+        build_postprocess(past.postprocess, ["y"], tmp_path)
     with pytest.raises(ModelConfigError, match='"ctc" needs labels'):
         parse_model_config('[[postprocess]]\noutput = "y"\nop = "ctc"\n', "c")
 

@@ -237,6 +237,11 @@ def _step(op: PostprocessOp, labels: tuple[str, ...] | None) -> Step:
     if op.op == "ctc":
         assert labels is not None  # checked by PostprocessOp
         characters = (*labels, " ") if op.space else labels
+        if op.blank > len(characters):
+            raise ModelLoadError(
+                f"postprocess ctc: blank {op.blank} is past the {len(characters) + 1} classes "
+                "the labels (and space) and the blank make"
+            )
         ctc = CtcSpec(name, characters, op.blank)
         return lambda outputs, _: decode_ctc(ctc, outputs)
     if op.op == "topk":
