@@ -138,10 +138,15 @@ def make_yolo(out: Path) -> None:
 
 
 def export_yolo(
-    yaml_text: str, yaml_name: str, spread: Callable[[Any], None], folder: Path, **export: Any
+    yaml_text: str,
+    yaml_name: str,
+    spread: Callable[[Any], None],
+    folder: Path,
+    labels: tuple[str, ...] = LABELS,
+    **export: Any,
 ) -> Any:
     """Ultralytics' model of `yaml_text` (the file name tells Ultralytics its scale), seeded,
-    `LABELS` as its names, its head sharpened by `spread`, exported by Ultralytics' exporter to
+    `labels` as its names, its head sharpened by `spread`, exported by Ultralytics' exporter to
     ONNX at `IMGSZ` (`export`: more of its arguments) as `folder/model.onnx`, with
     `labels.txt`; the YOLO object."""
     import torch
@@ -152,7 +157,7 @@ def export_yolo(
         yaml_path = Path(tmp) / yaml_name
         yaml_path.write_text(yaml_text)
         model = YOLO(str(yaml_path))
-        model.model.names = dict(enumerate(LABELS))  # type: ignore[union-attr]
+        model.model.names = dict(enumerate(labels))  # type: ignore[union-attr]
         spread(model.model)
         here = Path.cwd()
         os.chdir(tmp)  # the exporter writes beside the working directory
@@ -163,7 +168,7 @@ def export_yolo(
         finally:
             os.chdir(here)
         shutil.copyfile(Path(tmp) / exported, folder / "model.onnx")
-    (folder / "labels.txt").write_text("\n".join(LABELS) + "\n")
+    (folder / "labels.txt").write_text("\n".join(labels) + "\n")
     return model
 
 

@@ -32,10 +32,12 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "real"
 YOLO = FIXTURES / "yolo"
 YOLO26 = FIXTURES / "yolo26_end2end"
 RTDETR = FIXTURES / "rtdetr"
+POSE = FIXTURES / "yolo_pose"
 CLASSIFIER = FIXTURES / "classifier"
 META = json.loads((YOLO / "reference.json").read_text())
 META26 = json.loads((YOLO26 / "reference.json").read_text())
 META_RTDETR = json.loads((RTDETR / "reference.json").read_text())
+META_POSE = json.loads((POSE / "reference.json").read_text())
 
 LETTERBOX = """
 [preprocess]
@@ -60,6 +62,15 @@ output = "output0"
 op = "detect"
 format = "end2end"
 score_threshold = {META26["score_threshold"]}
+labels = "labels.txt"
+"""
+POSE_CONFIG = f"""{LETTERBOX}
+[[postprocess]]
+output = "output0"
+op = "detect"
+keypoints = {META_POSE["keypoints"]}
+score_threshold = {META_POSE["score_threshold"]}
+iou_threshold = {META_POSE["iou_threshold"]}
 labels = "labels.txt"
 """
 RTDETR_CONFIG = f"""
@@ -113,6 +124,7 @@ def vision_agent(
     install(root, "yolo", YOLO, YOLO_CONFIG)
     install(root, "yolo26", YOLO26, YOLO26_CONFIG)
     install(root, "rtdetr", RTDETR, RTDETR_CONFIG)
+    install(root, "pose", POSE, POSE_CONFIG)
     install(root, "classifier", CLASSIFIER, CLASSIFIER_CONFIG)
     yield from serve_agent(broker, agent_config(tmp, broker, root))
 
@@ -173,6 +185,26 @@ def test_rtdetr_detections_match_ultralytics(
     np.testing.assert_allclose(got["boxes"], clipped, atol=0.5)
     assert list(got["labels"]) == [META_RTDETR["labels"][c] for c in classes]
     assert reply.geometry is not None and reply.geometry["scale"] == [160 / 240, 0.5]
+
+
+@pytest.mark.parametrize("kind", ["jpeg", "png"])
+def test_pose_keypoints_match_ultralytics(
+    vision_agent: tuple[Agent, AgentClient], kind: str
+) -> None:
+    """A pose model's keypoints ride with their boxes through NMS and come back in the
+    photo's pixels, x, y and visibility, as Ultralytics' pipeline gives them."""
+    _, client = vision_agent
+    got = client.request("pose", {"images": image_bytes(kind)}, stream=False).collect()
+    with np.load(POSE / "reference.npz") as ref:
+        want = {name: ref[f"{kind}.{name}"] for name in ("boxes", "scores", "classes", "keypoints")}
+    assert len(want["boxes"]) >= 5
+    np.testing.assert_array_equal(got["classes"], want["classes"])
+    np.testing.assert_allclose(got["scores"], want["scores"], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got["boxes"], want["boxes"], atol=1.0)  # as for the boxes above
+    assert got["keypoints"].shape == want["keypoints"].shape == (len(want["boxes"]), 17, 3)
+    np.testing.assert_allclose(got["keypoints"][..., :2], want["keypoints"][..., :2], atol=1.0)
+    np.testing.assert_allclose(got["keypoints"][..., 2], want["keypoints"][..., 2], atol=1e-5)
+    assert set(got["labels"]) == {"person"}
 
 
 def test_uint8_image_tensor_and_streamed_geometry(vision_agent: tuple[Agent, AgentClient]) -> None:

@@ -237,6 +237,15 @@ def test_db_text_boxes_by_hand(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         build_postprocess(config.postprocess, ["maps"], tmp_path)
 
 
+@pytest.mark.parametrize(
+    "keys",
+    ['format = "yolov5"\nkeypoints = [17, 3]', "keypoints = [17]", "keypoints = [17, 4]"],
+)
+def test_keypoints_are_a_yolov8_pose_shape(keys: str) -> None:
+    with pytest.raises(ModelConfigError, match=r"keypoints = \[K, D\]"):
+        parse_model_config(f'[[postprocess]]\noutput = "o"\nop = "detect"\n{keys}\n', "c")
+
+
 def test_elementwise_ops(tmp_path: Path) -> None:
     (tmp_path / "labels.txt").write_text("a\nb\nc\n")
     config = parse_model_config(

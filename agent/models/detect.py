@@ -17,6 +17,11 @@ Layouts (`format`):
 Boxes are in input pixels, or with ``normalized`` in fractions of the input's width and height
 (RT-DETR): scaled by the input's size where a geometry is known, left as they are otherwise.
 
+With ``keypoints = [K, D]`` (a pose model's ``kpt_shape``, ``yolov8`` only) the last ``K * D``
+values of each box are its keypoints, ``x, y`` (and a visibility where ``D`` is 3): they ride
+with their box through NMS and come out as ``keypoints`` ``[n, K, D]``, in the source image's
+pixels like the boxes.
+
 Then, as Ultralytics' ``non_max_suppression`` does it (without multi-label): each box keeps its
 best class; boxes scoring at most ``score_threshold`` are dropped; the rest, best first (at
 most 30000), go through greedy NMS per class (boxes of different classes never suppress each
@@ -61,6 +66,7 @@ class DetectSpec:
     max_detections: int
     labels: tuple[str, ...] | None
     normalized: bool = False  # boxes in fractions of the input's size, not its pixels
+    keypoints: tuple[int, int] | None = None  # (K, D): a pose model's last K * D values a box
     # `labels` as an object array, built once here and indexed by each frame's classes
     label_table: Array | None = field(init=False, repr=False, compare=False)
 
@@ -80,8 +86,9 @@ def _squeeze_batch(array: Array, name: str) -> Array:
     return array
 
 
-def _candidates(spec: DetectSpec, outputs: dict[str, Any]) -> tuple[Array, Array]:
-    """`(boxes [N, 4], class scores [N, C])` of every anchor, boxes in `box_format`."""
+def _candidates(spec: DetectSpec, outputs: dict[str, Any]) -> tuple[Array, Array, Array | None]:
+    """`(boxes [N, 4], class scores [N, C], keypoints [N, K * D] or None)` of every anchor,
+    boxes in `box_format`."""
     raw = _squeeze_batch(np.asarray(outputs[spec.output]), spec.output)
     if spec.format == "boxes_scores":
         assert spec.scores is not None
@@ -91,19 +98,21 @@ def _candidates(spec: DetectSpec, outputs: dict[str, Any]) -> tuple[Array, Array
                 f"detect: boxes {list(raw.shape)} and scores {list(scores.shape)} do not pair "
                 "as [N, 4] and [N, C]"
             )
-        return raw, scores
+        return raw, scores, None
     if spec.format == "yolov8" and raw.shape[0] < raw.shape[1]:
         raw = raw.T  # [4 + C, N] -> [N, 4 + C] (a view)
     first = 5 if spec.format == "yolov5" else 4
-    if raw.shape[1] <= first:
+    last = raw.shape[1] - (spec.keypoints[0] * spec.keypoints[1] if spec.keypoints else 0)
+    if last <= first:
         raise ValueError(
             f"detect: {spec.output} has {raw.shape[1]} values per box, a {spec.format} "
-            f"output has more than {first}"
+            f"output{' with those keypoints' if spec.keypoints else ''} has more than "
+            f"{first + raw.shape[1] - last}"
         )
-    scores = raw[:, first:]
+    scores = raw[:, first:last]
     if spec.format == "yolov5":
         scores = scores * raw[:, 4:5]
-    return raw[:, :4], scores
+    return raw[:, :4], scores, raw[:, last:] if spec.keypoints else None
 
 
 def _to_xyxy(boxes: Array, box_format: str) -> Array:
@@ -141,7 +150,7 @@ def decode_detections(
     (int64) and, with labels, `labels` (a string tensor)."""
     if spec.format == "end2end":
         return _detected(spec, outputs, *_final_rows(spec, outputs), geometry)
-    boxes, scores = _candidates(spec, outputs)
+    boxes, scores, points = _candidates(spec, outputs)
     classes = np.argmax(scores, axis=1)
     best = np.take_along_axis(scores, classes[:, None], axis=1)[:, 0].astype(np.float32)
     chosen = np.flatnonzero(best > spec.score_threshold)
@@ -152,7 +161,11 @@ def decode_detections(
     shifted = xyxy + (kept_classes.astype(np.float32) * _CLASS_OFFSET)[:, None]
     chosen_scores = best[chosen]
     keep = nms(shifted, chosen_scores, spec.iou_threshold, spec.max_detections)
-    return _detected(spec, outputs, xyxy[keep], chosen_scores[keep], kept_classes[keep], geometry)
+    result = _detected(spec, outputs, xyxy[keep], chosen_scores[keep], kept_classes[keep], geometry)
+    if points is not None and spec.keypoints is not None:
+        kept_points = points[chosen][keep].reshape(-1, *spec.keypoints).astype(np.float32)
+        result["keypoints"] = _source_points(kept_points, geometry)
+    return result
 
 
 def _final_rows(spec: DetectSpec, outputs: dict[str, Any]) -> tuple[Array, Array, Array]:
@@ -190,6 +203,20 @@ def _detected(
     if spec.label_table is not None:
         result["labels"] = _labels_of(spec.label_table, classes)
     return result
+
+
+def _source_points(points: Array, geometry: Geometry | None) -> Array:
+    """Keypoints `[n, K, D]`: their `x, y` in source-image pixels, clipped to it, where
+    `geometry` is known (a visibility column left as it is)."""
+    if geometry is None:
+        return points
+    sy, sx = geometry.scale
+    top, left = geometry.pad
+    height, width = geometry.source
+    out: Array = points.copy()
+    out[..., 0] = np.clip((out[..., 0] - left) / sx, 0, width)
+    out[..., 1] = np.clip((out[..., 1] - top) / sy, 0, height)
+    return out
 
 
 def _labels_of(table: Array, classes: Array) -> Array:

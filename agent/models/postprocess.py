@@ -16,6 +16,7 @@ Each op works on one output (``output = NAME``)::
     format = "yolov8"          # yolov8 (also YOLO11) | yolov5 | boxes_scores (+ scores = NAME)
                                # | end2end (final detections: YOLO26 NMS-free, nms=True,
                                #   RT-DETR with box_format = "xywh" and normalized = true)
+    keypoints = [17, 3]        # a pose model's kpt_shape: NAME's last K * D values a box
     score_threshold = 0.25
     iou_threshold = 0.45
     max_detections = 300
@@ -68,7 +69,7 @@ _OP_KEYS: dict[str, frozenset[str]] = {
     "drop": frozenset(),
     "detect": frozenset(
         {"format", "scores", "box_format", "normalized", "score_threshold", "iou_threshold"}
-        | {"max_detections", "labels"}
+        | {"max_detections", "labels", "keypoints"}
     ),
     "ctc": frozenset({"labels", "space", "blank"}),
     "db": frozenset({"thresh", "box_thresh", "unclip_ratio", "max_candidates"}),
@@ -94,6 +95,7 @@ class PostprocessOp(BaseModel):
     scores: str | None = None
     box_format: Literal["xywh", "xyxy"] | None = None
     normalized: bool = False  # detect: boxes in fractions of the input's size (RT-DETR)
+    keypoints: list[int] | None = None  # detect: a pose model's [K, D] (its kpt_shape)
     score_threshold: float = Field(default=0.25, ge=0, le=1)
     iou_threshold: float = Field(default=0.45, ge=0, le=1)
     max_detections: int = Field(default=300, ge=1, le=10000)
@@ -116,6 +118,15 @@ class PostprocessOp(BaseModel):
             raise ValueError('op = "ctc" needs labels (a file of the characters, one a line)')
         if self.op == "detect" and (self.format == "boxes_scores") != (self.scores is not None):
             raise ValueError('format = "boxes_scores" and scores = NAME go together')
+        if self.keypoints is not None and (
+            self.format != "yolov8"
+            or len(self.keypoints) != 2
+            or min(self.keypoints) < 1
+            or self.keypoints[1] > 3
+        ):
+            raise ValueError(
+                'keypoints = [K, D] (a pose model\'s kpt_shape, D 2 or 3) go with format = "yolov8"'
+            )
         if self.format == "end2end" and "iou_threshold" in self.model_fields_set:
             raise ValueError(
                 'format = "end2end" takes no iou_threshold: its output is the model\'s final '
@@ -193,7 +204,7 @@ def _made(op: PostprocessOp) -> set[str]:
     if op.op == "topk":
         return {op.output, f"{op.output}_indices", f"{op.output}_labels"}
     if op.op == "detect":
-        return {"boxes", "scores", "classes", "labels"}
+        return {"boxes", "scores", "classes", "labels", *(["keypoints"] if op.keypoints else [])}
     if op.op == "db":
         return {"boxes", "scores"}
     if op.op == "ctc":
@@ -220,6 +231,7 @@ def _step(op: PostprocessOp, labels: tuple[str, ...] | None) -> Step:
             scores=op.scores,
             box_format=op.box_format or _box_format(op.format),
             normalized=op.normalized,
+            keypoints=(op.keypoints[0], op.keypoints[1]) if op.keypoints else None,
             score_threshold=op.score_threshold,
             iou_threshold=op.iou_threshold,
             max_detections=op.max_detections,
