@@ -33,11 +33,13 @@ YOLO = FIXTURES / "yolo"
 YOLO26 = FIXTURES / "yolo26_end2end"
 RTDETR = FIXTURES / "rtdetr"
 POSE = FIXTURES / "yolo_pose"
+SEG = FIXTURES / "yolo_seg"
 CLASSIFIER = FIXTURES / "classifier"
 META = json.loads((YOLO / "reference.json").read_text())
 META26 = json.loads((YOLO26 / "reference.json").read_text())
 META_RTDETR = json.loads((RTDETR / "reference.json").read_text())
 META_POSE = json.loads((POSE / "reference.json").read_text())
+META_SEG = json.loads((SEG / "reference.json").read_text())
 
 LETTERBOX = """
 [preprocess]
@@ -71,6 +73,15 @@ op = "detect"
 keypoints = {META_POSE["keypoints"]}
 score_threshold = {META_POSE["score_threshold"]}
 iou_threshold = {META_POSE["iou_threshold"]}
+labels = "labels.txt"
+"""
+SEG_CONFIG = f"""{LETTERBOX}
+[[postprocess]]
+output = "output0"
+op = "detect"
+masks = "output1"
+score_threshold = {META_SEG["score_threshold"]}
+iou_threshold = {META_SEG["iou_threshold"]}
 labels = "labels.txt"
 """
 RTDETR_CONFIG = f"""
@@ -125,6 +136,7 @@ def vision_agent(
     install(root, "yolo26", YOLO26, YOLO26_CONFIG)
     install(root, "rtdetr", RTDETR, RTDETR_CONFIG)
     install(root, "pose", POSE, POSE_CONFIG)
+    install(root, "seg", SEG, SEG_CONFIG)
     install(root, "classifier", CLASSIFIER, CLASSIFIER_CONFIG)
     yield from serve_agent(broker, agent_config(tmp, broker, root))
 
@@ -205,6 +217,41 @@ def test_pose_keypoints_match_ultralytics(
     np.testing.assert_allclose(got["keypoints"][..., :2], want["keypoints"][..., :2], atol=1.0)
     np.testing.assert_allclose(got["keypoints"][..., 2], want["keypoints"][..., 2], atol=1e-5)
     assert set(got["labels"]) == {"person"}
+
+
+@pytest.mark.parametrize("kind", ["jpeg", "png"])
+def test_segmentation_outlines_match_ultralytics(
+    vision_agent: tuple[Agent, AgentClient], kind: str
+) -> None:
+    """A segmentation model's instances: boxes as Ultralytics', and each outline (the mask's
+    largest contour, in the photo's pixels) covering what Ultralytics' covers: the bilinear
+    upsampling of OpenCV and of torch may part at a mask's edge, so areas are compared."""
+    _, client = vision_agent
+    got = client.request("seg", {"images": image_bytes(kind)}, stream=False).collect()
+    with np.load(SEG / "reference.npz") as ref:
+        boxes, classes = ref[f"{kind}.boxes"], ref[f"{kind}.classes"]
+        outlines = [ref[f"{kind}.{n}.outline"] for n in range(len(boxes))]
+    assert "output1" not in got and len(boxes) >= 2
+    np.testing.assert_array_equal(got["classes"], classes)
+    np.testing.assert_allclose(got["boxes"], boxes, atol=1.0)
+    assert len(got["segments"]) == len(outlines)
+    for mine, theirs in zip(got["segments"], outlines, strict=True):
+        assert mine.dtype == np.float32 and mine.shape[1] == 2 and len(theirs) >= 3
+        assert overlap(mine, theirs, (240, 320)) > 0.9
+    with pytest.raises(AgentError, match="needs output 'output1' too"):
+        client.request(
+            "seg", {"images": image_bytes(kind)}, params={"outputs": ["output0"]}
+        ).collect()
+
+
+def overlap(a: np.ndarray, b: np.ndarray, shape: tuple[int, int]) -> float:
+    """Intersection over union of two outlines, filled on an image of `shape`."""
+    canvases = []
+    for outline in (a, b):
+        canvas = np.zeros(shape, np.uint8)
+        cv2.fillPoly(canvas, [np.rint(outline).astype(np.int32)], 1)
+        canvases.append(canvas.astype(bool))
+    return float((canvases[0] & canvases[1]).sum() / (canvases[0] | canvases[1]).sum())
 
 
 def test_uint8_image_tensor_and_streamed_geometry(vision_agent: tuple[Agent, AgentClient]) -> None:

@@ -246,6 +246,15 @@ def test_keypoints_are_a_yolov8_pose_shape(keys: str) -> None:
         parse_model_config(f'[[postprocess]]\noutput = "o"\nop = "detect"\n{keys}\n', "c")
 
 
+def test_masks_are_a_yolov8_segmentation_output(tmp_path: Path) -> None:
+    for keys in ('format = "yolov5"\nmasks = "p"', 'masks = "p"\nkeypoints = [17, 3]'):
+        with pytest.raises(ModelConfigError, match="masks = NAME"):
+            parse_model_config(f'[[postprocess]]\noutput = "o"\nop = "detect"\n{keys}\n', "c")
+    config = parse_model_config('[[postprocess]]\noutput = "o"\nop = "detect"\nmasks = "p"\n', "c")
+    with pytest.raises(ModelLoadError, match="no output 'p'"):
+        build_postprocess(config.postprocess, ["o"], tmp_path)
+
+
 def test_elementwise_ops(tmp_path: Path) -> None:
     (tmp_path / "labels.txt").write_text("a\nb\nc\n")
     config = parse_model_config(

@@ -21,6 +21,9 @@ With ``keypoints = [K, D]`` (a pose model's ``kpt_shape``, ``yolov8`` only) the 
 values of each box are its keypoints, ``x, y`` (and a visibility where ``D`` is 3): they ride
 with their box through NMS and come out as ``keypoints`` ``[n, K, D]``, in the source image's
 pixels like the boxes.
+With ``masks = NAME`` (a segmentation model's prototypes output, ``yolov8`` only) the last
+``nm`` values of each box are its mask coefficients: they ride with it through NMS and make
+its outline (agent.models.segments), sent as ``segments``, one ``[m, 2]`` array an instance.
 
 Then, as Ultralytics' ``non_max_suppression`` does it (without multi-label): each box keeps its
 best class; boxes scoring at most ``score_threshold`` are dropped; the rest, best first (at
@@ -44,6 +47,7 @@ import numpy as np
 import numpy.typing as npt
 
 from agent.models.resize import Geometry, to_source_boxes
+from agent.models.segments import outlines
 
 __all__ = ["DetectSpec", "decode_detections", "nms"]
 
@@ -67,6 +71,7 @@ class DetectSpec:
     labels: tuple[str, ...] | None
     normalized: bool = False  # boxes in fractions of the input's size, not its pixels
     keypoints: tuple[int, int] | None = None  # (K, D): a pose model's last K * D values a box
+    masks: str | None = None  # a segmentation model's prototypes output
     # `labels` as an object array, built once here and indexed by each frame's classes
     label_table: Array | None = field(init=False, repr=False, compare=False)
 
@@ -75,20 +80,24 @@ class DetectSpec:
         object.__setattr__(self, "label_table", table)
 
 
-def _squeeze_batch(array: Array, name: str) -> Array:
-    if array.ndim == 3:
+def _squeeze_batch(array: Array, name: str, rank: int = 2) -> Array:
+    """`array` without its batch of one (rank `rank` + 1), or as it is (rank `rank`)."""
+    if array.ndim == rank + 1:
         if array.shape[0] != 1:
             raise ValueError(f"detect: {name} has a batch of {array.shape[0]}; it takes one image")
         first: Array = array[0]
         return first
-    if array.ndim != 2:
-        raise ValueError(f"detect: {name} has shape {list(array.shape)}, expected rank 2 or 3")
+    if array.ndim != rank:
+        raise ValueError(
+            f"detect: {name} has shape {list(array.shape)}, expected rank {rank} or {rank + 1}"
+        )
     return array
 
 
 def _candidates(spec: DetectSpec, outputs: dict[str, Any]) -> tuple[Array, Array, Array | None]:
-    """`(boxes [N, 4], class scores [N, C], keypoints [N, K * D] or None)` of every anchor,
-    boxes in `box_format`."""
+    """`(boxes [N, 4], class scores [N, C], the values after them or None)` of every anchor,
+    boxes in `box_format`; those values are the keypoints `[N, K * D]` or the mask
+    coefficients `[N, nm]`."""
     raw = _squeeze_batch(np.asarray(outputs[spec.output]), spec.output)
     if spec.format == "boxes_scores":
         assert spec.scores is not None
@@ -102,17 +111,33 @@ def _candidates(spec: DetectSpec, outputs: dict[str, Any]) -> tuple[Array, Array
     if spec.format == "yolov8" and raw.shape[0] < raw.shape[1]:
         raw = raw.T  # [4 + C, N] -> [N, 4 + C] (a view)
     first = 5 if spec.format == "yolov5" else 4
-    last = raw.shape[1] - (spec.keypoints[0] * spec.keypoints[1] if spec.keypoints else 0)
+    last = raw.shape[1] - _tail_width(spec, outputs)
     if last <= first:
         raise ValueError(
             f"detect: {spec.output} has {raw.shape[1]} values per box, a {spec.format} "
-            f"output{' with those keypoints' if spec.keypoints else ''} has more than "
-            f"{first + raw.shape[1] - last}"
+            f"output{' with those keypoints or masks' if last < raw.shape[1] else ''} has "
+            f"more than {first + raw.shape[1] - last}"
         )
     scores = raw[:, first:last]
     if spec.format == "yolov5":
         scores = scores * raw[:, 4:5]
-    return raw[:, :4], scores, raw[:, last:] if spec.keypoints else None
+    return raw[:, :4], scores, raw[:, last:] if last < raw.shape[1] else None
+
+
+def _tail_width(spec: DetectSpec, outputs: dict[str, Any]) -> int:
+    """How many values follow a box's class scores: its keypoints' or mask coefficients'."""
+    if spec.keypoints is not None:
+        return spec.keypoints[0] * spec.keypoints[1]
+    if spec.masks is not None:
+        return int(_prototypes(spec, outputs).shape[0])
+    return 0
+
+
+def _prototypes(spec: DetectSpec, outputs: dict[str, Any]) -> Array:
+    """A segmentation model's prototypes, `[nm, mh, mw]`."""
+    assert spec.masks is not None
+    found = _squeeze_batch(np.asarray(outputs[spec.masks]), spec.masks, rank=3)
+    return found
 
 
 def _to_xyxy(boxes: Array, box_format: str) -> Array:
@@ -143,11 +168,15 @@ def nms(boxes: Array, scores: Array, iou_threshold: float, limit: int) -> Array:
 
 
 def decode_detections(
-    spec: DetectSpec, outputs: dict[str, Any], geometry: Geometry | None
+    spec: DetectSpec, outputs: dict[str, Any], geometry: Geometry | None, cv2: Any = None
 ) -> dict[str, Any]:
     """`outputs` with the detector's output(s) replaced by `boxes` (xyxy, float32, in the
     source image's pixels where `geometry` is known, else the input's), `scores`, `classes`
-    (int64) and, with labels, `labels` (a string tensor)."""
+    (int64) and, with labels, `labels` (a string tensor); `keypoints` and `segments` where
+    the spec has them (`cv2`: OpenCV, which outlines need)."""
+    for name in (spec.scores, spec.masks):
+        if name is not None and name not in outputs:
+            raise ValueError(f"detect: needs output {name!r} too, and it was not chosen")
     if spec.format == "end2end":
         return _detected(spec, outputs, *_final_rows(spec, outputs), geometry)
     boxes, scores, points = _candidates(spec, outputs)
@@ -165,6 +194,10 @@ def decode_detections(
     if points is not None and spec.keypoints is not None:
         kept_points = points[chosen][keep].reshape(-1, *spec.keypoints).astype(np.float32)
         result["keypoints"] = _source_points(kept_points, geometry)
+    if points is not None and spec.masks is not None:
+        prototypes = _prototypes(spec, outputs)
+        result.pop(spec.masks, None)
+        result["segments"] = outlines(cv2, points[chosen][keep], prototypes, xyxy[keep], geometry)
     return result
 
 

@@ -69,7 +69,7 @@ _OP_KEYS: dict[str, frozenset[str]] = {
     "drop": frozenset(),
     "detect": frozenset(
         {"format", "scores", "box_format", "normalized", "score_threshold", "iou_threshold"}
-        | {"max_detections", "labels", "keypoints"}
+        | {"max_detections", "labels", "keypoints", "masks"}
     ),
     "ctc": frozenset({"labels", "space", "blank"}),
     "db": frozenset({"thresh", "box_thresh", "unclip_ratio", "max_candidates"}),
@@ -96,6 +96,7 @@ class PostprocessOp(BaseModel):
     box_format: Literal["xywh", "xyxy"] | None = None
     normalized: bool = False  # detect: boxes in fractions of the input's size (RT-DETR)
     keypoints: list[int] | None = None  # detect: a pose model's [K, D] (its kpt_shape)
+    masks: str | None = None  # detect: a segmentation model's prototypes output
     score_threshold: float = Field(default=0.25, ge=0, le=1)
     iou_threshold: float = Field(default=0.45, ge=0, le=1)
     max_detections: int = Field(default=300, ge=1, le=10000)
@@ -126,6 +127,11 @@ class PostprocessOp(BaseModel):
         ):
             raise ValueError(
                 'keypoints = [K, D] (a pose model\'s kpt_shape, D 2 or 3) go with format = "yolov8"'
+            )
+        if self.masks is not None and (self.format != "yolov8" or self.keypoints is not None):
+            raise ValueError(
+                "masks = NAME (a segmentation model's prototypes) go with "
+                'format = "yolov8", without keypoints'
             )
         if self.format == "end2end" and "iou_threshold" in self.model_fields_set:
             raise ValueError(
@@ -187,7 +193,8 @@ def build_postprocess(
     steps: list[tuple[str, Step]] = []
     for position, op in enumerate(ops, 1):
         where = f"postprocess #{position} ({op.op} of {op.output!r})"
-        missing = [n for n in (op.output, op.scores) if n is not None and n not in available]
+        named = (op.output, op.scores, op.masks)
+        missing = [n for n in named if n is not None and n not in available]
         if missing:
             raise ModelLoadError(
                 f"{where}: no output {missing[0]!r} (there are {', '.join(sorted(available))})"
@@ -204,7 +211,8 @@ def _made(op: PostprocessOp) -> set[str]:
     if op.op == "topk":
         return {op.output, f"{op.output}_indices", f"{op.output}_labels"}
     if op.op == "detect":
-        return {"boxes", "scores", "classes", "labels", *(["keypoints"] if op.keypoints else [])}
+        extra = ["keypoints"] if op.keypoints else ["segments"] if op.masks else []
+        return {"boxes", "scores", "classes", "labels", *extra}
     if op.op == "db":
         return {"boxes", "scores"}
     if op.op == "ctc":
@@ -216,7 +224,8 @@ def _removed(op: PostprocessOp) -> set[str]:
     if op.op in ("drop", "ctc"):
         return {op.output}
     if op.op == "detect":
-        return {op.output, *([op.scores] if op.scores else [])} - {"boxes", "scores"}
+        inputs = [op.output, *([op.scores] if op.scores else []), *([op.masks] if op.masks else [])]
+        return set(inputs) - {"boxes", "scores"}
     if op.op == "db":
         return {op.output} - {"boxes", "scores"}
     return set()
@@ -232,12 +241,18 @@ def _step(op: PostprocessOp, labels: tuple[str, ...] | None) -> Step:
             box_format=op.box_format or _box_format(op.format),
             normalized=op.normalized,
             keypoints=(op.keypoints[0], op.keypoints[1]) if op.keypoints else None,
+            masks=op.masks,
             score_threshold=op.score_threshold,
             iou_threshold=op.iou_threshold,
             max_detections=op.max_detections,
             labels=labels,
         )
-        return lambda outputs, geometry: decode_detections(spec, outputs, geometry)
+        cv2 = load_cv2() if op.masks is not None else None
+        if op.masks is not None and cv2 is None:
+            raise ModelLoadError(
+                "postprocess: detect with masks needs OpenCV (pip install opencv-python-headless)"
+            )
+        return lambda outputs, geometry: decode_detections(spec, outputs, geometry, cv2)
     if op.op == "db":
         cv2 = load_cv2()
         if cv2 is None:

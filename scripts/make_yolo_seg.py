@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""Dev-only: ``tests/fixtures/real/yolo_seg/``, an Ultralytics YOLOv8 segmentation model exported
+to ONNX.
+
+Not run by CI, never a runtime dependency. Needs Ultralytics besides the export stack (see
+scripts/make_vision_models.py), and reads the test images of ``yolo/`` that it made::
+
+    .venv-export/bin/python scripts/make_yolo_seg.py [--out tests/fixtures/real]
+
+Ultralytics' own ``yolov8-seg.yaml`` at the narrow width of the other fixtures (3 classes,
+32 prototypes, random seeded weights with the head sharpened, nothing downloaded), exported by
+Ultralytics' exporter at 160 x 160: ``output0`` ``[1, 4 + 3 + 32, 525]`` and the prototypes
+``output1`` ``[1, 32, 40, 40]``. ``reference.npz``: per image, the boxes, scores and classes of
+Ultralytics' own pipeline (``LetterBox``, the torch model, ``non_max_suppression`` with the
+coefficients carried, ``scale_boxes``), and each instance's outline from its
+``process_mask(upsample=True)``, ``masks2segments(strategy="largest")`` and
+``scale_coords`` (``N.outline`` for instance N); ``reference.json``: the threshold, halfway
+across the widest gap between the scores of both images where 5 to 20 of the JPEG's pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import cv2
+import numpy as np
+from make_vision_models import (  # this script's folder
+    DEFAULT_OUT,
+    IMGSZ,
+    IOU,
+    LABELS,
+    MAX_DET,
+    YOLO_YAML,
+    export_yolo,
+    letterboxed,
+    spread_head,
+    widest_gap,
+)
+
+PASSING = (5, 20)
+COEFFICIENT_STD, COEFFICIENT_BIAS = 1.0, 0.5
+BOX_PEAK = 3  # each box side's distribution peaks at 3 strides: boxes of tens of pixels
+SEG_YAML = YOLO_YAML.replace("Detect, [nc]]", "Segment, [nc, 32, 64]]")
+
+
+def spread_segment_head(net: Any) -> None:
+    """The detection head sharpened as for the detector (`spread_head`) but its box
+    distributions set by their biases alone (the features would make every box a pixel
+    wide), and the mask coefficients' last layers (seeded) so masks fill part of their box."""
+    import torch
+
+    spread_head(net)
+    with torch.no_grad():
+        head = net.model[-1]
+        bins = torch.arange(head.reg_max, dtype=torch.float32)
+        head.dfl.conv.weight.copy_(bins.view(1, -1, 1, 1))  # spread_head drew it too: restored
+        for conv in head.cv2:
+            conv[-1].weight.zero_()
+            conv[-1].bias.copy_((-((bins - BOX_PEAK) ** 2) / 2).repeat(4))
+        for conv in head.cv4:
+            conv[-1].weight.normal_(0.0, COEFFICIENT_STD)
+            conv[-1].bias.fill_(COEFFICIENT_BIAS)
+
+
+def make(out: Path) -> None:
+    import torch
+    from ultralytics.utils.nms import non_max_suppression
+    from ultralytics.utils.ops import masks2segments, process_mask, scale_boxes, scale_coords
+
+    folder = out / "yolo_seg"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    model = export_yolo(SEG_YAML, "yolov8t-seg.yaml", spread_segment_head, folder)
+    images = {"jpeg": out / "yolo" / "image.jpg", "png": out / "yolo" / "image.png"}
+    net = model.model.eval()  # type: ignore[union-attr]
+    sources = {kind: cv2.imread(str(path)) for kind, path in images.items()}
+    raw: dict[str, tuple[Any, Any]] = {}
+    for kind, bgr in sources.items():
+        with torch.no_grad():  # in eval: ((detections, prototypes), the training outputs)
+            detections, prototypes = net(torch.from_numpy(letterboxed(bgr)))[0]
+        raw[kind] = (detections, prototypes)
+    scores = {k: v[0][0, 4 : 4 + len(LABELS), :].max(dim=0).values.numpy() for k, v in raw.items()}
+    threshold, margin = widest_gap(scores, PASSING)
+    if margin < 1e-4:
+        sys.exit(f"yolo_seg: a score lies {margin:.2g} from the threshold; pick another seed")
+    arrays: dict[str, np.ndarray[Any, Any]] = {}
+    for kind, (pred, prototypes) in raw.items():
+        det = non_max_suppression(pred, threshold, IOU, max_det=MAX_DET, nc=len(LABELS))[0]
+        shape = sources[kind].shape[:2]
+        masks = process_mask(prototypes[0], det[:, 6:], det[:, :4], (IMGSZ, IMGSZ), upsample=True)
+        outlines = masks2segments(masks, strategy="largest")
+        for n, outline in enumerate(outlines):
+            scaled = scale_coords((IMGSZ, IMGSZ), torch.from_numpy(outline), shape)
+            arrays[f"{kind}.{n}.outline"] = scaled.numpy().astype(np.float32)
+        boxes = scale_boxes((IMGSZ, IMGSZ), det[:, :4].clone(), shape)
+        arrays[f"{kind}.boxes"] = boxes.numpy().astype(np.float32)
+        arrays[f"{kind}.scores"] = det[:, 4].numpy().astype(np.float32)
+        arrays[f"{kind}.classes"] = det[:, 5].numpy().astype(np.int64)
+        print(f"yolo_seg {kind}: {len(det)} instances over {threshold:.6g} (margin {margin:.2g})")
+    check_outputs(folder / "model.onnx", raw, sources)
+    np.savez_compressed(folder / "reference.npz", **arrays)
+    meta = {
+        "imgsz": IMGSZ,
+        "score_threshold": threshold,
+        "iou_threshold": IOU,
+        "max_detections": MAX_DET,
+        "labels": list(LABELS),
+        "ultralytics": __import__("ultralytics").__version__,
+        "torch": torch.__version__,
+    }
+    (folder / "reference.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def check_outputs(
+    path: Path, raw: dict[str, tuple[Any, Any]], sources: dict[str, np.ndarray[Any, Any]]
+) -> None:
+    """The export gives the torch model's detections and prototypes (to float tolerance)."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    for kind, bgr in sources.items():
+        got = session.run(None, {name: letterboxed(bgr)})
+        for mine, theirs in zip(got, raw[kind], strict=True):
+            error = float(np.max(np.abs(mine - theirs.numpy())))
+            if error > 1e-3:
+                sys.exit(f"yolo_seg {kind}: onnxruntime differs from torch by {error}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    os.environ.setdefault("YOLO_OFFLINE", "1")
+    make(parser.parse_args().out)
+
+
+if __name__ == "__main__":
+    main()
