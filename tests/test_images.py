@@ -340,22 +340,27 @@ def test_bad_images_are_refused_cleanly(vision_agent: tuple[Agent, AgentClient])
     assert client.infer("yolo", {"images": jpeg}, stream=False)["boxes"].shape[1] == 4
 
 
+@pytest.mark.parametrize(
+    ("model", "folder", "config"), [("yolo", YOLO, YOLO_CONFIG), ("seg", SEG, SEG_CONFIG)]
+)
 def test_a_folder_source_feeding_the_detector_publishes_boxes(
-    broker: EmbeddedBroker, tmp_path: Path
+    broker: EmbeddedBroker, tmp_path: Path, model: str, folder: Path, config: str
 ) -> None:
+    """A photo dropped in a folder: its detections on the source's stream, a segmentation
+    model's outlines (an array an instance) among them."""
     from tests.conftest import agent_config
 
     root = tmp_path / "models"
-    install(root, "yolo", YOLO, YOLO_CONFIG)
+    install(root, model, folder, config)
     inbox = tmp_path / "inbox"
     inbox.mkdir()
     shutil.copy(YOLO / "image.png", inbox / "photo.png")
-    toml = f'[[sources]]\nname = "door"\nkind = "folder"\nmodel = "yolo"\npath = "{inbox}"\n'
-    config = agent_config(tmp_path, broker, root, toml)
+    toml = f'[[sources]]\nname = "door"\nkind = "folder"\nmodel = "{model}"\npath = "{inbox}"\n'
+    settings = agent_config(tmp_path, broker, root, toml)
     got: queue.Queue[dict[str, Any]] = queue.Queue()
-    client = AgentClient(broker.host, broker.port, device_id=config.device_id).connect()
-    client.listen(f"{config.root_topic}/stream/door", lambda _t, m, _r: m and got.put(m))
-    agent = Agent(config)
+    client = AgentClient(broker.host, broker.port, device_id=settings.device_id).connect()
+    client.listen(f"{settings.root_topic}/stream/door", lambda _t, m, _r: m and got.put(m))
+    agent = Agent(settings)
     agent.start()
     try:
         message = got.get(timeout=30)
@@ -365,8 +370,13 @@ def test_a_folder_source_feeding_the_detector_publishes_boxes(
     from agent.client import decode_outputs
 
     outputs = decode_outputs(message["outputs"])
-    with np.load(YOLO / "reference.npz") as ref:
+    with np.load(folder / "reference.npz") as ref:
         np.testing.assert_array_equal(outputs["classes"], ref["png.classes"])
         np.testing.assert_allclose(outputs["boxes"], ref["png.boxes"], atol=1.0)
+        if model == "seg":
+            outlines = [ref[f"png.{n}.outline"] for n in range(len(ref["png.boxes"]))]
+            assert [len(o) >= 3 for o in outputs["segments"]] == [True] * len(outlines)
+            for mine, theirs in zip(outputs["segments"], outlines, strict=True):
+                assert overlap(mine, theirs, (240, 320)) > 0.9
     assert message["geometry"]["source"] == [240, 320]
     assert message["file"] == "photo.png"
