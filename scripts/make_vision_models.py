@@ -205,6 +205,22 @@ def score_threshold(pred: np.ndarray[Any, Any], passing: int) -> float:
     return float((best[passing - 1] + best[passing]) / 2)
 
 
+def sized_boxes(head: Any, peaks: tuple[int, int, int, int] = (3, 3, 3, 3)) -> None:
+    """A head's boxes set by biases alone, each side's distribution (left, top, right,
+    bottom) peaking at its `peaks` strides (boxes of tens of pixels), and its DFL's weights
+    restored (`spread_head` draws every convolution, the DFL's fixed one too, which can make
+    sizes negative)."""
+    import torch
+
+    with torch.no_grad():
+        bins = torch.arange(head.reg_max, dtype=torch.float32)
+        head.dfl.conv.weight.copy_(bins.view(1, -1, 1, 1))
+        sides = torch.cat([-((bins - peak) ** 2) / 2 for peak in peaks])
+        for conv in head.cv2:
+            conv[-1].weight.zero_()
+            conv[-1].bias.copy_(sides)
+
+
 def widest_gap(
     scores: dict[str, np.ndarray[Any, Any]], passing: tuple[int, int]
 ) -> tuple[float, float]:

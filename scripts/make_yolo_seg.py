@@ -39,6 +39,7 @@ from make_vision_models import (  # this script's folder
     YOLO_YAML,
     export_yolo,
     letterboxed,
+    sized_boxes,
     spread_head,
     widest_gap,
 )
@@ -58,11 +59,7 @@ def spread_segment_head(net: Any) -> None:
     spread_head(net)
     with torch.no_grad():
         head = net.model[-1]
-        bins = torch.arange(head.reg_max, dtype=torch.float32)
-        head.dfl.conv.weight.copy_(bins.view(1, -1, 1, 1))  # spread_head drew it too: restored
-        for conv in head.cv2:
-            conv[-1].weight.zero_()
-            conv[-1].bias.copy_((-((bins - BOX_PEAK) ** 2) / 2).repeat(4))
+        sized_boxes(head, (BOX_PEAK,) * 4)
         for conv in head.cv4:
             conv[-1].weight.normal_(0.0, COEFFICIENT_STD)
             conv[-1].bias.fill_(COEFFICIENT_BIAS)

@@ -34,12 +34,14 @@ YOLO26 = FIXTURES / "yolo26_end2end"
 RTDETR = FIXTURES / "rtdetr"
 POSE = FIXTURES / "yolo_pose"
 SEG = FIXTURES / "yolo_seg"
+OBB = FIXTURES / "yolo_obb"
 CLASSIFIER = FIXTURES / "classifier"
 META = json.loads((YOLO / "reference.json").read_text())
 META26 = json.loads((YOLO26 / "reference.json").read_text())
 META_RTDETR = json.loads((RTDETR / "reference.json").read_text())
 META_POSE = json.loads((POSE / "reference.json").read_text())
 META_SEG = json.loads((SEG / "reference.json").read_text())
+META_OBB = json.loads((OBB / "reference.json").read_text())
 
 LETTERBOX = """
 [preprocess]
@@ -82,6 +84,15 @@ op = "detect"
 masks = "output1"
 score_threshold = {META_SEG["score_threshold"]}
 iou_threshold = {META_SEG["iou_threshold"]}
+labels = "labels.txt"
+"""
+OBB_CONFIG = f"""{LETTERBOX}
+[[postprocess]]
+output = "output0"
+op = "detect"
+format = "obb"
+score_threshold = {META_OBB["score_threshold"]}
+iou_threshold = {META_OBB["iou_threshold"]}
 labels = "labels.txt"
 """
 RTDETR_CONFIG = f"""
@@ -137,6 +148,7 @@ def vision_agent(
     install(root, "rtdetr", RTDETR, RTDETR_CONFIG)
     install(root, "pose", POSE, POSE_CONFIG)
     install(root, "seg", SEG, SEG_CONFIG)
+    install(root, "obb", OBB, OBB_CONFIG)
     install(root, "classifier", CLASSIFIER, CLASSIFIER_CONFIG)
     yield from serve_agent(broker, agent_config(tmp, broker, root))
 
@@ -242,6 +254,25 @@ def test_segmentation_outlines_match_ultralytics(
         client.request(
             "seg", {"images": image_bytes(kind)}, params={"outputs": ["output0"]}
         ).collect()
+
+
+@pytest.mark.parametrize("kind", ["jpeg", "png"])
+def test_oriented_boxes_match_ultralytics(
+    vision_agent: tuple[Agent, AgentClient], kind: str
+) -> None:
+    """An OBB model's boxes through Ultralytics' rotated Fast-NMS (probabilistic IoU), as
+    `cx, cy, w, h, angle` in the photo's pixels, as its OBB predictor gives them."""
+    _, client = vision_agent
+    got = client.request("obb", {"images": image_bytes(kind)}, stream=False).collect()
+    with np.load(OBB / "reference.npz") as ref:
+        boxes, scores = ref[f"{kind}.boxes"], ref[f"{kind}.scores"]
+        classes = ref[f"{kind}.classes"]
+    assert len(boxes) >= 3 and got["boxes"].shape == boxes.shape == (len(boxes), 5)
+    np.testing.assert_array_equal(got["classes"], classes)
+    np.testing.assert_allclose(got["scores"], scores, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got["boxes"][:, :4], boxes[:, :4], atol=1.0)
+    np.testing.assert_allclose(got["boxes"][:, 4], boxes[:, 4], atol=1e-4)
+    assert list(got["labels"]) == [META_OBB["labels"][c] for c in classes]
 
 
 def overlap(a: np.ndarray, b: np.ndarray, shape: tuple[int, int]) -> float:

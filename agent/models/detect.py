@@ -9,6 +9,9 @@ Layouts (`format`):
   scores; a box's score is objectness times its class score);
 - ``boxes_scores``: two outputs, ``output`` the boxes ``[1, N, 4]`` (``box_format``,
   ``xyxy`` unless said otherwise) and ``scores`` ``[1, N, C]``;
+- ``obb``: one output ``[1, 4 + C + 1, N]``, oriented boxes (``cx, cy, w, h``, the class
+  scores, the angle), as Ultralytics exports YOLOv8/11-obb (agent.models.rotated: their NMS
+  and their ``boxes`` ``[n, 5]``, ``xywhr``, differ);
 - ``end2end``: one output ``[1, K, 6]`` of final detections, a box (``box_format``, ``xyxy``
   unless said otherwise), its score and its class a row, best first, as Ultralytics exports
   YOLO26's NMS-free head (``nms=False``), a YOLOv8 or YOLO11 with its NMS inside
@@ -47,6 +50,7 @@ import numpy as np
 import numpy.typing as npt
 
 from agent.models.resize import Geometry, to_source_boxes
+from agent.models.rotated import fast_nms, rotated_candidates, to_source_xywhr
 from agent.models.segments import outlines
 
 __all__ = ["DetectSpec", "decode_detections", "nms"]
@@ -62,7 +66,7 @@ class DetectSpec:
     """One `detect` op, checked at load (agent.models.postprocess)."""
 
     output: str
-    format: str  # yolov8 | yolov5 | boxes_scores | end2end
+    format: str  # yolov8 | yolov5 | boxes_scores | end2end | obb
     scores: str | None
     box_format: str  # xywh (centre, size) | xyxy
     score_threshold: float
@@ -179,6 +183,8 @@ def decode_detections(
             raise ValueError(f"detect: needs output {name!r} too, and it was not chosen")
     if spec.format == "end2end":
         return _detected(spec, outputs, *_final_rows(spec, outputs), geometry)
+    if spec.format == "obb":
+        return _oriented(spec, outputs, geometry)
     boxes, scores, points = _candidates(spec, outputs)
     classes = np.argmax(scores, axis=1)
     best = np.take_along_axis(scores, classes[:, None], axis=1)[:, 0].astype(np.float32)
@@ -198,6 +204,31 @@ def decode_detections(
         prototypes = _prototypes(spec, outputs)
         result.pop(spec.masks, None)
         result["segments"] = outlines(cv2, points[chosen][keep], prototypes, xyxy[keep], geometry)
+    return result
+
+
+def _oriented(
+    spec: DetectSpec, outputs: dict[str, Any], geometry: Geometry | None
+) -> dict[str, Any]:
+    """An `obb` output's oriented boxes kept by Ultralytics' rotated NMS (agent.models.rotated)."""
+    raw = _squeeze_batch(np.asarray(outputs[spec.output]), spec.output).astype(np.float32)
+    boxes, scores, angles = rotated_candidates(raw)
+    classes = np.argmax(scores, axis=1)
+    best = np.take_along_axis(scores, classes[:, None], axis=1)[:, 0]
+    chosen = np.flatnonzero(best > spec.score_threshold)
+    if chosen.size > MAX_CANDIDATES:
+        chosen = chosen[np.argsort(-best[chosen], kind="stable")[:MAX_CANDIDATES]]
+    xywhr = np.concatenate((boxes[chosen], angles[chosen, None]), axis=1)
+    kept_classes = classes[chosen].astype(np.int64)
+    shifted = xywhr.copy()
+    shifted[:, :2] += (kept_classes.astype(np.float32) * _CLASS_OFFSET)[:, None]
+    keep = fast_nms(shifted, best[chosen], spec.iou_threshold)[: spec.max_detections]
+    result = {k: v for k, v in outputs.items() if k != spec.output}
+    result["boxes"] = to_source_xywhr(xywhr[keep], geometry)
+    result["scores"] = best[chosen][keep].astype(np.float32)
+    result["classes"] = kept_classes[keep]
+    if spec.label_table is not None:
+        result["labels"] = _labels_of(spec.label_table, result["classes"])
     return result
 
 

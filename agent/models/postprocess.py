@@ -16,6 +16,7 @@ Each op works on one output (``output = NAME``)::
     format = "yolov8"          # yolov8 (also YOLO11) | yolov5 | boxes_scores (+ scores = NAME)
                                # | end2end (final detections: YOLO26 NMS-free, nms=True,
                                #   RT-DETR with box_format = "xywh" and normalized = true)
+                               # | obb (oriented boxes: YOLOv8/11-obb; boxes [n, 5] xywhr)
     keypoints = [17, 3]        # a pose model's kpt_shape: NAME's last K * D values a box
     score_threshold = 0.25
     iou_threshold = 0.45
@@ -91,7 +92,7 @@ class PostprocessOp(BaseModel):
     labels: str | None = None
     value: float = 0.5
     dtype: CastDtype | None = None
-    format: Literal["yolov8", "yolov5", "boxes_scores", "end2end"] = "yolov8"
+    format: Literal["yolov8", "yolov5", "boxes_scores", "end2end", "obb"] = "yolov8"
     scores: str | None = None
     box_format: Literal["xywh", "xyxy"] | None = None
     normalized: bool = False  # detect: boxes in fractions of the input's size (RT-DETR)
@@ -132,6 +133,11 @@ class PostprocessOp(BaseModel):
             raise ValueError(
                 "masks = NAME (a segmentation model's prototypes) go with "
                 'format = "yolov8", without keypoints'
+            )
+        if self.format == "obb" and self.model_fields_set & {"box_format", "normalized"}:
+            raise ValueError(
+                'format = "obb" takes no box_format or normalized: its boxes are '
+                "cx, cy, w, h and an angle, in input pixels"
             )
         if self.format == "end2end" and "iou_threshold" in self.model_fields_set:
             raise ValueError(

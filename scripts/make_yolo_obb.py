@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Dev-only: ``tests/fixtures/real/yolo_obb/``, an Ultralytics YOLOv8 OBB model exported to ONNX.
+
+Not run by CI, never a runtime dependency. Needs Ultralytics besides the export stack (see
+scripts/make_vision_models.py), and reads the test images of ``yolo/`` that it made::
+
+    .venv-export/bin/python scripts/make_yolo_obb.py [--out tests/fixtures/real]
+
+Ultralytics' own ``yolov8-obb.yaml`` at the narrow width of the other fixtures (3 classes, one
+angle, random seeded weights with the head sharpened, nothing downloaded), exported by
+Ultralytics' exporter at 160 x 160: output ``[1, 4 + 3 + 1, 525]``. ``reference.npz``: per
+image, the oriented boxes (``xywhr``), scores and classes of Ultralytics' own pipeline
+(``LetterBox``, the torch model, ``non_max_suppression(rotated=True)``, and its OBB
+predictor's ``scale_boxes(xywh=True)``); ``reference.json``: the threshold, halfway across the
+widest gap between the scores of both images where 10 to 40 of the JPEG's pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import cv2
+import numpy as np
+from make_vision_models import (  # this script's folder
+    DEFAULT_OUT,
+    IMGSZ,
+    IOU,
+    LABELS,
+    MAX_DET,
+    YOLO_YAML,
+    check_onnx,
+    export_yolo,
+    letterboxed,
+    sized_boxes,
+    spread_head,
+    widest_gap,
+)
+
+PASSING = (10, 40)
+OBB_YAML = YOLO_YAML.replace("Detect, [nc]]", "OBB, [nc, 1]]")
+ANGLE_STD = 1.0  # the angle head's last layers: angles that differ from box to box
+
+
+def spread_obb_head(net: Any) -> None:
+    """The detection head sharpened as for the detector (`spread_head`) but its boxes sized
+    by `sized_boxes`, and the angle head's last layers (seeded) so the boxes turn."""
+    import torch
+
+    spread_head(net)
+    sized_boxes(net.model[-1], (4, 1, 4, 1))  # long boxes: their turn shows
+    with torch.no_grad():
+        for conv in net.model[-1].cv4:
+            conv[-1].weight.normal_(0.0, ANGLE_STD)
+
+
+def make(out: Path) -> None:
+    import torch
+    from ultralytics.utils.nms import non_max_suppression
+    from ultralytics.utils.ops import scale_boxes
+
+    folder = out / "yolo_obb"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    model = export_yolo(OBB_YAML, "yolov8t-obb.yaml", spread_obb_head, folder)
+    images = {"jpeg": out / "yolo" / "image.jpg", "png": out / "yolo" / "image.png"}
+    net = model.model.eval()  # type: ignore[union-attr]
+    sources = {kind: cv2.imread(str(path)) for kind, path in images.items()}
+    raw: dict[str, np.ndarray[Any, Any]] = {}
+    for kind, bgr in sources.items():
+        with torch.no_grad():
+            pred = net(torch.from_numpy(letterboxed(bgr)))
+        raw[kind] = (pred[0] if isinstance(pred, (list, tuple)) else pred).numpy()
+    scores = {k: v[0, 4 : 4 + len(LABELS), :].max(axis=0) for k, v in raw.items()}
+    threshold, margin = widest_gap(scores, PASSING)
+    if margin < 1e-4:
+        sys.exit(f"yolo_obb: a score lies {margin:.2g} from the threshold; pick another seed")
+    arrays: dict[str, np.ndarray[Any, Any]] = {}
+    for kind, pred in raw.items():
+        det = non_max_suppression(
+            torch.from_numpy(pred), threshold, IOU, max_det=MAX_DET, nc=len(LABELS), rotated=True
+        )[0]
+        rboxes = torch.cat([det[:, :4], det[:, -1:]], dim=-1)  # as the OBB predictor does
+        rboxes[:, :4] = scale_boxes((IMGSZ, IMGSZ), rboxes[:, :4], sources[kind].shape, xywh=True)
+        arrays[f"{kind}.boxes"] = rboxes.numpy().astype(np.float32)
+        arrays[f"{kind}.scores"] = det[:, 4].numpy().astype(np.float32)
+        arrays[f"{kind}.classes"] = det[:, 5].numpy().astype(np.int64)
+        print(f"yolo_obb {kind}: {len(det)} boxes over {threshold:.6g} (margin {margin:.2g})")
+    check_onnx(folder / "model.onnx", raw, sources, "yolo_obb")
+    np.savez_compressed(folder / "reference.npz", **arrays)
+    meta = {
+        "imgsz": IMGSZ,
+        "score_threshold": threshold,
+        "iou_threshold": IOU,
+        "max_detections": MAX_DET,
+        "labels": list(LABELS),
+        "ultralytics": __import__("ultralytics").__version__,
+        "torch": torch.__version__,
+    }
+    (folder / "reference.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    os.environ.setdefault("YOLO_OFFLINE", "1")
+    make(parser.parse_args().out)
+
+
+if __name__ == "__main__":
+    main()
