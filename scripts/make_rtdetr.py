@@ -19,8 +19,6 @@ images where 10 to 30 of the JPEG's pass.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import sys
@@ -28,9 +26,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import cv2
 import numpy as np
-from make_vision_models import DEFAULT_OUT, IMGSZ, LABELS, widest_gap  # this script's folder
+from make_vision_models import (  # this script's folder
+    IMGSZ,
+    LABELS,
+    fixture_main,
+    test_sources,
+    widest_gap,
+    write_reference,
+)
 
 PASSING = (10, 30)
 RTDETR_YAML = """\
@@ -83,8 +87,7 @@ def make(out: Path) -> None:
             os.chdir(here)
         shutil.copyfile(Path(tmp) / exported, folder / "model.onnx")
     (folder / "labels.txt").write_text("\n".join(LABELS) + "\n")
-    images = {"jpeg": out / "yolo" / "image.jpg", "png": out / "yolo" / "image.png"}
-    sources = {kind: cv2.imread(str(path)) for kind, path in images.items()}
+    sources = test_sources(out)
     everything = {kind: _predicted(model, bgr, 0.0) for kind, bgr in sources.items()}
     threshold, margin = widest_gap({k: v[1] for k, v in everything.items()}, PASSING)
     if margin < 1e-4:
@@ -95,16 +98,16 @@ def make(out: Path) -> None:
         arrays[f"{kind}.boxes"], arrays[f"{kind}.scores"] = boxes, scores
         arrays[f"{kind}.classes"] = classes
         print(f"rtdetr {kind}: {len(boxes)} detections over {threshold:.6g} (margin {margin:.2g})")
-    np.savez_compressed(folder / "reference.npz", **arrays)
-    meta = {
-        "imgsz": IMGSZ,
-        "score_threshold": threshold,
-        "labels": list(LABELS),
-        "export": "simplify=False, dynamic=False",
-        "ultralytics": __import__("ultralytics").__version__,
-        "torch": torch.__version__,
-    }
-    (folder / "reference.json").write_text(json.dumps(meta, indent=2) + "\n")
+    write_reference(
+        folder,
+        arrays,
+        {
+            "imgsz": IMGSZ,
+            "score_threshold": threshold,
+            "labels": list(LABELS),
+            "export": "simplify=False, dynamic=False",
+        },
+    )
 
 
 def _predicted(model: Any, bgr: np.ndarray[Any, Any], conf: float) -> tuple[Any, Any, Any]:
@@ -118,10 +121,7 @@ def _predicted(model: Any, bgr: np.ndarray[Any, Any], conf: float) -> tuple[Any,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    os.environ.setdefault("YOLO_OFFLINE", "1")
-    make(parser.parse_args().out)
+    fixture_main(make, __doc__)
 
 
 if __name__ == "__main__":

@@ -124,17 +124,14 @@ def make_yolo(out: Path) -> None:
         arrays[f"{kind}.raw"] = pred.astype(np.float32)
         print(f"yolo {kind}: {len(det)} detections over {threshold:.6g}")
     check_onnx(folder / "model.onnx", raw, sources)
-    np.savez_compressed(folder / "reference.npz", **arrays)
     meta = {
         "imgsz": IMGSZ,
         "score_threshold": threshold,
         "iou_threshold": IOU,
         "max_detections": MAX_DET,
         "labels": list(LABELS),
-        "ultralytics": __import__("ultralytics").__version__,
-        "torch": torch.__version__,
     }
-    (folder / "reference.json").write_text(json.dumps(meta, indent=2) + "\n")
+    write_reference(folder, arrays, meta)
 
 
 def export_yolo(
@@ -219,6 +216,34 @@ def sized_boxes(head: Any, peaks: tuple[int, int, int, int] = (3, 3, 3, 3)) -> N
         for conv in head.cv2:
             conv[-1].weight.zero_()
             conv[-1].bias.copy_(sides)
+
+
+def test_sources(out: Path) -> dict[str, np.ndarray[Any, Any]]:
+    """The test images of `out/yolo/` (made by `make_yolo`), as BGR arrays by kind."""
+    paths = {"jpeg": out / "yolo" / "image.jpg", "png": out / "yolo" / "image.png"}
+    return {kind: cv2.imread(str(path)) for kind, path in paths.items()}
+
+
+def write_reference(folder: Path, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
+    """`reference.npz` of `arrays` and `reference.json` of `meta` with the versions that
+    made them."""
+    import torch
+
+    np.savez_compressed(folder / "reference.npz", **arrays)
+    meta = {
+        **meta,
+        "ultralytics": __import__("ultralytics").__version__,
+        "torch": torch.__version__,
+    }
+    (folder / "reference.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def fixture_main(make: Callable[[Path], None], doc: str | None) -> None:
+    """A fixture script's entry point: `--out` (the fixtures' root), offline Ultralytics."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0] if doc else None)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    os.environ.setdefault("YOLO_OFFLINE", "1")
+    make(parser.parse_args().out)
 
 
 def widest_gap(

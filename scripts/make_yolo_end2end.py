@@ -18,25 +18,23 @@ and torch runs cannot fall on different sides of it.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
-import cv2
 import numpy as np
 from make_vision_models import (  # this script's folder
-    DEFAULT_OUT,
     IMGSZ,
     LABELS,
     MAX_DET,
     check_onnx,
     export_yolo,
+    fixture_main,
     letterboxed,
+    test_sources,
     widest_gap,
+    write_reference,
 )
 
 BOX_STD = 0.5  # the one-to-one head's last layers, sharpened (spread_head)
@@ -104,11 +102,10 @@ def make(out: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     model = export_yolo(YOLO26_YAML, "yolo26t.yaml", spread_head, folder, nms=False)
-    images = {"jpeg": out / "yolo" / "image.jpg", "png": out / "yolo" / "image.png"}
     net = model.model.eval()  # type: ignore[union-attr]
     net.end2end = True
     raw: dict[str, np.ndarray[Any, Any]] = {}
-    sources = {kind: cv2.imread(str(path)) for kind, path in images.items()}
+    sources = test_sources(out)
     for kind, bgr in sources.items():
         with torch.no_grad():
             pred = net(torch.from_numpy(letterboxed(bgr)))
@@ -129,24 +126,21 @@ def make(out: Path) -> None:
         arrays[f"{kind}.classes"] = det[:, 5].numpy().astype(np.int64)
         print(f"yolo26 {kind}: {len(det)} detections over {threshold:.6g} (margin {margin:.2g})")
     check_onnx(folder / "model.onnx", raw, sources, "yolo26")
-    np.savez_compressed(folder / "reference.npz", **arrays)
-    meta = {
-        "imgsz": IMGSZ,
-        "score_threshold": threshold,
-        "max_detections": MAX_DET,
-        "labels": list(LABELS),
-        "export": "nms=False (the NMS-free one-to-one head), simplify=False, dynamic=False",
-        "ultralytics": __import__("ultralytics").__version__,
-        "torch": torch.__version__,
-    }
-    (folder / "reference.json").write_text(json.dumps(meta, indent=2) + "\n")
+    write_reference(
+        folder,
+        arrays,
+        {
+            "imgsz": IMGSZ,
+            "score_threshold": threshold,
+            "max_detections": MAX_DET,
+            "labels": list(LABELS),
+            "export": "nms=False (the NMS-free one-to-one head), simplify=False, dynamic=False",
+        },
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    os.environ.setdefault("YOLO_OFFLINE", "1")
-    make(parser.parse_args().out)
+    fixture_main(make, __doc__)
 
 
 if __name__ == "__main__":

@@ -17,18 +17,13 @@ widest gap between the scores of both images where 10 to 40 of the JPEG's pass.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
-import cv2
 import numpy as np
 from make_vision_models import (  # this script's folder
-    DEFAULT_OUT,
     IMGSZ,
     IOU,
     LABELS,
@@ -36,10 +31,13 @@ from make_vision_models import (  # this script's folder
     YOLO_YAML,
     check_onnx,
     export_yolo,
+    fixture_main,
     letterboxed,
     sized_boxes,
     spread_head,
+    test_sources,
     widest_gap,
+    write_reference,
 )
 
 PASSING = (10, 40)
@@ -68,9 +66,8 @@ def make(out: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     model = export_yolo(OBB_YAML, "yolov8t-obb.yaml", spread_obb_head, folder)
-    images = {"jpeg": out / "yolo" / "image.jpg", "png": out / "yolo" / "image.png"}
     net = model.model.eval()  # type: ignore[union-attr]
-    sources = {kind: cv2.imread(str(path)) for kind, path in images.items()}
+    sources = test_sources(out)
     raw: dict[str, np.ndarray[Any, Any]] = {}
     for kind, bgr in sources.items():
         with torch.no_grad():
@@ -92,24 +89,21 @@ def make(out: Path) -> None:
         arrays[f"{kind}.classes"] = det[:, 5].numpy().astype(np.int64)
         print(f"yolo_obb {kind}: {len(det)} boxes over {threshold:.6g} (margin {margin:.2g})")
     check_onnx(folder / "model.onnx", raw, sources, "yolo_obb")
-    np.savez_compressed(folder / "reference.npz", **arrays)
-    meta = {
-        "imgsz": IMGSZ,
-        "score_threshold": threshold,
-        "iou_threshold": IOU,
-        "max_detections": MAX_DET,
-        "labels": list(LABELS),
-        "ultralytics": __import__("ultralytics").__version__,
-        "torch": torch.__version__,
-    }
-    (folder / "reference.json").write_text(json.dumps(meta, indent=2) + "\n")
+    write_reference(
+        folder,
+        arrays,
+        {
+            "imgsz": IMGSZ,
+            "score_threshold": threshold,
+            "iou_threshold": IOU,
+            "max_detections": MAX_DET,
+            "labels": list(LABELS),
+        },
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    os.environ.setdefault("YOLO_OFFLINE", "1")
-    make(parser.parse_args().out)
+    fixture_main(make, __doc__)
 
 
 if __name__ == "__main__":
