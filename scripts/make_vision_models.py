@@ -99,9 +99,7 @@ def make_yolo(out: Path) -> None:
     from ultralytics.utils.nms import non_max_suppression
     from ultralytics.utils.ops import scale_boxes
 
-    folder = out / "yolo"
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
+    folder = fresh_folder(out, "yolo")
     model = export_yolo(YOLO_YAML, "yolov8t.yaml", spread_head, folder)
     images = test_images(folder)
     net = model.model.eval()  # type: ignore[union-attr]
@@ -224,6 +222,26 @@ def test_sources(out: Path) -> dict[str, np.ndarray[Any, Any]]:
     return {kind: cv2.imread(str(path)) for kind, path in paths.items()}
 
 
+def fresh_folder(out: Path, name: str) -> Path:
+    """`out/name`, emptied."""
+    folder = out / name
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    return folder
+
+
+def raw_outputs(net: Any, sources: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+    """The torch model's first output for each letterboxed image, as numpy, by kind."""
+    import torch
+
+    raw: dict[str, Any] = {}
+    for kind, bgr in sources.items():
+        with torch.no_grad():
+            pred = net(torch.from_numpy(letterboxed(bgr)))
+        raw[kind] = (pred[0] if isinstance(pred, (list, tuple)) else pred).numpy()
+    return raw
+
+
 def write_reference(folder: Path, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
     """`reference.npz` of `arrays` and `reference.json` of `meta` with the versions that
     made them."""
@@ -284,9 +302,7 @@ def make_classifier(out: Path) -> None:
     import torch
     from torch import nn
 
-    folder = out / "classifier"
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
+    folder = fresh_folder(out, "classifier")
     torch.manual_seed(0)
     net = nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1),

@@ -18,7 +18,6 @@ and torch runs cannot fall on different sides of it.
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from make_vision_models import (  # this script's folder
     check_onnx,
     export_yolo,
     fixture_main,
+    fresh_folder,
     letterboxed,
     test_sources,
     widest_gap,
@@ -98,9 +98,7 @@ def make(out: Path) -> None:
     from ultralytics.utils.nms import non_max_suppression
     from ultralytics.utils.ops import scale_boxes
 
-    folder = out / "yolo26_end2end"
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
+    folder = fresh_folder(out, "yolo26_end2end")
     model = export_yolo(YOLO26_YAML, "yolo26t.yaml", spread_head, folder, nms=False)
     net = model.model.eval()  # type: ignore[union-attr]
     net.end2end = True

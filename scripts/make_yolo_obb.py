@@ -17,7 +17,6 @@ widest gap between the scores of both images where 10 to 40 of the JPEG's pass.
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,8 @@ from make_vision_models import (  # this script's folder
     check_onnx,
     export_yolo,
     fixture_main,
-    letterboxed,
+    fresh_folder,
+    raw_outputs,
     sized_boxes,
     spread_head,
     test_sources,
@@ -62,17 +62,11 @@ def make(out: Path) -> None:
     from ultralytics.utils.nms import non_max_suppression
     from ultralytics.utils.ops import scale_boxes
 
-    folder = out / "yolo_obb"
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
+    folder = fresh_folder(out, "yolo_obb")
     model = export_yolo(OBB_YAML, "yolov8t-obb.yaml", spread_obb_head, folder)
     net = model.model.eval()  # type: ignore[union-attr]
     sources = test_sources(out)
-    raw: dict[str, np.ndarray[Any, Any]] = {}
-    for kind, bgr in sources.items():
-        with torch.no_grad():
-            pred = net(torch.from_numpy(letterboxed(bgr)))
-        raw[kind] = (pred[0] if isinstance(pred, (list, tuple)) else pred).numpy()
+    raw = raw_outputs(net, sources)
     scores = {k: v[0, 4 : 4 + len(LABELS), :].max(axis=0) for k, v in raw.items()}
     threshold, margin = widest_gap(scores, PASSING)
     if margin < 1e-4:

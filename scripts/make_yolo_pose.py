@@ -17,7 +17,6 @@ the scores of both images where 10 to 40 of the JPEG's pass.
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,8 @@ from make_vision_models import (  # this script's folder
     check_onnx,
     export_yolo,
     fixture_main,
-    letterboxed,
+    fresh_folder,
+    raw_outputs,
     spread_head,
     test_sources,
     widest_gap,
@@ -51,17 +51,11 @@ def make(out: Path) -> None:
     from ultralytics.utils.nms import non_max_suppression
     from ultralytics.utils.ops import scale_boxes, scale_coords
 
-    folder = out / "yolo_pose"
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
+    folder = fresh_folder(out, "yolo_pose")
     model = export_yolo(POSE_YAML, "yolov8t-pose.yaml", spread_head, folder, LABELS)
     net = model.model.eval()  # type: ignore[union-attr]
     sources = test_sources(out)
-    raw: dict[str, np.ndarray[Any, Any]] = {}
-    for kind, bgr in sources.items():
-        with torch.no_grad():
-            pred = net(torch.from_numpy(letterboxed(bgr)))
-        raw[kind] = (pred[0] if isinstance(pred, (list, tuple)) else pred).numpy()
+    raw = raw_outputs(net, sources)
     threshold, margin = widest_gap({k: v[0, 4, :] for k, v in raw.items()}, PASSING)
     if margin < 1e-4:
         sys.exit(f"yolo_pose: a score lies {margin:.2g} from the threshold; pick another seed")

@@ -20,7 +20,6 @@ across the widest gap between the scores of both images where 5 to 20 of the JPE
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from make_vision_models import (  # this script's folder
     YOLO_YAML,
     export_yolo,
     fixture_main,
+    fresh_folder,
     letterboxed,
     sized_boxes,
     spread_head,
@@ -68,9 +68,7 @@ def make(out: Path) -> None:
     from ultralytics.utils.nms import non_max_suppression
     from ultralytics.utils.ops import masks2segments, process_mask, scale_boxes, scale_coords
 
-    folder = out / "yolo_seg"
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
+    folder = fresh_folder(out, "yolo_seg")
     model = export_yolo(SEG_YAML, "yolov8t-seg.yaml", spread_segment_head, folder)
     net = model.model.eval()  # type: ignore[union-attr]
     sources = test_sources(out)
