@@ -50,65 +50,30 @@ resize_mode = "letterbox"
 pad_value = 114
 scale = "1/255"
 """  # Ultralytics' own preprocessing at the fixtures' 160 x 160
-YOLO_CONFIG = f"""{LETTERBOX}
-[[postprocess]]
-output = "output0"
-op = "detect"
-format = "yolov8"
-score_threshold = {META["score_threshold"]}
-iou_threshold = {META["iou_threshold"]}
-max_detections = {META["max_detections"]}
-labels = "labels.txt"
-"""
-YOLO26_CONFIG = f"""{LETTERBOX}
-[[postprocess]]
-output = "output0"
-op = "detect"
-format = "end2end"
-score_threshold = {META26["score_threshold"]}
-labels = "labels.txt"
-"""
-POSE_CONFIG = f"""{LETTERBOX}
-[[postprocess]]
-output = "output0"
-op = "detect"
-keypoints = {META_POSE["keypoints"]}
-score_threshold = {META_POSE["score_threshold"]}
-iou_threshold = {META_POSE["iou_threshold"]}
-labels = "labels.txt"
-"""
-SEG_CONFIG = f"""{LETTERBOX}
-[[postprocess]]
-output = "output0"
-op = "detect"
-masks = "output1"
-score_threshold = {META_SEG["score_threshold"]}
-iou_threshold = {META_SEG["iou_threshold"]}
-labels = "labels.txt"
-"""
-OBB_CONFIG = f"""{LETTERBOX}
-[[postprocess]]
-output = "output0"
-op = "detect"
-format = "obb"
-score_threshold = {META_OBB["score_threshold"]}
-iou_threshold = {META_OBB["iou_threshold"]}
-labels = "labels.txt"
-"""
-RTDETR_CONFIG = f"""
-[preprocess]
-resize = [160, 160]
-scale = "1/255"
 
-[[postprocess]]
-output = "output0"
-op = "detect"
-format = "end2end"
-box_format = "xywh"
-normalized = true
-score_threshold = {META_RTDETR["score_threshold"]}
-labels = "labels.txt"
-"""
+
+def detect_config(meta: dict[str, Any], keys: str = "", preprocess: str = LETTERBOX) -> str:
+    """A detector fixture's config.toml: `preprocess`, then `detect` on `output0` with `keys`
+    (its layout) and the fixture's thresholds and labels."""
+    limits = [k for k in ("score_threshold", "iou_threshold", "max_detections") if k in meta]
+    lines = [f"{k} = {meta[k]}" for k in limits]
+    return (
+        f'{preprocess}\n[[postprocess]]\noutput = "output0"\nop = "detect"\n{keys}'
+        + "\n".join(lines)
+        + '\nlabels = "labels.txt"\n'
+    )
+
+
+YOLO_CONFIG = detect_config(META, 'format = "yolov8"\n')
+YOLO26_CONFIG = detect_config(META26, 'format = "end2end"\n')
+POSE_CONFIG = detect_config(META_POSE, f"keypoints = {META_POSE['keypoints']}\n")
+SEG_CONFIG = detect_config(META_SEG, 'masks = "output1"\n')
+OBB_CONFIG = detect_config(META_OBB, 'format = "obb"\n')
+RTDETR_CONFIG = detect_config(
+    META_RTDETR,
+    'format = "end2end"\nbox_format = "xywh"\nnormalized = true\n',
+    '\n[preprocess]\nresize = [160, 160]\nscale = "1/255"\n',  # RT-DETR stretches
+)
 CLASSIFIER_CONFIG = """
 [preprocess]
 resize = [32, 32]
