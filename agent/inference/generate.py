@@ -38,7 +38,7 @@ from agent.inference.modes import Arrays, Piece, Run
 from agent.inference.sampling import Sampler, SamplingParams
 from agent.inference.text_stream import TextStream
 from agent.models.backends.base import InferenceError
-from agent.models.decoder_layout import Generation
+from agent.models.decoder_layout import DecoderLayout, Generation
 from agent.protocol.errors import WireError
 
 __all__ = ["GenerateAsk", "ask_of", "generate"]
@@ -326,17 +326,18 @@ def _last_logits(outputs: Arrays, ask: GenerateAsk) -> np.ndarray[Any, Any]:
 
 def _prefill_inputs(ask: GenerateAsk) -> Arrays:
     """The prompt whole, with an empty past."""
-    layout = ask.setup.layout
-    length = len(ask.prompt)
-    inputs: Arrays = {
-        layout.input_ids: np.array([ask.prompt], dtype=layout.int_dtypes[layout.input_ids])
-    }
+    return _sequence_inputs(ask.setup.layout, ask.prompt)
+
+
+def _sequence_inputs(layout: DecoderLayout, ids: list[int]) -> Arrays:
+    """`ids` whole, with an empty past: a prefill, or every run of a decoder without a cache."""
+    inputs: Arrays = {layout.input_ids: np.array([ids], dtype=layout.int_dtypes[layout.input_ids])}
     if layout.attention_mask is not None:
         dtype = layout.int_dtypes[layout.attention_mask]
-        inputs[layout.attention_mask] = np.ones((1, length), dtype=dtype)
+        inputs[layout.attention_mask] = np.ones((1, len(ids)), dtype=dtype)
     if layout.position_ids is not None:
         dtype = layout.int_dtypes[layout.position_ids]
-        inputs[layout.position_ids] = np.arange(length, dtype=dtype)[None, :]
+        inputs[layout.position_ids] = np.arange(len(ids), dtype=dtype)[None, :]
     if layout.cache_branch is not None:
         inputs[layout.cache_branch] = np.zeros((1,), dtype=np.bool_)
     for slot in layout.cache:
@@ -350,7 +351,7 @@ def _next_inputs(state: _Decoding, outputs: Arrays, token: int) -> Arrays:
     ask = state.ask
     layout = ask.setup.layout
     if not layout.cache:
-        return _whole_sequence(state)
+        return _sequence_inputs(layout, [*ask.prompt, *ask.tokens])
     past = _past(ask)  # tokens the cache holds after this run
     state.token[0, 0] = token
     nxt: Arrays = {layout.input_ids: state.token}
@@ -364,20 +365,6 @@ def _next_inputs(state: _Decoding, outputs: Arrays, token: int) -> Arrays:
     for slot in layout.cache:
         nxt[slot.input] = outputs[slot.output]
     return nxt
-
-
-def _whole_sequence(state: _Decoding) -> Arrays:
-    """A cache-less decoder's next run: the prompt and every new token, as the prefill."""
-    ask = state.ask
-    layout = ask.setup.layout
-    ids = [*ask.prompt, *ask.tokens]
-    inputs: Arrays = {layout.input_ids: np.array([ids], dtype=layout.int_dtypes[layout.input_ids])}
-    if state.mask is not None and layout.attention_mask is not None:
-        inputs[layout.attention_mask] = state.mask[:, : len(ids)]
-    if layout.position_ids is not None:
-        dtype = layout.int_dtypes[layout.position_ids]
-        inputs[layout.position_ids] = np.arange(len(ids), dtype=dtype)[None, :]
-    return inputs
 
 
 modes.STRATEGIES["generate"] = generate
