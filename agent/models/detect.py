@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from agent.models.resize import Geometry, to_source_boxes
+from agent.models.resize import Geometry, to_source_boxes, to_source_points
 from agent.models.rotated import fast_nms, rotated_candidates, to_source_xywhr
 from agent.models.segments import outlines
 
@@ -98,9 +98,11 @@ def _squeeze_batch(array: Array, name: str, rank: int = 2) -> Array:
     return array
 
 
-def _candidates(spec: DetectSpec, outputs: dict[str, Any]) -> tuple[Array, Array, Array | None]:
-    """`(boxes [N, 4], class scores [N, C], the values after them or None)` of every anchor,
-    boxes in `box_format`; those values are the keypoints `[N, K * D]` or the mask
+def _candidates(
+    spec: DetectSpec, outputs: dict[str, Any], tail: int
+) -> tuple[Array, Array, Array | None]:
+    """`(boxes [N, 4], class scores [N, C], the last `tail` values or None)` of every
+    anchor, boxes in `box_format`; those values are the keypoints `[N, K * D]` or the mask
     coefficients `[N, nm]`."""
     raw = _squeeze_batch(np.asarray(outputs[spec.output]), spec.output)
     if spec.format == "boxes_scores":
@@ -115,7 +117,7 @@ def _candidates(spec: DetectSpec, outputs: dict[str, Any]) -> tuple[Array, Array
     if spec.format == "yolov8" and raw.shape[0] < raw.shape[1]:
         raw = raw.T  # [4 + C, N] -> [N, 4 + C] (a view)
     first = 5 if spec.format == "yolov5" else 4
-    last = raw.shape[1] - _tail_width(spec, outputs)
+    last = raw.shape[1] - tail
     if last <= first:
         raise ValueError(
             f"detect: {spec.output} has {raw.shape[1]} values per box, a {spec.format} "
@@ -126,15 +128,6 @@ def _candidates(spec: DetectSpec, outputs: dict[str, Any]) -> tuple[Array, Array
     if spec.format == "yolov5":
         scores = scores * raw[:, 4:5]
     return raw[:, :4], scores, raw[:, last:] if last < raw.shape[1] else None
-
-
-def _tail_width(spec: DetectSpec, outputs: dict[str, Any]) -> int:
-    """How many values follow a box's class scores: its keypoints' or mask coefficients'."""
-    if spec.keypoints is not None:
-        return spec.keypoints[0] * spec.keypoints[1]
-    if spec.masks is not None:
-        return int(_prototypes(spec, outputs).shape[0])
-    return 0
 
 
 def _prototypes(spec: DetectSpec, outputs: dict[str, Any]) -> Array:
@@ -185,26 +178,35 @@ def decode_detections(
         return _detected(spec, outputs, *_final_rows(spec, outputs), geometry)
     if spec.format == "obb":
         return _oriented(spec, outputs, geometry)
-    boxes, scores, points = _candidates(spec, outputs)
-    classes = np.argmax(scores, axis=1)
-    best = np.take_along_axis(scores, classes[:, None], axis=1)[:, 0].astype(np.float32)
-    chosen = np.flatnonzero(best > spec.score_threshold)
-    if chosen.size > MAX_CANDIDATES:
-        chosen = chosen[np.argsort(-best[chosen], kind="stable")[:MAX_CANDIDATES]]
+    prototypes = _prototypes(spec, outputs) if spec.masks is not None else None
+    if spec.keypoints is not None:
+        tail = spec.keypoints[0] * spec.keypoints[1]
+    else:
+        tail = prototypes.shape[0] if prototypes is not None else 0
+    boxes, scores, points = _candidates(spec, outputs, tail)
+    chosen, classes, best = _best_candidates(scores, spec.score_threshold)
     xyxy = _to_xyxy(boxes[chosen], spec.box_format)
-    kept_classes = classes[chosen].astype(np.int64)
-    shifted = xyxy + (kept_classes.astype(np.float32) * _CLASS_OFFSET)[:, None]
-    chosen_scores = best[chosen]
-    keep = nms(shifted, chosen_scores, spec.iou_threshold, spec.max_detections)
-    result = _detected(spec, outputs, xyxy[keep], chosen_scores[keep], kept_classes[keep], geometry)
+    shifted = xyxy + (classes.astype(np.float32) * _CLASS_OFFSET)[:, None]
+    keep = nms(shifted, best, spec.iou_threshold, spec.max_detections)
+    result = _detected(spec, outputs, xyxy[keep], best[keep], classes[keep], geometry)
     if points is not None and spec.keypoints is not None:
         kept_points = points[chosen][keep].reshape(-1, *spec.keypoints).astype(np.float32)
-        result["keypoints"] = _source_points(kept_points, geometry)
-    if points is not None and spec.masks is not None:
-        prototypes = _prototypes(spec, outputs)
-        result.pop(spec.masks, None)
+        in_source = to_source_points(kept_points, geometry) if geometry is not None else kept_points
+        result["keypoints"] = in_source
+    if points is not None and prototypes is not None:
         result["segments"] = outlines(cv2, points[chosen][keep], prototypes, xyxy[keep], geometry)
     return result
+
+
+def _best_candidates(scores: Array, threshold: float) -> tuple[Array, Array, Array]:
+    """`(chosen, classes, scores)`: the anchors whose best class scores above `threshold`
+    (at most `MAX_CANDIDATES`, the best), each one's class (int64) and score (float32)."""
+    classes = np.argmax(scores, axis=1)
+    best = np.take_along_axis(scores, classes[:, None], axis=1)[:, 0].astype(np.float32)
+    chosen = np.flatnonzero(best > threshold)
+    if chosen.size > MAX_CANDIDATES:
+        chosen = chosen[np.argsort(-best[chosen], kind="stable")[:MAX_CANDIDATES]]
+    return chosen, classes[chosen].astype(np.int64), best[chosen]
 
 
 def _oriented(
@@ -213,23 +215,13 @@ def _oriented(
     """An `obb` output's oriented boxes kept by Ultralytics' rotated NMS (agent.models.rotated)."""
     raw = _squeeze_batch(np.asarray(outputs[spec.output]), spec.output).astype(np.float32)
     boxes, scores, angles = rotated_candidates(raw)
-    classes = np.argmax(scores, axis=1)
-    best = np.take_along_axis(scores, classes[:, None], axis=1)[:, 0]
-    chosen = np.flatnonzero(best > spec.score_threshold)
-    if chosen.size > MAX_CANDIDATES:
-        chosen = chosen[np.argsort(-best[chosen], kind="stable")[:MAX_CANDIDATES]]
+    chosen, classes, best = _best_candidates(scores, spec.score_threshold)
     xywhr = np.concatenate((boxes[chosen], angles[chosen, None]), axis=1)
-    kept_classes = classes[chosen].astype(np.int64)
     shifted = xywhr.copy()
-    shifted[:, :2] += (kept_classes.astype(np.float32) * _CLASS_OFFSET)[:, None]
-    keep = fast_nms(shifted, best[chosen], spec.iou_threshold)[: spec.max_detections]
-    result = {k: v for k, v in outputs.items() if k != spec.output}
-    result["boxes"] = to_source_xywhr(xywhr[keep], geometry)
-    result["scores"] = best[chosen][keep].astype(np.float32)
-    result["classes"] = kept_classes[keep]
-    if spec.label_table is not None:
-        result["labels"] = _labels_of(spec.label_table, result["classes"])
-    return result
+    shifted[:, :2] += (classes.astype(np.float32) * _CLASS_OFFSET)[:, None]
+    keep = fast_nms(shifted, best, spec.iou_threshold)[: spec.max_detections]
+    in_source = to_source_xywhr(xywhr[keep], geometry)
+    return _result(spec, outputs, in_source, best[keep], classes[keep])
 
 
 def _final_rows(spec: DetectSpec, outputs: dict[str, Any]) -> tuple[Array, Array, Array]:
@@ -253,34 +245,30 @@ def _detected(
     classes: Array,
     geometry: Geometry | None,
 ) -> dict[str, Any]:
-    """`outputs` with the detector's output(s) replaced by the kept detections."""
-    result = {k: v for k, v in outputs.items() if k not in (spec.output, spec.scores)}
+    """`outputs` with the detector's output(s) replaced by the kept detections, their xyxy
+    `boxes` in the source image's pixels where `geometry` is known."""
     kept = boxes.reshape(-1, 4)
     if geometry is not None:
         if spec.normalized:
             height, width = geometry.input
             kept = kept * np.array([width, height, width, height], dtype=np.float32)
         kept = to_source_boxes(kept, geometry)
-    result["boxes"] = kept
+    return _result(spec, outputs, kept, scores, classes)
+
+
+def _result(
+    spec: DetectSpec, outputs: dict[str, Any], boxes: Array, scores: Array, classes: Array
+) -> dict[str, Any]:
+    """`outputs` without the detector's own (its output, scores, prototypes), with the kept
+    `boxes`, `scores`, `classes` and, with a label table, `labels`."""
+    own = (spec.output, spec.scores, spec.masks)
+    result = {k: v for k, v in outputs.items() if k not in own}
+    result["boxes"] = boxes
     result["scores"] = scores
     result["classes"] = classes
     if spec.label_table is not None:
         result["labels"] = _labels_of(spec.label_table, classes)
     return result
-
-
-def _source_points(points: Array, geometry: Geometry | None) -> Array:
-    """Keypoints `[n, K, D]`: their `x, y` in source-image pixels, clipped to it, where
-    `geometry` is known (a visibility column left as it is)."""
-    if geometry is None:
-        return points
-    sy, sx = geometry.scale
-    top, left = geometry.pad
-    height, width = geometry.source
-    out: Array = points.copy()
-    out[..., 0] = np.clip((out[..., 0] - left) / sx, 0, width)
-    out[..., 1] = np.clip((out[..., 1] - top) / sy, 0, height)
-    return out
 
 
 def _labels_of(table: Array, classes: Array) -> Array:

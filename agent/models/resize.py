@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Geometry", "ResizePlan", "plan_resize", "to_source_boxes"]
+__all__ = ["Geometry", "ResizePlan", "plan_resize", "to_source_boxes", "to_source_points"]
 
 Array = npt.NDArray[Any]
 
@@ -134,4 +134,19 @@ def to_source_boxes(boxes: Array, geometry: Geometry) -> Array:
     out[:, 1::2] /= sy
     np.clip(out[:, 0::2], 0, width, out=out[:, 0::2])
     np.clip(out[:, 1::2], 0, height, out=out[:, 1::2])
+    return out
+
+
+def to_source_points(points: Array, geometry: Geometry, *, clip: bool = True) -> Array:
+    """Points `[..., 2 or more]` (x, then y) in model-input pixels as source-image pixels,
+    float32, clipped to the image unless `clip` is false; further columns as they are."""
+    sy, sx = geometry.scale
+    top, left = geometry.pad
+    height, width = geometry.source
+    out: Array = points.astype(np.float32, copy=True)
+    out[..., 0] = (out[..., 0] - left) / sx
+    out[..., 1] = (out[..., 1] - top) / sy
+    if clip:
+        np.clip(out[..., 0], 0, width, out=out[..., 0])
+        np.clip(out[..., 1], 0, height, out=out[..., 1])
     return out

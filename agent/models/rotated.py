@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from agent.models.resize import Geometry
+from agent.models.resize import Geometry, to_source_points
 
 __all__ = ["fast_nms", "probiou", "rotated_candidates", "to_source_xywhr"]
 
@@ -74,13 +74,11 @@ def fast_nms(boxes: Array, scores: Array, iou_threshold: float) -> Array:
 def to_source_xywhr(boxes: Array, geometry: Geometry | None) -> Array:
     """`[n, 5]` xywhr in input pixels as source-image pixels (Ultralytics' `scale_boxes` with
     `xywh=True`: centres less the padding, all four divided by the scale; not clipped)."""
-    out: Array = boxes.astype(np.float32, copy=True)
     if geometry is None:
-        return out
+        as_float: Array = boxes.astype(np.float32)
+        return as_float
+    out = to_source_points(boxes, geometry, clip=False)  # the centres
     sy, sx = geometry.scale
-    top, left = geometry.pad
-    out[:, 0] = (out[:, 0] - left) / sx
-    out[:, 1] = (out[:, 1] - top) / sy
     out[:, 2] /= sx
     out[:, 3] /= sy
     return out

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from agent.models.resize import Geometry
+from agent.models.resize import Geometry, to_source_points
 
 __all__ = ["outlines"]
 
@@ -51,7 +51,7 @@ def outlines(
             points = largest.reshape(-1, 2).astype(np.float32)
         else:
             points = np.zeros((0, 2), np.float32)
-        found.append(_to_source(points, geometry))
+        found.append(to_source_points(points, geometry) if geometry is not None else points)
     return found
 
 
@@ -63,16 +63,3 @@ def _inside(mask: Array, box: Array) -> Array:
     keep: Array = mask & ((columns >= x1) & (columns < x2))[None, :]
     keep &= ((rows >= y1) & (rows < y2))[:, None]
     return keep
-
-
-def _to_source(points: Array, geometry: Geometry | None) -> Array:
-    """`[m, 2]` input pixels as source-image pixels, clipped to the image."""
-    if geometry is None:
-        return points
-    sy, sx = geometry.scale
-    top, left = geometry.pad
-    height, width = geometry.source
-    out: Array = np.empty_like(points)
-    out[:, 0] = np.clip((points[:, 0] - left) / sx, 0, width)
-    out[:, 1] = np.clip((points[:, 1] - top) / sy, 0, height)
-    return out

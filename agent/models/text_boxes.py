@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from agent.models.resize import Geometry
+from agent.models.resize import Geometry, to_source_points
 
 __all__ = ["TextBoxSpec", "decode_text_boxes"]
 
@@ -132,16 +132,12 @@ def _grown(cv2: Any, corners: Array, unclip_ratio: float) -> Array:
 
 def _in_pixels(quads: Array, geometry: Geometry | None, shape: tuple[int, ...]) -> Array:
     """Corners in source-image pixels (or the map's), rounded and clipped to the image."""
-    height, width = shape
     if geometry is not None:
-        sy, sx = geometry.scale
-        top, left = geometry.pad
-        height, width = geometry.source
-        quads = (quads - np.array([left, top], dtype=np.float32)) / np.array(
-            [sx, sy], dtype=np.float32
-        )
-    out = np.rint(quads)
-    np.clip(out[..., 0], 0, width, out=out[..., 0])
-    np.clip(out[..., 1], 0, height, out=out[..., 1])
+        out = np.rint(to_source_points(quads, geometry))
+    else:
+        height, width = shape
+        out = np.rint(quads)
+        np.clip(out[..., 0], 0, width, out=out[..., 0])
+        np.clip(out[..., 1], 0, height, out=out[..., 1])
     pixels: Array = out.astype(np.int32)
     return pixels
