@@ -118,36 +118,44 @@ class PostprocessOp(BaseModel):
             raise ValueError('op = "cast" needs dtype')
         if self.op == "ctc" and self.labels is None:
             raise ValueError('op = "ctc" needs labels (a file of the characters, one a line)')
-        if self.op == "detect" and (self.format == "boxes_scores") != (self.scores is not None):
-            raise ValueError('format = "boxes_scores" and scores = NAME go together')
+        problem = self._layout_problem() if self.op == "detect" else None
+        if problem is not None:
+            raise ValueError(problem)
+        name = self.labels
+        if name is not None and (not name or "/" in name or "\\" in name):
+            raise ValueError("labels must be a file name in the version folder (no folders)")
+        return self
+
+    def _layout_problem(self) -> str | None:
+        """What does not fit a `detect` op's `format` among its other keys."""
+        keys = self.model_fields_set
+        if (self.format == "boxes_scores") != (self.scores is not None):
+            return 'format = "boxes_scores" and scores = NAME go together'
         if self.keypoints is not None and (
             self.format != "yolov8"
             or len(self.keypoints) != 2
             or min(self.keypoints) < 1
             or self.keypoints[1] > 3
         ):
-            raise ValueError(
+            return (
                 'keypoints = [K, D] (a pose model\'s kpt_shape, D 2 or 3) go with format = "yolov8"'
             )
         if self.masks is not None and (self.format != "yolov8" or self.keypoints is not None):
-            raise ValueError(
+            return (
                 "masks = NAME (a segmentation model's prototypes) go with "
                 'format = "yolov8", without keypoints'
             )
-        if self.format == "obb" and self.model_fields_set & {"box_format", "normalized"}:
-            raise ValueError(
+        if self.format == "obb" and keys & {"box_format", "normalized"}:
+            return (
                 'format = "obb" takes no box_format or normalized: its boxes are '
                 "cx, cy, w, h and an angle, in input pixels"
             )
-        if self.format == "end2end" and "iou_threshold" in self.model_fields_set:
-            raise ValueError(
+        if self.format == "end2end" and "iou_threshold" in keys:
+            return (
                 'format = "end2end" takes no iou_threshold: its output is the model\'s final '
                 "detections, a box, a score and a class a row"
             )
-        name = self.labels
-        if name is not None and (not name or "/" in name or "\\" in name):
-            raise ValueError("labels must be a file name in the version folder (no folders)")
-        return self
+        return None
 
 
 def read_labels(folder: Path, name: str, *, exact: bool = False) -> tuple[str, ...]:
@@ -230,8 +238,8 @@ def _removed(op: PostprocessOp) -> set[str]:
     if op.op in ("drop", "ctc"):
         return {op.output}
     if op.op == "detect":
-        inputs = [op.output, *([op.scores] if op.scores else []), *([op.masks] if op.masks else [])]
-        return set(inputs) - {"boxes", "scores"}
+        inputs = {name for name in (op.output, op.scores, op.masks) if name is not None}
+        return inputs - {"boxes", "scores"}
     if op.op == "db":
         return {op.output} - {"boxes", "scores"}
     return set()
@@ -253,18 +261,10 @@ def _step(op: PostprocessOp, labels: tuple[str, ...] | None) -> Step:
             max_detections=op.max_detections,
             labels=labels,
         )
-        cv2 = load_cv2() if op.masks is not None else None
-        if op.masks is not None and cv2 is None:
-            raise ModelLoadError(
-                "postprocess: detect with masks needs OpenCV (pip install opencv-python-headless)"
-            )
+        cv2 = _opencv("detect with masks") if op.masks is not None else None
         return lambda outputs, geometry: decode_detections(spec, outputs, geometry, cv2)
     if op.op == "db":
-        cv2 = load_cv2()
-        if cv2 is None:
-            raise ModelLoadError(
-                'postprocess: op = "db" needs OpenCV (pip install opencv-python-headless)'
-            )
+        cv2 = _opencv('op = "db"')
         boxes = TextBoxSpec(name, op.thresh, op.box_thresh, op.unclip_ratio, op.max_candidates)
         return lambda outputs, geometry: decode_text_boxes(boxes, outputs, geometry, cv2)
     if op.op == "ctc":
@@ -285,6 +285,16 @@ def _step(op: PostprocessOp, labels: tuple[str, ...] | None) -> Step:
         return lambda outputs, _: {k: v for k, v in outputs.items() if k != name}
     transform = _elementwise(op)
     return lambda outputs, _: {**outputs, name: transform(_numeric(outputs[name], op))}
+
+
+def _opencv(what: str) -> Any:
+    """OpenCV for an op that needs it; ModelLoadError (the version fails) without it."""
+    cv2 = load_cv2()
+    if cv2 is None:
+        raise ModelLoadError(
+            f"postprocess: {what} needs OpenCV (pip install opencv-python-headless)"
+        )
+    return cv2
 
 
 def _box_format(layout: str) -> str:
