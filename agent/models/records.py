@@ -9,6 +9,7 @@ rest of the agent sees them through a :class:`Lease` (one request's hold on a ve
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -63,15 +64,12 @@ class LoadedVersion:
     details: VersionDetails | None = field(default=None, repr=False, compare=False)
     postprocess: Postprocessor | None = field(default=None, repr=False, compare=False)
     generation: Generation | None = field(default=None, repr=False, compare=False)  # generate
-    _request_inputs: tuple[TensorSpec, ...] | None = field(default=None, repr=False, compare=False)
 
-    @property
+    @functools.cached_property
     def request_inputs(self) -> tuple[TensorSpec, ...]:
         """What a request's inputs are checked against (`agent.models.signature.request_inputs`:
         a scan's recording may be of any length)."""
-        if self._request_inputs is None:
-            self._request_inputs = request_inputs(self.session.inputs, self.config)
-        return self._request_inputs
+        return request_inputs(self.session.inputs, self.config)
 
 
 @dataclass
