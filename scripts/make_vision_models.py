@@ -122,14 +122,7 @@ def make_yolo(out: Path) -> None:
         arrays[f"{kind}.raw"] = pred.astype(np.float32)
         print(f"yolo {kind}: {len(det)} detections over {threshold:.6g}")
     check_onnx(folder / "model.onnx", raw, sources)
-    meta = {
-        "imgsz": IMGSZ,
-        "score_threshold": threshold,
-        "iou_threshold": IOU,
-        "max_detections": MAX_DET,
-        "labels": list(LABELS),
-    }
-    write_reference(folder, arrays, meta)
+    write_reference(folder, arrays, nms_meta(threshold))
 
 
 def export_yolo(
@@ -240,6 +233,19 @@ def raw_outputs(net: Any, sources: dict[str, np.ndarray[Any, Any]]) -> dict[str,
             pred = net(torch.from_numpy(letterboxed(bgr)))
         raw[kind] = (pred[0] if isinstance(pred, (list, tuple)) else pred).numpy()
     return raw
+
+
+def nms_meta(threshold: float, labels: tuple[str, ...] = LABELS, **more: Any) -> dict[str, Any]:
+    """A fixture's reference.json fields for the agent's NMS layouts: the input size, the
+    thresholds, the detection cap, `more`, the labels."""
+    return {
+        "imgsz": IMGSZ,
+        "score_threshold": threshold,
+        "iou_threshold": IOU,
+        "max_detections": MAX_DET,
+        **more,
+        "labels": list(labels),
+    }
 
 
 def write_reference(folder: Path, arrays: dict[str, Any], meta: dict[str, Any]) -> None:

@@ -32,6 +32,7 @@ from make_vision_models import (  # this script's folder
     export_yolo,
     fixture_main,
     fresh_folder,
+    nms_meta,
     raw_outputs,
     sized_boxes,
     spread_head,
@@ -83,17 +84,7 @@ def make(out: Path) -> None:
         arrays[f"{kind}.classes"] = det[:, 5].numpy().astype(np.int64)
         print(f"yolo_obb {kind}: {len(det)} boxes over {threshold:.6g} (margin {margin:.2g})")
     check_onnx(folder / "model.onnx", raw, sources, "yolo_obb")
-    write_reference(
-        folder,
-        arrays,
-        {
-            "imgsz": IMGSZ,
-            "score_threshold": threshold,
-            "iou_threshold": IOU,
-            "max_detections": MAX_DET,
-            "labels": list(LABELS),
-        },
-    )
+    write_reference(folder, arrays, nms_meta(threshold))
 
 
 def main() -> None:

@@ -31,6 +31,7 @@ from make_vision_models import (  # this script's folder
     export_yolo,
     fixture_main,
     fresh_folder,
+    nms_meta,
     raw_outputs,
     spread_head,
     test_sources,
@@ -73,18 +74,7 @@ def make(out: Path) -> None:
         arrays[f"{kind}.keypoints"] = points.numpy().astype(np.float32)
         print(f"yolo_pose {kind}: {len(det)} people over {threshold:.6g} (margin {margin:.2g})")
     check_onnx(folder / "model.onnx", raw, sources, "yolo_pose")
-    write_reference(
-        folder,
-        arrays,
-        {
-            "imgsz": IMGSZ,
-            "score_threshold": threshold,
-            "iou_threshold": IOU,
-            "max_detections": MAX_DET,
-            "keypoints": list(KPT_SHAPE),
-            "labels": list(LABELS),
-        },
-    )
+    write_reference(folder, arrays, nms_meta(threshold, LABELS, keypoints=list(KPT_SHAPE)))
 
 
 def main() -> None:

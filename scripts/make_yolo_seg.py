@@ -35,6 +35,7 @@ from make_vision_models import (  # this script's folder
     fixture_main,
     fresh_folder,
     letterboxed,
+    nms_meta,
     sized_boxes,
     spread_head,
     test_sources,
@@ -96,17 +97,7 @@ def make(out: Path) -> None:
         arrays[f"{kind}.classes"] = det[:, 5].numpy().astype(np.int64)
         print(f"yolo_seg {kind}: {len(det)} instances over {threshold:.6g} (margin {margin:.2g})")
     check_outputs(folder / "model.onnx", raw, sources)
-    write_reference(
-        folder,
-        arrays,
-        {
-            "imgsz": IMGSZ,
-            "score_threshold": threshold,
-            "iou_threshold": IOU,
-            "max_detections": MAX_DET,
-            "labels": list(LABELS),
-        },
-    )
+    write_reference(folder, arrays, nms_meta(threshold))
 
 
 def check_outputs(
