@@ -19,7 +19,6 @@ folder lets requests send text (`agent.models.tokenizer`).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ import numpy as np
 
 from agent.models.backends.base import DeviceBinding, ModelLoadError, Session, TensorSpec
 from agent.models.generate_config import GenerateConfig
-from agent.models.text_file import read_text_limited
+from agent.models.hf_files import context_of, read_json
 from agent.models.tokenizer import TextCodec, open_tokenizer
 
 __all__ = [
@@ -48,8 +47,6 @@ __all__ = [
 PAST_INPUT = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")  # a cache input's name
 # A decoder's other inputs, as exporters name them (`[generate]` may rename the first three).
 DECODER_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache_branch"})
-_CONTEXT_KEYS = ("n_positions", "max_position_embeddings", "n_ctx", "max_sequence_length")
-MAX_JSON_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -116,13 +113,13 @@ def open_generation(config: GenerateConfig | None, session: Session, folder: Pat
     a decoder's or a file in the folder is unreadable."""
     config = config or GenerateConfig()
     layout = recognise(session.inputs, session.outputs, config)
-    hf_config = _read_json(folder / "config.json")
-    generation_config = _read_json(folder / "generation_config.json")
+    hf_config = read_json(folder / "config.json")
+    generation_config = read_json(folder / "generation_config.json")
     if config.eos is not None:
         eos = frozenset(config.eos)
     else:
         eos = _eos_of(generation_config) or _eos_of(hf_config)
-    context = config.context or _context_of(hf_config)
+    context = config.context or context_of(hf_config)
     logits = next(spec for spec in session.outputs if spec.name == layout.logits)
     vocab = logits.shape[-1] if logits.shape and isinstance(logits.shape[-1], int) else None
     tokenizer = open_tokenizer(folder)
@@ -201,42 +198,10 @@ def past_axis(dynamic: Sequence[bool]) -> int | None:
 def context_in(folder: Path) -> int | None:
     """The context length `config.json` in `folder` gives, if it is there and says one
     (ModelLoadError where it cannot be read); the TensorRT builder's decoder profile uses it."""
-    return _context_of(_read_json(folder / "config.json"))
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    """The JSON object in `path`, {} where there is no such file."""
-    if not path.is_file():
-        return {}
-
-    def unreadable(e: Exception) -> ModelLoadError:
-        return ModelLoadError(f"{path.name} cannot be read: {e}")
-
-    text = read_text_limited(
-        path,
-        MAX_JSON_BYTES,
-        too_large=lambda _: ModelLoadError(f"{path.name} is larger than {MAX_JSON_BYTES} bytes"),
-        cannot_read=unreadable,
-        not_text=unreadable,
-    )
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise unreadable(e) from e
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path.name} is not a JSON object")
-    return data
+    return context_of(read_json(folder / "config.json"))
 
 
 def _eos_of(data: dict[str, Any]) -> frozenset[int]:
     value = data.get("eos_token_id")
     values = value if isinstance(value, list) else [value]
     return frozenset(v for v in values if isinstance(v, int) and not isinstance(v, bool))
-
-
-def _context_of(data: dict[str, Any]) -> int | None:
-    for key in _CONTEXT_KEYS:
-        value = data.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None

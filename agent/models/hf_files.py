@@ -1,0 +1,64 @@
+"""The Hugging Face JSON files a version folder may hold beside its model, read bounded.
+
+`save_pretrained` and optimum's exporters leave `config.json` (the architecture: context
+length, pad and eos ids, `id2label`), `generation_config.json` and `tokenizer_config.json` in
+the folder they export to. The agent reads what it needs from them: a generate model's eos ids
+and context (`agent.models.decoder_layout`), a text model's pad token and longest input
+(`agent.models.text_inputs`), a classifier's labels (`agent.models.postprocess`).
+
+Imports only `backends.base` and `text_file`, so any module of `agent.models` may use it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from agent.models.backends.base import ModelLoadError
+from agent.models.text_file import read_text_limited
+
+__all__ = ["MAX_JSON_BYTES", "context_of", "read_json", "whole_number"]
+
+MAX_JSON_BYTES = 1024 * 1024
+# Where configs of the architectures `transformers` knows keep their longest input.
+_CONTEXT_KEYS = ("n_positions", "max_position_embeddings", "n_ctx", "max_sequence_length")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`, {} where there is no such file (ModelLoadError where it is
+    too large, unreadable or not a JSON object)."""
+    if not path.is_file():
+        return {}
+
+    def unreadable(e: Exception) -> ModelLoadError:
+        return ModelLoadError(f"{path.name} cannot be read: {e}")
+
+    text = read_text_limited(
+        path,
+        MAX_JSON_BYTES,
+        too_large=lambda _: ModelLoadError(f"{path.name} is larger than {MAX_JSON_BYTES} bytes"),
+        cannot_read=unreadable,
+        not_text=unreadable,
+    )
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise unreadable(e) from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path.name} is not a JSON object")
+    return data
+
+
+def whole_number(value: Any) -> int | None:
+    """`value` where it is a JSON integer (not a boolean), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def context_of(config: dict[str, Any]) -> int | None:
+    """The longest input (tokens) a `config.json` gives, None where it gives none."""
+    for key in _CONTEXT_KEYS:
+        value = whole_number(config.get(key))
+        if value is not None and value > 0:
+            return value
+    return None
