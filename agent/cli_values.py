@@ -58,7 +58,7 @@ def _array(loaded: Any, name: str, path: str) -> Any:
 
 
 def parse_texts(specs: Sequence[str]) -> dict[str, str]:
-    """`NAME=TEXT` as a text input (`prompt` of a generate model with a tokenizer)."""
+    """`NAME=TEXT` as a text input (`prompt` of a model with a tokenizer)."""
     return dict(_pair(spec, "--text", "NAME=TEXT") for spec in specs)
 
 

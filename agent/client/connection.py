@@ -247,7 +247,9 @@ class AgentClient:
         ends with `end`, `finish_reason: "cancelled"`. Unknown or finished ids are ignored."""
         self.publish_raw(f"{self.root}/cancel", encode_payload({"id": request_id}), 1)
 
-    def infer(self, model: str, inputs: Mapping[str, Array | bytes], **options: Any) -> Arrays:
+    def infer(
+        self, model: str, inputs: Mapping[str, Array | bytes | str], **options: Any
+    ) -> Arrays:
         """Request and wait for the whole output."""
         return self.request(model, inputs, **options).collect()
 

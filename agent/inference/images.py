@@ -16,7 +16,7 @@ request asked for (`params.reply_compression`).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -81,10 +81,11 @@ def is_image(value: Any, specs: Sequence[TensorSpec], target: str) -> bool:
     return isinstance(value, np.ndarray) and _is_pixels(value, spec)
 
 
-def prepared_inputs(job: Job, loaded: LoadedVersion) -> tuple[dict[str, Any], Geometry | None]:
-    """The request's inputs with its image (if it sent one) decoded and preprocessed, and
+def prepared_inputs(
+    job: Job, loaded: LoadedVersion, inputs: Mapping[str, Any]
+) -> tuple[Mapping[str, Any], Geometry | None]:
+    """The request's `inputs` with its image (if it sent one) decoded and preprocessed, and
     the image's geometry; the decode and preprocess times go to `job.timing`."""
-    inputs = job.request.inputs
     config = loaded.config.preprocess
     specs = loaded.session.inputs
     target = image_input(config, specs)

@@ -26,7 +26,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from agent.delivery.outbox import OutboxClosed
-from agent.inference import batching, generate, images, modes
+from agent.inference import batching, generate, images, modes, texts
 from agent.inference.job import Cancelled, Job
 from agent.inference.modes import Arrays, Member, Piece, Run
 from agent.inference.reply_stream import ReplyRefused, ReplySender
@@ -377,7 +377,8 @@ def _checked_inputs(job: Job, loaded: LoadedVersion) -> dict[str, Any]:
     if job.checked is not None and job.checked[0] == loaded.version:
         images.bind_outputs(job, loaded, None)
         return job.checked[1]
-    given, geometry = images.prepared_inputs(job, loaded)  # a JPEG/PNG decoded, preprocessed
+    given = texts.tokenized_inputs(job, loaded)  # a prompt made into token ids
+    given, geometry = images.prepared_inputs(job, loaded, given)  # a JPEG/PNG decoded, prepared
     images.bind_outputs(job, loaded, geometry)
     optional = (*loaded.config.stream.state, *loaded.config.defaults)
     specs = required_inputs(loaded.request_inputs, optional, given)

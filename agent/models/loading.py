@@ -10,6 +10,7 @@ one stays.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from agent.models.backends.base import BackendOptions, ModelLoadError, Session
@@ -20,10 +21,23 @@ from agent.models.postprocess import Postprocessor, build_postprocess
 from agent.models.records import ModelRecord
 from agent.models.repository import VersionInfo, checksum_problem, verify_checksum
 from agent.models.signature import check_signature, incompatibilities
+from agent.models.text_inputs import TextInputs, open_text_inputs
 from agent.models.trust import TrustPolicy
 from agent.models.warmup import run_warm_up
 
-__all__ = ["open_version", "verify_files"]
+__all__ = ["OpenedVersion", "open_version", "verify_files"]
+
+
+@dataclass(frozen=True)
+class OpenedVersion:
+    """A version that passed every check, and what its requests need besides the session."""
+
+    session: Session
+    warmup: str  # the inventory's `warmup`: "ok", "off" or "skipped: ..."
+    signed: dict[str, str] | None  # the inventory's `signed`, with [models.trust]
+    postprocess: Postprocessor | None  # its [[postprocess]], labels read
+    generation: Generation | None  # mode = "generate": the decoder's layout
+    text: TextInputs | None  # a tokenizer.json beside a model of token ids: text in
 
 
 def verify_files(
@@ -50,12 +64,12 @@ def open_version(
     warmup: bool,
     trust: TrustPolicy | None = None,
     engine: Path | None = None,
-) -> tuple[Session, str, dict[str, str] | None, Postprocessor | None, Generation | None]:
+) -> OpenedVersion:
     """A checked, warmed-up session of ``version`` (``options``: the agent-wide ones), how
-    the warm-up went (the inventory's ``warmup``: ``ok``, ``off`` or ``skipped: ...``),
-    with ``trust`` who signed it (the inventory's ``signed``), and its ``[[postprocess]]``
-    checked against its outputs (labels read from the version folder), and for
-    `mode = "generate"` its decoder layout (agent.models.decoder_layout). ``engine``: a plan
+    the warm-up went, with ``trust`` who signed it, its ``[[postprocess]]`` checked against
+    its outputs (labels read from the version folder), for `mode = "generate"` its decoder
+    layout (agent.models.decoder_layout), and for any other model of token ids with a
+    `tokenizer.json` how text becomes its inputs (agent.models.text_inputs). ``engine``: a plan
     the agent built from the version's ONNX file (agent.models.engine_builds), loaded
     instead of it once the version's own files passed."""
     if version.problem is not None:
@@ -78,15 +92,18 @@ def open_version(
             [spec.name for spec in session.outputs],
             version.model_file.parent,
         )
-        generation = None
+        folder = version.model_file.parent
+        generation, text = None, None
         if record.config.stream.mode == "generate":
-            generation = open_generation(record.config.generate, session, version.model_file.parent)
+            generation = open_generation(record.config.generate, session, folder)
             if record.config.batching.enabled:
                 _check_generate_batching(generation, version.backend)
+        else:
+            text = open_text_inputs(session.inputs, folder)
         warmed = run_warm_up(
             session,
             record.config.warmup,
-            version.model_file.parent,
+            folder,
             enabled=warmup,
             known=default_arrays(record.config.defaults, session.inputs),
         )
@@ -95,7 +112,7 @@ def open_version(
         if isinstance(e, ModelLoadError):
             raise
         raise ModelLoadError(f"warm-up failed: {e}") from e
-    return session, warmed, signed, post, generation
+    return OpenedVersion(session, warmed, signed, post, generation, text)
 
 
 def _check_generate_batching(generation: Generation, backend: str | None) -> None:

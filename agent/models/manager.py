@@ -354,7 +354,7 @@ class ModelManager:
         self._on_inventory()
         started = time.monotonic()
         try:
-            session, warmed, signed, post, generation = open_version(
+            opened = open_version(
                 record,
                 version,
                 self._options,
@@ -365,14 +365,16 @@ class ModelManager:
         except ModelLoadError as e:
             self._mark_failed(record, version, str(e))
             return None
+        session, warmed = opened.session, opened.warmup
         loaded = LoadedVersion(
             record.name, version.version, session, record.config, version.backend or "?"
         )
-        loaded.postprocess = post
-        loaded.generation = generation
+        loaded.postprocess = opened.postprocess
+        loaded.generation = opened.generation
+        loaded.text = opened.text
         with self._lock:
             entry.state, entry.loaded, entry.backend = "ready", loaded, loaded.backend
-            entry.warmup, entry.signed = warmed, signed
+            entry.warmup, entry.signed = warmed, opened.signed
         seconds = time.monotonic() - started
         log.info(
             "model %s v%d ready (%s, providers %s) in %.2f s",

@@ -9,7 +9,8 @@ Each op works on one output (``output = NAME``)::
     output = "logits"
     op = "topk"                # NAME: values, NAME_indices, NAME_labels (with labels)
     k = 5
-    labels = "labels.txt"      # one label per line, in the version folder
+    labels = "labels.txt"      # one label per line, in the version folder; "config.json":
+                               # its id2label (what transformers' save_pretrained writes)
     [[postprocess]]
     output = "output0"
     op = "detect"              # boxes, scores, classes, labels (agent.models.detect)
@@ -47,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from agent.models.backends.base import InferenceError, ModelLoadError
 from agent.models.ctc import CtcSpec, decode_ctc
 from agent.models.detect import DetectSpec, decode_detections
+from agent.models.hf_files import read_json
 from agent.models.preprocess import load_cv2
 from agent.models.resize import Geometry
 from agent.models.text_boxes import TextBoxSpec, decode_text_boxes
@@ -58,6 +60,7 @@ Array = npt.NDArray[Any]
 Outputs = dict[str, Any]
 
 MAX_LABELS_BYTES = 1 << 20
+HF_CONFIG = "config.json"  # `labels` naming it: its id2label
 CastDtype = Literal["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8"]
 # The keys each op takes besides `output` and `op`.
 _OP_KEYS: dict[str, frozenset[str]] = {
@@ -160,7 +163,10 @@ class PostprocessOp(BaseModel):
 
 def read_labels(folder: Path, name: str, *, exact: bool = False) -> tuple[str, ...]:
     """One label per line of `folder/name` (blank lines at the end ignored), stripped of
-    surrounding white space unless `exact` (a recogniser's characters: a space is one)."""
+    surrounding white space unless `exact` (a recogniser's characters: a space is one);
+    for `config.json`, its `id2label`."""
+    if name == HF_CONFIG:
+        return _id2label(folder / name)
     text = read_text_limited(
         folder / name,
         MAX_LABELS_BYTES,
@@ -172,6 +178,25 @@ def read_labels(folder: Path, name: str, *, exact: bool = False) -> tuple[str, .
     )
     lines = text.rstrip("\n").split("\n")
     return tuple(line.rstrip("\r") if exact else line.strip() for line in lines)
+
+
+def _id2label(path: Path) -> tuple[str, ...]:
+    """The labels of a Hugging Face `config.json`'s `id2label`, class 0 first."""
+    found = read_json(path).get("id2label")
+    if not isinstance(found, dict) or not found:
+        raise ModelLoadError(f"postprocess: {path.name} has no id2label")
+    try:
+        by_id = {int(key): value for key, value in found.items()}
+    except ValueError:
+        message = f"postprocess: {path.name}'s id2label has a key that is not an id"
+        raise ModelLoadError(message) from None
+    if sorted(by_id) != list(range(len(by_id))) or not all(
+        isinstance(label, str) for label in by_id.values()
+    ):
+        raise ModelLoadError(
+            f"postprocess: {path.name}'s id2label must name the classes 0 to {len(by_id) - 1}"
+        )
+    return tuple(by_id[i] for i in range(len(by_id)))
 
 
 Step = Callable[[Outputs, Geometry | None], Outputs]

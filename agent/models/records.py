@@ -23,6 +23,7 @@ from agent.models.model_config import BatchingConfig, ModelConfig, StreamConfig
 from agent.models.postprocess import Postprocessor
 from agent.models.preprocess import image_input
 from agent.models.signature import request_inputs
+from agent.models.text_inputs import TextInputs
 
 __all__ = [
     "INVENTORY_DETAIL_BYTES",
@@ -64,6 +65,7 @@ class LoadedVersion:
     details: VersionDetails | None = field(default=None, repr=False, compare=False)
     postprocess: Postprocessor | None = field(default=None, repr=False, compare=False)
     generation: Generation | None = field(default=None, repr=False, compare=False)  # generate
+    text: TextInputs | None = field(default=None, repr=False, compare=False)  # text in
 
     @functools.cached_property
     def request_inputs(self) -> tuple[TensorSpec, ...]:
@@ -109,6 +111,7 @@ class Serving:
     batching: BatchingConfig | None  # None: off
     defaults: tuple[str, ...] = ()  # inputs `[defaults]` gives: a request may leave them out
     image_input: str | None = None  # the `[preprocess]` input: may come as a JPEG/PNG
+    takes_text: bool = False  # a tokenizer makes its token inputs: `prompt` may come instead
 
     @classmethod
     def of(cls, loaded: LoadedVersion, config: ModelConfig) -> Serving:
@@ -121,6 +124,7 @@ class Serving:
             batching if batching.enabled else None,
             tuple(config.defaults),
             image_input(config.preprocess, loaded.session.inputs),
+            loaded.text is not None,
         )
 
 

@@ -1,8 +1,9 @@
 """A version's Hugging Face `tokenizer.json`, through the `tokenizers` library.
 
 `tokenizers` is an optional extra (`pip install edge-stream-agent[text]`): it is imported only
-when a `mode = "generate"` version folder holds a `tokenizer.json`, and a version that has one
-but no library to read it fails to load with a line that says what to install. The library, not
+when a version folder holds a `tokenizer.json` (a generate model's, or a text model's:
+`agent.models.text_inputs`), and a version that has one but no library to read it fails to
+load with a line that says what to install. The library, not
 a hand-written BPE: the same Rust code Hugging Face's fast tokenizers run, so prompts are cut and
 tokens decoded exactly as `transformers` does.
 """
@@ -15,7 +16,7 @@ from typing import Any
 
 from agent.models.backends.base import ModelLoadError
 
-__all__ = ["TOKENIZER_FILE", "TextCodec", "TokenStream", "open_tokenizer"]
+__all__ = ["TOKENIZER_FILE", "TextCodec", "TokenStream", "open_tokenizer", "tokenizers_installed"]
 
 TOKENIZER_FILE = "tokenizer.json"
 MAX_TOKENIZER_BYTES = 64 * 1024 * 1024
@@ -33,6 +34,16 @@ class TextCodec:
 
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=True).ids)
+
+    def encode_with_types(self, text: str) -> tuple[list[int], list[int]]:
+        """The ids of `text` and their token type ids (BERT's segment: 0 for one text)."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=True)
+        return list(encoding.ids), list(encoding.type_ids)
+
+    def token_id(self, token: str) -> int | None:
+        """The id of `token` in the vocabulary, None where it has none."""
+        found = self._tokenizer.token_to_id(token)
+        return int(found) if found is not None else None
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
@@ -66,6 +77,15 @@ class TokenStream:
         return "".join(texts)
 
 
+def tokenizers_installed() -> bool:
+    """Whether the `tokenizers` library (the `text` extra) can be imported."""
+    try:
+        import tokenizers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def open_tokenizer(folder: Path) -> TextCodec | None:
     """The folder's `tokenizer.json`, or None where it has none."""
     path = folder / TOKENIZER_FILE
@@ -81,6 +101,11 @@ def open_tokenizer(folder: Path) -> TextCodec | None:
             "(pip install 'edge-stream-agent[text]') to serve it"
         ) from None
     try:
-        return TextCodec(Tokenizer.from_file(str(path)))
+        tokenizer = Tokenizer.from_file(str(path))
     except Exception as e:  # the library raises its own exception type for a bad file
         raise ModelLoadError(f"{TOKENIZER_FILE} cannot be read: {e}") from e
+    # As `transformers` calls it by default: a text is never cut short or padded silently
+    # (a prompt too long for the model is refused; a batch's rows are padded by the caller).
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return TextCodec(tokenizer)

@@ -28,13 +28,14 @@ from agent.delivery.resend import Resender, parse_resend
 from agent.delivery.spool import Spool
 from agent.delivery.spool_items import AfterWrite, StoreRequest, request_key
 from agent.delivery.spool_writer import SpoolWriter
-from agent.inference import batching, images, short_runs
+from agent.inference import batching, images, short_runs, texts
 from agent.inference.job import Job
 from agent.inference.reply_stream import ReplySender, ReplyStream
 from agent.inference.runner import required_inputs
 from agent.inference.scheduler import Scheduler
 from agent.inference.short_runs import ShortRuns
 from agent.models.manager import ModelManager, Serving
+from agent.models.text_inputs import TEXT_INPUT
 from agent.mqtt.connection import Transport
 from agent.mqtt.messages import Incoming, correlation_properties
 from agent.ops.counters import Counters
@@ -140,6 +141,10 @@ class RequestReader:
         if request.version is not None or serving.stream.mode == "generate":
             # A pinned version is checked when it is leased; a prompt on a worker.
             return serving, None
+        if serving.takes_text and TEXT_INPUT in request.inputs:
+            return serving, None  # tokenized and checked on a worker (agent.inference.texts)
+        if not serving.takes_text:
+            texts.refuse_untokenized(request.inputs, serving.inputs, request.id)
         image = serving.image_input
         if image is not None and images.is_image(request.inputs.get(image), serving.inputs, image):
             return serving, None  # decoded and checked on a worker (agent.inference.images)

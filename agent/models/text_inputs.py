@@ -1,0 +1,161 @@
+"""Text in for a model that reads token ids: a request's `prompt` made into the model's inputs.
+
+A version folder with a Hugging Face `tokenizer.json` whose model takes an integer `input_ids`
+(optimum's `text-classification`, `token-classification`, `feature-extraction` exports, a
+`torch.onnx.export` of a `transformers` encoder) may be sent `inputs: {prompt: TEXT}`, or a
+`tensor(string)` of texts to run as one batch. Each text is cut as `transformers` cuts it (the
+`tokenizers` library, special tokens added); the rows are padded to the longest, or to the
+sequence length the signature fixes, with the tokenizer's pad token, on the side its
+`tokenizer_config.json` says (right by default). The model's `attention_mask`,
+`token_type_ids` and `position_ids` inputs, where it has them, are made to match, as the
+tokenizer and the model would make them. A text longer than the model can take (its fixed
+sequence length, or `config.json`'s context) is refused, never cut short.
+
+A generate model has its own loop (`agent.models.decoder_layout`) and is not served here.
+Imports only `backends.base`, `hf_files` and `tokenizer`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from agent.models.backends.base import Array, ModelLoadError, TensorSpec
+from agent.models.hf_files import context_of, read_json, whole_number
+from agent.models.tokenizer import TOKENIZER_FILE, TextCodec, open_tokenizer, tokenizers_installed
+
+__all__ = ["TEXT_INPUT", "TextInputs", "TextRefused", "open_text_inputs"]
+
+TEXT_INPUT = "prompt"  # the request's input that carries text (as for a generate model)
+MAX_TEXTS = 1024  # rows of one request's batch of texts
+
+log = logging.getLogger(__name__)
+
+
+class TextRefused(ValueError):
+    """A request's text that cannot be made into the model's inputs (the message says why)."""
+
+
+@dataclass(frozen=True)
+class TextInputs:
+    """How a version's texts become its inputs."""
+
+    codec: TextCodec
+    ids: TensorSpec
+    mask: TensorSpec | None
+    types: TensorSpec | None
+    positions: TensorSpec | None
+    pad_id: int
+    pad_left: bool
+    fixed: int | None  # the sequence length the signature fixes: every row is padded to it
+    longest: int | None  # the most tokens a text may have; None: no bound known
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The model's inputs the texts give."""
+        specs = (self.ids, self.mask, self.types, self.positions)
+        return tuple(spec.name for spec in specs if spec is not None)
+
+    def inputs(self, value: Any) -> dict[str, Array]:
+        """The model's inputs for `value` (one text, or a string tensor of them: one row
+        each); TextRefused says what is wrong with it."""
+        rows = [self.codec.encode_with_types(text) for text in _texts(value)]
+        longest = max(len(ids) for ids, _ in rows)
+        if self.longest is not None and longest > self.longest:
+            raise TextRefused(
+                f"inputs.{TEXT_INPUT} is {longest} tokens: the model takes at most {self.longest}"
+            )
+        width = self.fixed if self.fixed is not None else longest
+        ids = np.full((len(rows), width), self.pad_id, dtype=self.ids.dtype)
+        mask = np.zeros((len(rows), width), dtype=np.int64)
+        types = np.zeros((len(rows), width), dtype=np.int64)
+        for row, (tokens, type_ids) in enumerate(rows):
+            where = slice(width - len(tokens), width) if self.pad_left else slice(0, len(tokens))
+            ids[row, where] = tokens
+            mask[row, where] = 1
+            types[row, where] = type_ids
+        made = {self.ids.name: ids}
+        if self.mask is not None:
+            made[self.mask.name] = mask.astype(self.mask.dtype, copy=False)
+        if self.types is not None:
+            made[self.types.name] = types.astype(self.types.dtype, copy=False)
+        if self.positions is not None:  # as the model makes them when none are given
+            positions = np.broadcast_to(np.arange(width), (len(rows), width))
+            made[self.positions.name] = positions.astype(self.positions.dtype)
+        return made
+
+
+def _texts(value: Any) -> list[str]:
+    """The texts of a request's `prompt`: one text, or a string tensor [n]."""
+    if not isinstance(value, np.ndarray) or value.dtype.kind not in "OU" or value.ndim > 1:
+        raise TextRefused(f"inputs.{TEXT_INPUT} must be a text, or a string tensor [n] of texts")
+    texts: list[Any] = value.reshape(-1).tolist()
+    if not texts:
+        raise TextRefused(f"inputs.{TEXT_INPUT} holds no text")
+    if len(texts) > MAX_TEXTS:
+        raise TextRefused(f"inputs.{TEXT_INPUT} holds {len(texts)} texts: at most {MAX_TEXTS}")
+    if not all(isinstance(text, str) for text in texts):
+        raise TextRefused(f"inputs.{TEXT_INPUT} must hold texts")
+    return texts
+
+
+def open_text_inputs(specs: Sequence[TensorSpec], folder: Path) -> TextInputs | None:
+    """How `folder`'s tokenizer feeds a model of inputs `specs`; None where the folder has no
+    `tokenizer.json`, the model takes no integer `input_ids`, it has an input named `prompt`
+    of its own, or the `tokenizers` library is not installed (a warning says so);
+    ModelLoadError where the files cannot be read."""
+    by_name = {spec.name: spec for spec in specs}
+    ids = by_name.get("input_ids")
+    if ids is None or ids.dtype.kind not in "iu" or TEXT_INPUT in by_name:
+        return None
+    if not (folder / TOKENIZER_FILE).is_file():
+        return None
+    if not tokenizers_installed():  # it served token ids before the extra existed: it still does
+        log.warning(
+            "%s has a %s: install the 'text' extra (pip install 'edge-stream-agent[text]') "
+            "for requests to send text; it takes token ids meanwhile",
+            folder,
+            TOKENIZER_FILE,
+        )
+        return None
+    codec = open_tokenizer(folder)
+    if codec is None:
+        return None
+    if len(ids.shape) != 2:
+        raise ModelLoadError(
+            f"a tokenizer.json beside a model whose input_ids is {list(ids.shape)}: "
+            "text is made into [batch, sequence]"
+        )
+    hf_config = read_json(folder / "config.json")
+    tokenizer_config = read_json(folder / "tokenizer_config.json")
+    fixed = ids.shape[1] if isinstance(ids.shape[1], int) and ids.shape[1] > 0 else None
+    bounds = [b for b in (fixed, context_of(hf_config)) if b is not None]
+    return TextInputs(
+        codec,
+        ids,
+        by_name.get("attention_mask"),
+        by_name.get("token_type_ids"),
+        by_name.get("position_ids"),
+        _pad_id(codec, hf_config, tokenizer_config),
+        tokenizer_config.get("padding_side") == "left",
+        fixed,
+        min(bounds) if bounds else None,
+    )
+
+
+def _pad_id(codec: TextCodec, hf_config: dict[str, Any], tokenizer_config: dict[str, Any]) -> int:
+    """The tokenizer's pad token (`tokenizer_config.json`), else `config.json`'s
+    `pad_token_id`, else 0: what pads a row is masked out, so only a model that reads its
+    pad positions tells them apart."""
+    token = tokenizer_config.get("pad_token")
+    if isinstance(token, dict):  # older files write an AddedToken's fields
+        token = token.get("content")
+    found = codec.token_id(token) if isinstance(token, str) else None
+    if found is None:
+        found = whole_number(hf_config.get("pad_token_id"))
+    return found if found is not None and found >= 0 else 0

@@ -1,0 +1,184 @@
+"""How a version's tokenizer makes texts into its inputs (`agent.models.text_inputs`), and
+labels read from a `config.json` (`agent.models.postprocess`), without a broker."""
+
+from __future__ import annotations
+
+import builtins
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from agent.models.backends.base import ModelLoadError, TensorSpec
+from agent.models.postprocess import PostprocessOp, build_postprocess
+from agent.models.text_inputs import TextRefused, open_text_inputs
+
+pytest.importorskip("tokenizers")
+
+WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "a", "b", "c"]
+
+
+def tokenizer_folder(tmp_path: Path, **files: dict[str, Any]) -> Path:
+    """A folder with a word-level `tokenizer.json` ([CLS] $A [SEP]) and the JSON `files`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    for name, data in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    return tmp_path
+
+
+def specs(*names: str, length: int | str = "sequence", dtype: Any = np.int64) -> list[TensorSpec]:
+    return [TensorSpec(name, np.dtype(dtype), ("batch", length)) for name in names]
+
+
+def test_rows_are_padded_right_and_masked(tmp_path: Path) -> None:
+    text = open_text_inputs(specs("input_ids", "attention_mask"), tokenizer_folder(tmp_path))
+    assert text is not None
+    made = text.inputs(np.array(["a b c", "b"]))
+    assert made["input_ids"].tolist() == [[2, 4, 5, 6, 3], [2, 5, 3, 0, 0]]
+    assert made["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    assert made["input_ids"].dtype == np.int64
+
+
+def test_the_tokenizers_pad_token_and_side(tmp_path: Path) -> None:
+    """`tokenizer_config.json`'s pad token (an AddedToken's fields, as older files write it)
+    and `padding_side = "left"`, as a decoder's tokenizer is saved."""
+    folder = tokenizer_folder(
+        tmp_path, tokenizer_config={"pad_token": {"content": "c"}, "padding_side": "left"}
+    )
+    text = open_text_inputs(specs("input_ids", "attention_mask"), folder)
+    assert text is not None
+    made = text.inputs(np.array(["a b", "a"]))
+    assert made["input_ids"].tolist() == [[2, 4, 5, 3], [6, 2, 4, 3]]
+    assert made["attention_mask"].tolist() == [[1, 1, 1, 1], [0, 1, 1, 1]]
+
+
+def test_the_pad_id_of_config_json_without_a_pad_token(tmp_path: Path) -> None:
+    folder = tokenizer_folder(tmp_path, config={"pad_token_id": 1})
+    text = open_text_inputs(specs("input_ids"), folder)
+    assert text is not None
+    assert text.inputs(np.array(["a b", "a"]))["input_ids"].tolist() == [
+        [2, 4, 5, 3],
+        [2, 4, 3, 1],
+    ]
+
+
+def test_a_fixed_sequence_is_filled_and_bounds_the_text(tmp_path: Path) -> None:
+    """A static export (`input_ids [1, 6]`, int32, positions as inputs): every row is padded
+    to 6, a longer text is refused, not cut."""
+    names = ("input_ids", "token_type_ids", "position_ids")
+    text = open_text_inputs(specs(*names, length=6, dtype=np.int32), tokenizer_folder(tmp_path))
+    assert text is not None
+    made = text.inputs(np.array("a b"))
+    assert made["input_ids"].tolist() == [[2, 4, 5, 3, 0, 0]]
+    assert made["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5]]
+    assert made["token_type_ids"].tolist() == [[0] * 6]
+    assert {a.dtype for a in made.values()} == {np.dtype(np.int32)}
+    with pytest.raises(TextRefused, match="is 7 tokens: the model takes at most 6"):
+        text.inputs(np.array("a b c a b"))
+
+
+def test_the_context_of_config_json_bounds_the_text(tmp_path: Path) -> None:
+    text = open_text_inputs(
+        specs("input_ids"), tokenizer_folder(tmp_path, config={"max_position_embeddings": 4})
+    )
+    assert text is not None
+    assert text.inputs(np.array("a b"))["input_ids"].shape == (1, 4)
+    with pytest.raises(TextRefused, match="is 5 tokens: the model takes at most 4"):
+        text.inputs(np.array("a b c"))
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [
+        specs("input_ids", dtype=np.float32),  # not token ids
+        specs("input_ids", "prompt"),  # the model's own input of that name
+        specs("pixel_values"),
+    ],
+)
+def test_models_that_take_no_text(tmp_path: Path, inputs: list[TensorSpec]) -> None:
+    assert open_text_inputs(inputs, tokenizer_folder(tmp_path)) is None
+
+
+def test_no_tokenizer_json_no_text(tmp_path: Path) -> None:
+    assert open_text_inputs(specs("input_ids"), tmp_path) is None
+
+
+def test_without_the_library_the_model_takes_token_ids(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A folder that served token ids before text came in still loads without the extra."""
+    folder = tokenizer_folder(tmp_path)
+    real_import = builtins.__import__
+
+    def no_tokenizers(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "tokenizers":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tokenizers)
+    assert open_text_inputs(specs("input_ids"), folder) is None
+    assert "install the 'text' extra" in caplog.text
+
+
+def test_a_tokenizer_beside_token_ids_of_another_rank(tmp_path: Path) -> None:
+    ids = [TensorSpec("input_ids", np.dtype(np.int64), ("batch", "choices", "sequence"))]
+    with pytest.raises(ModelLoadError, match=r"input_ids is \['batch', 'choices', 'sequence'\]"):
+        open_text_inputs(ids, tokenizer_folder(tmp_path))
+
+
+def test_a_broken_tokenizer_json_fails_the_version(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match=r"tokenizer\.json cannot be read"):
+        open_text_inputs(specs("input_ids"), tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        (np.array(["a", 3], dtype=object), "must hold texts"),
+        (np.array(["a"] * 1025), "holds 1025 texts: at most 1024"),
+        (np.array(3), "must be a text"),
+    ],
+)
+def test_what_is_not_text(tmp_path: Path, value: Any, says: str) -> None:
+    text = open_text_inputs(specs("input_ids"), tokenizer_folder(tmp_path))
+    assert text is not None
+    with pytest.raises(TextRefused, match=says):
+        text.inputs(value)
+
+
+def topk_of_config(folder: Path) -> Any:
+    op = PostprocessOp(output="logits", op="topk", k=2, labels="config.json")
+    return build_postprocess([op], ["logits"], folder)
+
+
+def test_labels_from_id2label(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"id2label": {"1": "yes", "0": "no"}}))
+    post = topk_of_config(tmp_path)
+    assert post is not None
+    got = post.apply({"logits": np.array([[0.1, 0.9]], np.float32)})
+    assert got["logits_labels"].tolist() == [["yes", "no"]]
+
+
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [
+        ({}, r"config\.json has no id2label"),
+        ({"id2label": {"0": "no", "2": "yes"}}, "must name the classes 0 to 1"),
+        ({"id2label": {"x": "no"}}, "a key that is not an id"),
+        ({"id2label": {"0": 5}}, "must name the classes 0 to 0"),
+    ],
+)
+def test_an_id2label_that_cannot_label(tmp_path: Path, config: Any, says: str) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=says):
+        topk_of_config(tmp_path)

@@ -1,0 +1,168 @@
+"""Encoder models that take text: a `prompt` tokenized by the version's `tokenizer.json`.
+
+The fixtures (`tests/fixtures/real/text`, from `scripts/make_text_models.py`) are optimum's
+`text-classification` export of a seeded BERT, its `token-classification` export of a seeded
+DistilBERT and its sentence-transformers export of a seeded BERT embedder, each with the
+tokenizer files `save_pretrained` wrote, and the framework's outputs (Hugging Face's logits,
+`SentenceTransformer.encode`'s embeddings): each text alone, and all of them as one padded
+batch.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from agent.client import AgentClient, AgentError
+from agent.demo.broker import EmbeddedBroker
+from agent.service.agent import Agent
+
+pytest.importorskip("tokenizers")
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "real" / "text"
+REFERENCE: dict[str, Any] = json.loads((FIXTURES / "reference.json").read_text(encoding="utf-8"))
+BERT, TOKENS = REFERENCE["models"]["bert_classifier"], REFERENCE["models"]["distilbert_tokens"]
+EMBEDDER = REFERENCE["models"]["bert_embedder"]
+TEXTS = [case["text"] for case in BERT["cases"]]
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
+
+MODELS = {  # name: (fixture folder, config.toml, files left out)
+    "bert": ("bert_classifier", "", ()),
+    "tokens": ("distilbert_tokens", "", ()),
+    "embedder": ("bert_embedder", "", ()),
+    "labelled": (
+        "bert_classifier",
+        '[[postprocess]]\noutput = "logits"\nop = "softmax"\n'
+        '[[postprocess]]\noutput = "logits"\nop = "topk"\nk = 2\nlabels = "config.json"\n',
+        (),
+    ),
+    "sliced": ("bert_classifier", '[stream]\nmode = "batch"\nmicro_batch = 2\n', ()),
+    "untokenized": ("bert_classifier", "", ("tokenizer.json",)),
+}
+
+
+@pytest.fixture(scope="module")
+def text_agent(
+    broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Agent, AgentClient]]:
+    from tests.conftest import agent_config, serve_agent
+
+    tmp = tmp_path_factory.mktemp("text")
+    root = tmp / "models"
+    for name, (fixture, config, left_out) in MODELS.items():
+        shutil.copytree(
+            FIXTURES / fixture, root / name / "1", ignore=shutil.ignore_patterns(*left_out)
+        )
+        (root / name / "config.toml").write_text(config)
+    yield from serve_agent(broker, agent_config(tmp, broker, root))
+
+
+@pytest.mark.parametrize("case", range(len(TEXTS)))
+def test_a_text_gives_the_logits_of_transformers(
+    text_agent: tuple[Agent, AgentClient], case: int
+) -> None:
+    """One text, cut by the version's tokenizer as `transformers` cuts it ([CLS] ... [SEP],
+    lower-cased, unknown characters as [UNK]), gives Hugging Face's logits."""
+    _, client = text_agent
+    want = BERT["cases"][case]
+    reply = client.request("bert", {"prompt": want["text"]}, stream=False)
+    got = reply.collect()
+    np.testing.assert_allclose(got["logits"], [want["logits"]], **TOLERANCE)
+    assert reply.timing is not None and reply.timing["tokenize_ms"] >= 0
+
+
+def test_the_token_ids_themselves_still_go_in(text_agent: tuple[Agent, AgentClient]) -> None:
+    _, client = text_agent
+    want = BERT["cases"][0]
+    ids = np.array([want["ids"]], dtype=np.int64)
+    inputs = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": 0 * ids}
+    got = client.request("bert", inputs, stream=False).collect()
+    np.testing.assert_allclose(got["logits"], [want["logits"]], **TOLERANCE)
+
+
+def test_texts_go_as_one_padded_batch(text_agent: tuple[Agent, AgentClient]) -> None:
+    """A string tensor of texts is one batch, padded with [PAD] and masked as a pipeline
+    pads it: each row's logits are those of the padded batch in `transformers`."""
+    _, client = text_agent
+    got = client.request("bert", {"prompt": np.array(TEXTS)}, stream=False).collect()
+    np.testing.assert_allclose(got["logits"], BERT["batch"], **TOLERANCE)
+
+
+def test_a_token_classifier_without_token_types(text_agent: tuple[Agent, AgentClient]) -> None:
+    """DistilBERT takes no token_type_ids: one row per text, a row of logits per token."""
+    _, client = text_agent
+    for want in TOKENS["cases"]:
+        got = client.request("tokens", {"prompt": want["text"]}, stream=False).collect()
+        assert got["logits"].shape == (1, len(want["ids"]), len(TOKENS["labels"]))
+        np.testing.assert_allclose(got["logits"], [want["logits"]], **TOLERANCE)
+    got = client.request("tokens", {"prompt": np.array(TEXTS)}, stream=False).collect()
+    np.testing.assert_allclose(got["logits"], TOKENS["batch"], **TOLERANCE)
+
+
+def test_sentence_embeddings_are_sentence_transformers(
+    text_agent: tuple[Agent, AgentClient],
+) -> None:
+    """The export pools and normalizes inside the graph: `sentence_embedding` is what
+    `SentenceTransformer.encode` gives, for one text and for a padded batch (where the mask
+    keeps the padding out of the mean)."""
+    _, client = text_agent
+    narrow = {"outputs": ["sentence_embedding"]}
+    for want in EMBEDDER["cases"]:
+        reply = client.request("embedder", {"prompt": want["text"]}, stream=False, params=narrow)
+        got = reply.collect()
+        assert set(got) == {"sentence_embedding"}
+        np.testing.assert_allclose(got["sentence_embedding"], [want["embedding"]], **TOLERANCE)
+    batch = client.request("embedder", {"prompt": np.array(TEXTS)}, stream=False, params=narrow)
+    got = batch.collect()["sentence_embedding"]
+    np.testing.assert_allclose(got, EMBEDDER["batch"], **TOLERANCE)
+
+
+def test_labels_from_the_exported_config(text_agent: tuple[Agent, AgentClient]) -> None:
+    """`labels = "config.json"` reads the id2label that save_pretrained wrote."""
+    _, client = text_agent
+    got = client.request("labelled", {"prompt": np.array(TEXTS)}, stream=False).collect()
+    logits = np.array(BERT["batch"])
+    best = np.argsort(-logits, axis=1)[:, :2]
+    assert got["logits_indices"].tolist() == best.tolist()
+    assert got["logits_labels"].tolist() == [[BERT["labels"][i] for i in row] for row in best]
+    soft = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(got["logits"], np.take_along_axis(soft, best, 1), **TOLERANCE)
+
+
+def test_batch_mode_streams_slices_of_the_texts(text_agent: tuple[Agent, AgentClient]) -> None:
+    _, client = text_agent
+    chunks = list(client.request("sliced", {"prompt": np.array(TEXTS)}))
+    assert [chunk.outputs["logits"].shape for chunk in chunks] == [(2, 3), (2, 3)]
+    got = np.concatenate([chunk.outputs["logits"] for chunk in chunks])
+    np.testing.assert_allclose(got, BERT["batch"], **TOLERANCE)
+
+
+@pytest.mark.parametrize(
+    ("model", "inputs", "says"),
+    [
+        ("bert", {"prompt": "word " * 70}, r"is \d+ tokens: the model takes at most 64"),
+        ("bert", {"prompt": np.array([], dtype=str)}, r"holds no text"),
+        ("bert", {"prompt": np.zeros(3, np.float32)}, r"must be a text, or a string tensor"),
+        ("bert", {"prompt": np.array([["a"], ["b"]])}, r"must be a text, or a string tensor"),
+        (
+            "bert",
+            {"prompt": "hello", "input_ids": np.ones((1, 3), np.int64)},
+            r"makes input_ids.*not both",
+        ),
+        ("untokenized", {"prompt": "hello"}, r"needs a tokenizer.json"),
+    ],
+)
+def test_bad_text_is_refused_and_the_agent_serves_on(
+    text_agent: tuple[Agent, AgentClient], model: str, inputs: dict[str, Any], says: str
+) -> None:
+    _, client = text_agent
+    with pytest.raises(AgentError, match=r"bad_request.*" + says):
+        client.request(model, inputs, stream=False).collect()
+    got = client.request("bert", {"prompt": TEXTS[0]}, stream=False).collect()
+    np.testing.assert_allclose(got["logits"], [BERT["cases"][0]["logits"]], **TOLERANCE)
