@@ -25,7 +25,12 @@ The recogniser is a small CRNN as PaddleOCR's rec models end (convolutions down 
 the height averaged away, a linear layer and a softmax over the blank, 36 characters and a
 space at each step of the width), converted the same way with a dynamic batch and width. Its
 ``ctc.json`` holds PaddleX's own ``CTCLabelDecode`` (what PaddleOCR decodes with) of Paddle's
-output: the texts and scores the agent's ``ctc`` op must give with ``keys.txt``.
+output: the texts and scores the agent's ``ctc`` op must give with ``keys.txt``. Beside it,
+two drawn text-line crops (``line.png``, ``long_line.png``) and ``lines.json``: what PaddleX's
+recogniser pipeline makes of each (its ``OCRReisizeNormImg`` resize and padding, the model,
+``CTCLabelDecode``; the model's probabilities in ``lines.npz``), for the agent's
+``resize_mode = "fit_height"`` (``--lines-only`` remakes just these: floats of the other
+fixtures differ in their last digits from one CPU to another).
 
 ``paddle_db/`` is for the agent's ``db`` op: a detector whose map is a smoothed ink density
 (set weights, not random: text regions a random network would not find), converted the same
@@ -193,6 +198,65 @@ def make_paddle_rec(out: Path) -> Fixture:
     )
 
 
+REC_SHAPE = [3, 32, 320]  # the recogniser's rec_image_shape: 32 rows, at least 320 wide
+LINES = {"line.png": ("edge 42", (26, 120)), "long_line.png": ("stream 2026 box 7 mqtt", (20, 420))}
+
+
+def draw_line(path: Path, text: str, size: tuple[int, int]) -> None:
+    """A text-line crop of `size` (h, w) as a detector's box cuts one: dark text, light paper."""
+    import cv2
+
+    height, width = size
+    crop = np.full((height, width, 3), 235, np.uint8)
+    crop = cv2.add(crop, np.random.default_rng(len(text)).integers(0, 12, crop.shape, np.uint8))
+    scale = (height - 8) / 22
+    cv2.putText(crop, text, (3, height - 5), cv2.FONT_HERSHEY_SIMPLEX, scale, (25, 25, 25), 1)
+    cv2.imwrite(str(path), crop)
+
+
+def make_paddle_lines(out: Path) -> None:
+    """`paddle_rec/line.png`, `long_line.png`, `lines.json` and `lines.npz`: crops sent as
+    images, and what PaddleX's own recogniser pipeline makes of them: `OCRReisizeNormImg` (to
+    32 rows, the width kept to the aspect, zeros on the right), the Paddle model's
+    probabilities (`lines.npz`), `CTCLabelDecode`'s text."""
+    import cv2
+    import paddle
+    from paddlex.inference.models.text_recognition.processors import (
+        CTCLabelDecode,
+        OCRReisizeNormImg,
+    )
+
+    model = build_recognizer()  # seeded: the weights of paddle_rec's model.onnx
+    folder = out / "paddle_rec"
+    lines, probabilities = [], {}
+    for name, (text, size) in LINES.items():
+        draw_line(folder / name, text, size)
+        image = cv2.imread(str(folder / name))  # BGR, as PaddleX reads images
+        x = OCRReisizeNormImg(rec_image_shape=REC_SHAPE)([image])[0][None].astype(np.float32)
+        want = model(paddle.to_tensor(x)).numpy()
+        probabilities[name] = want
+        texts, scores = CTCLabelDecode(list(CHARACTERS), use_space_char=True)([want])
+        lines.append(
+            {"image": name, "input": list(x.shape[2:]), "text": texts[0], "score": scores[0]}
+        )
+        print(f"  paddle_rec {name}: input {x.shape} -> {texts[0]!r} {scores[0]}")
+    reference = {
+        "preprocess": {
+            "resize": REC_SHAPE[1:],
+            "resize_mode": "fit_height",
+            "color": "bgr",
+            "scale": "1/255",
+            "mean": [0.5, 0.5, 0.5],
+            "std": [0.5, 0.5, 0.5],
+        },
+        "lines": lines,
+        "pipeline": f"paddlex {_version('paddlex')} OCRReisizeNormImg(rec_image_shape={REC_SHAPE})"
+        ", the Paddle model, CTCLabelDecode(use_space_char=True)",
+    }
+    (folder / "lines.json").write_text(json.dumps(reference, indent=1) + "\n")
+    np.savez(folder / "lines.npz", **probabilities)  # the model's output for each crop
+
+
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # PaddleOCR's det normalisation
 DB_INPUT = (224, 320)  # the page's 240 x 320 resized to multiples of 32, as PaddleOCR does
 DB = {"thresh": 0.3, "box_thresh": 0.6, "unclip_ratio": 1.5}  # PaddleOCR's det defaults
@@ -276,9 +340,15 @@ def _version(dist: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    out: Path = parser.parse_args().out
+    parser.add_argument("--lines-only", action="store_true", help="only paddle_rec's lines")
+    args = parser.parse_args()
+    out: Path = args.out
+    if args.lines_only:
+        make_paddle_lines(out)
+        return
     for fixture in (make_paddle_det(), make_paddle_rec(out)):
         write(fixture, out, verify(fixture))
+    make_paddle_lines(out)
     make_paddle_db(out)
 
 

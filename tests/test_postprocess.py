@@ -59,6 +59,33 @@ def test_limit_side_geometry_by_hand() -> None:
     assert wire["input"] == [320, 640] and wire["pad"] == [0, 0]
 
 
+def test_fit_height_geometry_by_hand() -> None:
+    """PaddleOCR's recogniser resize: 32 rows, the width ceil(32 * w / h), a canvas at least
+    320 wide (int(32 * w / h) for a longer line, at most 3200), nothing padded above or left."""
+    wire = geometry(26, 120, resize=[32, 320], resize_mode="fit_height")
+    assert wire["input"] == [32, 320] and wire["pad"] == [0, 0]
+    assert wire["scale"] == [32 / 26, 148 / 120]  # ceil(147.69) columns
+    assert geometry(20, 421, resize=[32, 320], resize_mode="fit_height")["input"] == [32, 673]
+    plan = plan_resize(20, 421, mode="fit_height", resize=(32, 320))
+    assert (plan.width, plan.canvas) == (673, (32, 673))  # ceil(673.6) is cut to the canvas
+    squeezed = plan_resize(10, 2000, mode="fit_height", resize=(32, 320))
+    assert (squeezed.width, squeezed.canvas) == (3200, (32, 3200))
+    rounded = plan_resize(26, 120, mode="fit_height", resize=(32, 300), multiple_of=32)
+    assert (rounded.width, rounded.canvas) == (148, (32, 320))
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "HWC"])
+def test_fit_height_pads_zeros_after_normalising(layout: str) -> None:
+    options = {"scale": "1/255", "mean": [0.5], "std": [0.5], "layout": layout}
+    config = PreprocessConfig.model_validate(
+        {"resize": [4, 12], "resize_mode": "fit_height", **options}
+    )
+    image, geo = preprocess_image(np.full((4, 4, 3), 255, dtype=np.uint8), config)
+    columns = image[0] if layout == "NCHW" else image.transpose(2, 0, 1)
+    assert geo.input == (4, 12) and columns.shape == (3, 4, 12)
+    assert (columns[:, :, :4] == 1.0).all() and (columns[:, :, 4:] == 0.0).all()
+
+
 def test_multiple_of_rounds_stretch() -> None:
     assert plan_resize(50, 70, mode="stretch", resize=None, multiple_of=32).canvas == (64, 64)
     assert plan_resize(10, 10, mode="stretch", resize=None, multiple_of=32).canvas == (32, 32)
@@ -68,6 +95,8 @@ def test_multiple_of_rounds_stretch() -> None:
     ("options", "problem"),
     [
         ({"resize_mode": "letterbox"}, "needs resize"),
+        ({"resize_mode": "fit_height"}, "needs resize"),
+        ({"resize_mode": "fit_height", "resize": [32, 320], "pad_value": 0}, "drop pad_value"),
         ({"resize_mode": "limit_side"}, "go together"),
         ({"limit_side": 32}, "go together"),
         ({"resize_mode": "limit_side", "limit_side": 32, "resize": [8, 8]}, "drop resize"),

@@ -157,8 +157,9 @@ def test_a_string_input_refuses_numbers(real_agent: tuple[Agent, AgentClient]) -
 def ocr_agent(
     broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Agent, AgentClient]]:
-    """The Paddle recogniser with `[[postprocess]] op = "ctc"`, as its ctc.json says, and the
-    Paddle ink-map detector with `[preprocess]` and `op = "db"`, as its db.json says."""
+    """The Paddle recogniser with `[[postprocess]] op = "ctc"`, as its ctc.json says, also
+    with the `[preprocess]` of its lines.json (and without the op), and the Paddle ink-map
+    detector with `[preprocess]` and `op = "db"`, as its db.json says."""
     from tests.conftest import agent_config, serve_agent
 
     tmp = tmp_path_factory.mktemp("ocr")
@@ -171,6 +172,16 @@ def ocr_agent(
         f'[[postprocess]]\noutput = "fetch_name_0"\nop = "ctc"\nlabels = "{decoded["labels"]}"\n'
         f"space = {str(decoded['space']).lower()}\n"
     )
+    lines = json.loads((FIXTURES / "paddle_rec" / "lines.json").read_text())
+    line_preprocess = "[preprocess]\n" + "".join(
+        f"{key} = {json.dumps(value)}\n" for key, value in lines["preprocess"].items()
+    )
+    for name, post in (("rec_lines", True), ("rec_lines_raw", False)):
+        (root / name / "1").mkdir(parents=True)
+        for file in ("model.onnx", decoded["labels"]):
+            shutil.copy(FIXTURES / "paddle_rec" / file, root / name / "1" / file)
+        ctc = (root / "rec" / "config.toml").read_text() if post else ""
+        (root / name / "config.toml").write_text(line_preprocess + "\n" + ctc)
     found = json.loads((FIXTURES / "paddle_db" / "db.json").read_text())
     pre, db = found["preprocess"], found["db"]
     (root / "det" / "1").mkdir(parents=True)
@@ -194,6 +205,29 @@ def test_a_recognisers_text_is_paddleocrs(ocr_agent: tuple[Agent, AgentClient]) 
     assert got["fetch_name_0_text"].tolist() == decoded["texts"]
     np.testing.assert_allclose(got["fetch_name_0_score"], decoded["scores"], rtol=1e-5)
     assert " " in "".join(decoded["texts"])  # the space class was met
+
+
+@pytest.mark.parametrize("line", [0, 1])
+def test_a_text_line_crop_is_prepared_as_paddleocr_prepares_it(
+    ocr_agent: tuple[Agent, AgentClient], line: int
+) -> None:
+    """A crop sent as PNG bytes, `resize_mode = "fit_height"`: 32 rows, its width kept to its
+    aspect on a canvas at least 320 wide, zeros on the right (PaddleX's
+    `OCRReisizeNormImg`). The model's probabilities, every padded step included, are those
+    of PaddleX's pipeline, and so is the text the `ctc` op reads from them."""
+    _, client = ocr_agent
+    lines = json.loads((FIXTURES / "paddle_rec" / "lines.json").read_text())
+    want = lines["lines"][line]
+    crop = (FIXTURES / "paddle_rec" / want["image"]).read_bytes()
+    reply = client.request("rec_lines_raw", {"x": crop}, stream=False)
+    got = reply.collect()["fetch_name_0"]
+    with np.load(FIXTURES / "paddle_rec" / "lines.npz") as probabilities:
+        np.testing.assert_allclose(got, probabilities[want["image"]], rtol=1e-4, atol=1e-5)
+    assert reply.geometry is not None and reply.geometry["input"] == want["input"]
+    assert reply.geometry["pad"] == [0, 0]
+    text = client.request("rec_lines", {"x": crop}, stream=False).collect()
+    assert text["fetch_name_0_text"].tolist() == [want["text"]]
+    np.testing.assert_allclose(text["fetch_name_0_score"], [want["score"]], atol=1e-6)
 
 
 def test_a_detectors_text_boxes_are_paddleocrs(ocr_agent: tuple[Agent, AgentClient]) -> None:

@@ -6,7 +6,7 @@ box serving it) prepares frames the same way::
     [preprocess]
     input = "image"            # the model input the frame feeds (default: its only input)
     resize = [32, 32]          # [height, width]
-    resize_mode = "stretch"    # stretch | letterbox | limit_side (agent.models.resize)
+    resize_mode = "stretch"    # stretch | letterbox | limit_side | fit_height (agent.models.resize)
     limit_side = 960           # limit_side: the side's bound; limit_type = "max" | "min"
     multiple_of = 32           # round each side to a multiple (detectors with dynamic input)
     pad_value = 114            # letterbox: the padding, in the frame's own pixel values
@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from agent.models.resize import Geometry, plan_resize
+from agent.models.resize import Geometry, ResizePlan, plan_resize
 from agent.protocol.errors import Limits
 
 __all__ = [
@@ -80,7 +80,7 @@ class PreprocessConfig(BaseModel):
 
     input: str | None = Field(default=None, min_length=1)
     resize: list[int] | None = None
-    resize_mode: Literal["stretch", "letterbox", "limit_side"] = "stretch"
+    resize_mode: Literal["stretch", "letterbox", "limit_side", "fit_height"] = "stretch"
     limit_side: int | None = Field(default=None, ge=1, le=_MAX_SIDE)
     limit_type: Literal["max", "min"] = "max"
     multiple_of: int | None = Field(default=None, ge=1, le=1024)
@@ -137,8 +137,13 @@ class PreprocessConfig(BaseModel):
         return self
 
     def _check_resize_mode(self) -> None:
-        if self.resize_mode == "letterbox" and self.resize is None:
-            raise ValueError('resize_mode = "letterbox" needs resize = [height, width]')
+        if self.resize_mode in ("letterbox", "fit_height") and self.resize is None:
+            raise ValueError(f'resize_mode = "{self.resize_mode}" needs resize = [height, width]')
+        if self.resize_mode == "fit_height" and "pad_value" in self.model_fields_set:
+            raise ValueError(
+                'resize_mode = "fit_height" pads with zeros after normalising, as PaddleOCR '
+                "does: drop pad_value"
+            )
         if (self.resize_mode == "limit_side") != (self.limit_side is not None):
             raise ValueError('resize_mode = "limit_side" and limit_side = N go together')
         if self.resize_mode == "limit_side" and self.resize is not None:
@@ -217,7 +222,7 @@ def preprocess_image(
     if frame.dtype.kind not in "uif" or 0 in frame.shape:
         raise PreprocessError(f"cannot preprocess a {frame.dtype} frame of shape {frame.shape}")
     image = frame if frame.ndim == 3 else frame[:, :, None]
-    image, geometry = _placed(image, config)
+    image, plan, geometry = _placed(image, config)
     if config.color == "gray":
         image = _to_gray(image, bgr)
     elif image.shape[2] >= 3:
@@ -241,11 +246,26 @@ def preprocess_image(
             np.multiply(view, alpha.astype(compute).reshape(shape), out=result, casting="unsafe")
             if beta is not None:
                 np.add(result, beta.astype(compute).reshape(shape), out=result, casting="unsafe")
+    if config.resize_mode == "fit_height" and plan.padded:
+        result = _zero_padded(result, plan.canvas, config.channels_first)
     return (result[None] if config.batched else result), geometry
 
 
-def _placed(image: Array, config: PreprocessConfig) -> tuple[Array, Geometry]:
-    """The image resized (and padded) as `config` says, with its geometry."""
+def _zero_padded(result: Array, canvas: tuple[int, int], channels_first: bool) -> Array:
+    """`result` (normalised, H x w) at the left of a zero canvas of `canvas` (H x W)."""
+    width = result.shape[2] if channels_first else result.shape[1]
+    if channels_first:
+        out = np.zeros((result.shape[0], *canvas), dtype=result.dtype)
+        out[:, :, :width] = result
+    else:
+        out = np.zeros((*canvas, result.shape[2]), dtype=result.dtype)
+        out[:, :width] = result
+    return out
+
+
+def _placed(image: Array, config: PreprocessConfig) -> tuple[Array, ResizePlan, Geometry]:
+    """The image resized (and padded, but for `fit_height`: after normalising) as `config`
+    says, where it was placed, and its geometry."""
     height, width = image.shape[:2]
     plan = plan_resize(
         height,
@@ -258,9 +278,9 @@ def _placed(image: Array, config: PreprocessConfig) -> tuple[Array, Geometry]:
     )
     if (plan.height, plan.width) != (height, width):
         image = _resize(image, plan.height, plan.width, config.interpolation)
-    if plan.padded:
+    if plan.padded and config.resize_mode != "fit_height":
         image = _pad(image, plan.canvas, plan.top, plan.left, config.pad_value)
-    return image, plan.geometry(height, width)
+    return image, plan, plan.geometry(height, width)
 
 
 def _pad(image: Array, canvas: tuple[int, int], top: int, left: int, value: float) -> Array:

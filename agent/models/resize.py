@@ -1,6 +1,6 @@
 """The resize step of `[preprocess]`: where an image's pixels land in the model input.
 
-Three modes (`resize_mode`):
+Four modes (`resize_mode`):
 
 - ``stretch``: to ``resize = [h, w]`` exactly, the aspect ratio not kept (the default);
 - ``letterbox``: scaled by one factor to fit inside ``resize``, the rest padded with
@@ -8,11 +8,16 @@ Three modes (`resize_mode`):
   rounding, so a model exported by it sees the pixels it was validated on);
 - ``limit_side``: PaddleOCR's rule: with ``limit_type = "max"`` an image whose longer side
   exceeds ``limit_side`` is scaled down so it is ``limit_side`` (smaller ones are kept);
-  with ``"min"`` one whose shorter side is under ``limit_side`` is scaled up to it.
+  with ``"min"`` one whose shorter side is under ``limit_side`` is scaled up to it;
+- ``fit_height``: PaddleOCR's text recogniser (``resize_norm_img``): to ``resize[0]`` rows,
+  its width ``ceil(rows * w / h)`` (the aspect ratio kept), on a canvas ``resize[1]`` wide or,
+  for a longer line, ``int(rows * w / h)`` (at most 3200: a longer line is squeezed to it);
+  the rest of the canvas, on the right, is padded after normalising, with zeros
+  (``preprocess`` does it).
 
 ``multiple_of = N`` then rounds each side to a multiple of N: ``stretch`` and
 ``limit_side`` round the resized size to the nearest multiple (at least N, as PaddleOCR's
-detector does), ``letterbox`` rounds the padded canvas up.
+detector does), ``letterbox`` and ``fit_height`` round the padded canvas up.
 
 Every resize is described by a :class:`Geometry`, which requests and sources send with each
 chunk, and which maps a point of the model input back to the source image:
@@ -21,6 +26,7 @@ chunk, and which maps a point of the model input back to the source image:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +36,7 @@ import numpy.typing as npt
 __all__ = ["Geometry", "ResizePlan", "plan_resize", "to_source_boxes", "to_source_points"]
 
 Array = npt.NDArray[Any]
+FIT_HEIGHT_MAX_WIDTH = 3200  # PaddleX's max_imgW: the widest a fit_height canvas gets
 
 
 @dataclass(frozen=True)
@@ -107,6 +114,16 @@ def plan_resize(
         top = round((canvas_h - new_h) / 2 - 0.1)
         left = round((canvas_w - new_w) / 2 - 0.1)
         return ResizePlan(new_h, new_w, (canvas_h, canvas_w), top, left)
+    if mode == "fit_height" and resize is not None:
+        rows, least_width = resize
+        ratio = width / height  # PaddleX's OCRReisizeNormImg, its arithmetic kept
+        canvas_w = int(rows * max(least_width / rows, ratio))
+        if canvas_w > FIT_HEIGHT_MAX_WIDTH:  # a very long line is squeezed into the most
+            canvas_w = new_w = FIT_HEIGHT_MAX_WIDTH
+        else:
+            new_w = min(math.ceil(rows * ratio), canvas_w)
+        canvas_w = _ceil_to(canvas_w, multiple_of)
+        return ResizePlan(rows, max(new_w, 1), (rows, canvas_w), 0, 0)
     if mode == "limit_side" and limit_side is not None:
         ratio = 1.0
         if limit_type == "max" and max(height, width) > limit_side:
