@@ -28,11 +28,20 @@ It writes
   ``generate(do_sample=False)`` tokens and their decoded text, and the smallest gap between
   the best and second-best logit on that path (a tie would make greedy ill-defined).
 
+- ``chat/``: a chat template for the Llama-like one, as ``save_pretrained`` writes it for a
+  tokenizer that has one (``chat_template.jinja``, ``tokenizer_config.json``,
+  ``special_tokens_map.json``); the tests put these beside ``llama/``'s files. Its
+  ``reference.json`` entries (``chat``): per conversation, Hugging Face's
+  ``apply_chat_template(add_generation_prompt=True)`` ids and greedy tokens.
+
+
 Everything is seeded (torch.manual_seed, a fixed corpus), so a rerun with the same pins
 writes the same tokens. ``--optimized-only`` rewrites ``gpt2_optimized/`` from the ``gpt2/``
 already there; it needs only onnx, onnxruntime and sympy (the optimizer's shape inference).
 ``--small-only`` rewrites ``gpt2_nocache/``, ``gpt2_merged/`` and their entries of
-``reference.json`` with the tokenizer already there.
+``reference.json`` with the tokenizer already there. ``--chat-only`` rewrites ``chat/`` and
+the ``chat`` entries, after checking that the seeded Llama-like model it builds again gives
+the logits of ``llama/model.onnx``.
 """
 
 from __future__ import annotations
@@ -217,6 +226,82 @@ def make(name: str, tokenizer: Any, out: Path) -> list[dict[str, Any]]:
     return cases
 
 
+CHAT_TEMPLATE = (  # a plain template that uses what transformers gives one: raise_exception,
+    # the special tokens, add_generation_prompt
+    "{%- for message in messages %}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('Unknown role: ' + message['role']) }}"
+    "{%- endif %}"
+    "{{ message['role'] | capitalize }}: {{ message['content'] | trim }}{{ eos_token }}\n"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}Assistant:{% endif %}"
+)
+CHATS = [
+    [{"role": "user", "content": "Where is the little robot?"}],
+    [
+        {"role": "system", "content": "You answer in one line."},
+        {"role": "user", "content": "Stream tokens, please."},
+        {"role": "assistant", "content": "Edge boxes stream tokens."},
+        {"role": "user", "content": " Café 🙂 again "},
+    ],
+]
+
+
+def make_chat(out: Path) -> list[dict[str, Any]]:
+    """`out/chat/`: CHAT_TEMPLATE saved as transformers saves a tokenizer's template; per
+    conversation of CHATS, `apply_chat_template`'s ids and the Llama-like model's greedy
+    tokens (the model built again, checked against `out/llama/model.onnx` first)."""
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+    from transformers import PreTrainedTokenizerFast
+
+    llama = out / "llama"
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_file=str(llama / "tokenizer.json"), eos_token=EOS, bos_token=EOS
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    model = build("llama", tokenizer.vocab_size, tokenizer.eos_token_id)
+    ids = tokenizer.apply_chat_template(CHATS[0], add_generation_prompt=True)
+    session = ort.InferenceSession(str(llama / "model.onnx"), providers=["CPUExecutionProvider"])
+    feed = _prefill_feed(session, ids)
+    onnx_logits = session.run(["logits"], feed)[0]
+    with torch.no_grad():
+        torch_logits = model(torch.tensor([ids])).logits.numpy()
+    difference = float(np.abs(onnx_logits - torch_logits).max())
+    if difference > 1e-4:
+        raise SystemExit(f"the rebuilt llama differs from llama/model.onnx by {difference}")
+    with tempfile.TemporaryDirectory(prefix="chat-") as tmp:
+        tokenizer.save_pretrained(tmp)
+        (out / "chat").mkdir(parents=True, exist_ok=True)
+        for name in ("chat_template.jinja", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy(Path(tmp) / name, out / "chat" / name)
+    cases = []
+    for chat in CHATS:
+        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+        tokens, gap = greedy(model, ids)
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        cases.append({"messages": chat, "ids": ids, "greedy": tokens, "text": text, "gap": gap})
+        print(f"chat: {len(chat)} messages, {len(ids)} ids -> {tokens} (min gap {gap:.3f})")
+    return cases
+
+
+def _prefill_feed(session: Any, ids: list[int]) -> dict[str, Any]:
+    """A prefill's inputs for an optimum decoder: the ids, ones, positions, empty caches."""
+    import numpy as np
+
+    feed: dict[str, Any] = {
+        "input_ids": np.array([ids], np.int64),
+        "attention_mask": np.ones((1, len(ids)), np.int64),
+        "position_ids": np.arange(len(ids), dtype=np.int64)[None],
+    }
+    for spec in session.get_inputs():
+        if spec.name.startswith("past_key_values."):
+            heads, size = spec.shape[1], spec.shape[3]
+            feed[spec.name] = np.zeros((1, heads, 0, size), np.float32)
+    return feed
+
+
 def write_reference(out: Path, reference: dict[str, Any]) -> None:
     (out / "reference.json").write_text(json.dumps(reference, indent=1, ensure_ascii=False) + "\n")
 
@@ -226,8 +311,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--optimized-only", action="store_true")
     parser.add_argument("--small-only", action="store_true")
+    parser.add_argument("--chat-only", action="store_true")
     args = parser.parse_args()
     out: Path = args.out
+    if args.chat_only:
+        reference = json.loads((out / "reference.json").read_text(encoding="utf-8"))
+        reference["chat"] = make_chat(out)
+        write_reference(out, reference)
+        return
     if args.optimized_only:
         optimize(out / "gpt2", out / "gpt2_optimized")
         return
@@ -246,8 +337,9 @@ def main() -> None:
     reference = {"eos": eos, "vocab": vocab, "models": {}}
     for name in EXPORTS:
         reference["models"][name] = make(name, tokenizer, out)
-    write_reference(out, reference)
     (out / "tokenizer.json").unlink()  # each model folder has its copy
+    reference["chat"] = make_chat(out)
+    write_reference(out, reference)
     optimize(out / "gpt2", out / "gpt2_optimized")
     if out.resolve() == DEFAULT_OUT.resolve():
         BUNDLED.mkdir(parents=True, exist_ok=True)

@@ -38,12 +38,14 @@ from agent.inference.modes import Arrays, Piece, Run
 from agent.inference.sampling import Sampler, SamplingParams
 from agent.inference.text_stream import TextStream
 from agent.models.backends.base import InferenceError
+from agent.models.chat_template import ChatRefused
 from agent.models.decoder_layout import DecoderLayout, Generation
 from agent.protocol.errors import WireError
 
 __all__ = ["GenerateAsk", "ask_of", "generate"]
 
 MAX_STOPS = 16
+MAX_MESSAGES = 256  # rows of a conversation (`inputs.messages`)
 MAX_STOP_CHARS = 256
 MAX_TOKENS_PER_CHUNK = 4096
 _USE_CACHE = np.ones((1,), dtype=np.bool_)  # `use_cache_branch` after the prefill
@@ -113,6 +115,8 @@ def _prompt_ids(inputs: Mapping[str, Any], setup: Generation) -> list[int]:
         if not isinstance(text, str):
             raise WireError("bad_request", "inputs.prompt must be one text")
         ids = setup.tokenizer.encode(text)
+    elif names == ["messages"]:
+        ids = _chat_ids(inputs["messages"], setup)
     elif names == ["input_ids"]:
         value = inputs["input_ids"]
         if not (isinstance(value, np.ndarray) and value.dtype.kind in "iu"):
@@ -123,9 +127,11 @@ def _prompt_ids(inputs: Mapping[str, Any], setup: Generation) -> list[int]:
             raise WireError("bad_request", "inputs.input_ids must be [T] or [1, T]")
         ids = [int(t) for t in value]
     else:
-        takes = (
-            "inputs.prompt (text) or inputs.input_ids" if setup.tokenizer else "inputs.input_ids"
-        )
+        takes = "inputs.input_ids"
+        if setup.tokenizer is not None:
+            takes = "inputs.prompt (text) or " + takes
+        if setup.chat is not None:
+            takes = "inputs.messages (a conversation), " + takes
         raise WireError("bad_request", f"a generate request takes {takes}, nothing else")
     if not ids:
         raise WireError("bad_request", "the prompt is empty")
@@ -133,6 +139,33 @@ def _prompt_ids(inputs: Mapping[str, Any], setup: Generation) -> list[int]:
     if vocab is not None and not all(0 <= t < vocab for t in ids):
         raise WireError("bad_request", f"input_ids must be token ids from 0 to {vocab - 1}")
     return ids
+
+
+def _chat_ids(value: Any, setup: Generation) -> list[int]:
+    """The prompt of a conversation, `inputs.messages`: a string tensor of (role, content)
+    rows, laid out by the model's chat template and tokenized without added special tokens."""
+    chat, tokenizer = setup.chat, setup.tokenizer
+    if chat is None or tokenizer is None:
+        raise WireError(
+            "bad_request",
+            "inputs.messages needs a model with a chat template (chat_template.jinja, or "
+            "tokenizer_config.json's chat_template) beside its tokenizer.json",
+        )
+    shape_ok = isinstance(value, np.ndarray) and value.ndim == 2 and value.shape[1] == 2
+    if not (shape_ok and value.dtype.kind in "OU" and 1 <= value.shape[0] <= MAX_MESSAGES):
+        raise WireError(
+            "bad_request",
+            f"inputs.messages must be a string tensor [n, 2] of (role, content) rows, "
+            f"1 to {MAX_MESSAGES}",
+        )
+    rows = value.tolist()
+    if not all(isinstance(text, str) for row in rows for text in row):
+        raise WireError("bad_request", "inputs.messages must hold texts")
+    try:
+        prompt = chat.render([{"role": role, "content": content} for role, content in rows])
+    except ChatRefused as e:
+        raise WireError("bad_request", str(e)) from None
+    return tokenizer.encode(prompt, special=False)
 
 
 def _stops(params: Mapping[str, Any]) -> list[str]:

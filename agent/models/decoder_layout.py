@@ -14,7 +14,8 @@ context length.
 The eos ids come from `[generate] eos`, else `generation_config.json`, else `config.json` in the
 version folder; the context length from `[generate] context`, else `config.json`
 (`n_positions`, `max_position_embeddings`, ...), else unbounded. A `tokenizer.json` in the
-folder lets requests send text (`agent.models.tokenizer`).
+folder lets requests send text (`agent.models.tokenizer`), and with a chat template beside it
+a conversation (`agent.models.chat_template`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from agent.models.backends.base import DeviceBinding, ModelLoadError, Session, TensorSpec
+from agent.models.chat_template import ChatTemplate, open_chat_template
 from agent.models.generate_config import GenerateConfig
 from agent.models.hf_files import context_of, read_json
 from agent.models.tokenizer import TextCodec, open_tokenizer
@@ -106,6 +108,7 @@ class Generation:
     # The cache outputs kept on the session's device between steps (IOBinding, a GPU
     # provider): never copied to the host. Empty on the CPU, where a host copy is the value.
     device_cache: tuple[str, ...] = ()
+    chat: ChatTemplate | None = None  # with a tokenizer: conversations in (`inputs.messages`)
 
 
 def open_generation(config: GenerateConfig | None, session: Session, folder: Path) -> Generation:
@@ -125,7 +128,10 @@ def open_generation(config: GenerateConfig | None, session: Session, folder: Pat
     tokenizer = open_tokenizer(folder)
     on_device = isinstance(session, DeviceBinding) and session.keeps_on_device
     device_cache = tuple(slot.output for slot in layout.cache) if on_device else ()
-    return Generation(layout, eos, context, config.max_new_tokens, tokenizer, vocab, device_cache)
+    chat = open_chat_template(folder) if tokenizer is not None else None
+    return Generation(
+        layout, eos, context, config.max_new_tokens, tokenizer, vocab, device_cache, chat
+    )
 
 
 def recognise(

@@ -32,8 +32,10 @@ class TextCodec:
     def vocab_size(self) -> int:
         return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=True).ids)
+    def encode(self, text: str, *, special: bool = True) -> list[int]:
+        """The ids of `text`; `special`: with the special tokens the tokenizer adds (none for
+        a chat template's text, which holds its own)."""
+        return list(self._tokenizer.encode(text, add_special_tokens=special).ids)
 
     def encode_with_types(self, text: str) -> tuple[list[int], list[int]]:
         """The ids of `text` and their token type ids (BERT's segment: 0 for one text)."""
