@@ -34,6 +34,11 @@ It writes
   ``reference.json`` entries (``chat``): per conversation, Hugging Face's
   ``apply_chat_template(add_generation_prompt=True)`` ids and greedy tokens.
 
+- ``gpt2_int8/``: the GPT-2-like export quantized by ONNX Runtime
+  (``onnxruntime.quantization.quantize_dynamic``, int8 weights: what optimum's
+  ``ORTQuantizer`` and ``optimum-cli onnxruntime quantize`` run), with the other files of the
+  folder. Its ``reference.json`` entries (``int8``): a plain ONNX Runtime greedy loop's tokens
+  for each prompt: quantized weights are not Hugging Face's, so the framework is ONNX Runtime.
 
 Everything is seeded (torch.manual_seed, a fixed corpus), so a rerun with the same pins
 writes the same tokens. ``--optimized-only`` rewrites ``gpt2_optimized/`` from the ``gpt2/``
@@ -41,7 +46,8 @@ already there; it needs only onnx, onnxruntime and sympy (the optimizer's shape 
 ``--small-only`` rewrites ``gpt2_nocache/``, ``gpt2_merged/`` and their entries of
 ``reference.json`` with the tokenizer already there. ``--chat-only`` rewrites ``chat/`` and
 the ``chat`` entries, after checking that the seeded Llama-like model it builds again gives
-the logits of ``llama/model.onnx``.
+the logits of ``llama/model.onnx``; ``--int8-only`` rewrites ``gpt2_int8/`` and the ``int8``
+entries from the ``gpt2/`` already there (onnx and onnxruntime only).
 """
 
 from __future__ import annotations
@@ -286,6 +292,57 @@ def make_chat(out: Path) -> list[dict[str, Any]]:
     return cases
 
 
+INT8 = "gpt2_int8"
+
+
+def make_int8(out: Path) -> list[dict[str, Any]]:
+    """`out/gpt2_int8/`: `out/gpt2/` with its weights quantized to int8 (dynamic
+    quantization); per prompt of the reference, ONNX Runtime's greedy tokens."""
+    import onnxruntime as ort
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    src, dst = out / "gpt2", out / INT8
+    dst.mkdir(parents=True, exist_ok=True)
+    quantize_dynamic(src / "model.onnx", dst / "model.onnx", weight_type=QuantType.QInt8)
+    for extra in ("config.json", "generation_config.json", "tokenizer.json"):
+        shutil.copy(src / extra, dst / extra)
+    session = ort.InferenceSession(str(dst / "model.onnx"), providers=["CPUExecutionProvider"])
+    reference = json.loads((out / "reference.json").read_text(encoding="utf-8"))
+    cases = []
+    for case in reference["models"]["gpt2"]:
+        tokens, gap = ort_greedy(session, case["ids"], NEW_TOKENS)
+        cases.append({"prompt": case["prompt"], "ids": case["ids"], "greedy": tokens, "gap": gap})
+        print(f"{INT8}: {case['prompt']!r} -> {tokens} (min gap {gap:.3f})")
+    return cases
+
+
+def ort_greedy(session: Any, ids: list[int], new_tokens: int) -> tuple[list[int], float]:
+    """A plain ONNX Runtime greedy loop over an optimum decoder with its cache, and the
+    smallest top-1/top-2 logit gap along the path."""
+    import numpy as np
+
+    outputs = [o.name for o in session.get_outputs()]
+    feed = _prefill_feed(session, ids)
+    tokens: list[int] = []
+    gaps: list[float] = []
+    for _ in range(new_tokens):
+        result = dict(zip(outputs, session.run(outputs, feed), strict=True))
+        logits = result["logits"][0, -1]
+        best = np.sort(logits)[-2:]
+        gaps.append(float(best[1] - best[0]))
+        tokens.append(int(np.argmax(logits)))
+        past = feed["attention_mask"].shape[1]
+        feed = {
+            "input_ids": np.array([[tokens[-1]]], np.int64),
+            "attention_mask": np.ones((1, past + 1), np.int64),
+            "position_ids": np.array([[past]], np.int64),
+        }
+        for name in result:
+            if name.startswith("present."):
+                feed[name.replace("present", "past_key_values")] = result[name]
+    return tokens, min(gaps)
+
+
 def _prefill_feed(session: Any, ids: list[int]) -> dict[str, Any]:
     """A prefill's inputs for an optimum decoder: the ids, ones, positions, empty caches."""
     import numpy as np
@@ -312,8 +369,14 @@ def main() -> None:
     parser.add_argument("--optimized-only", action="store_true")
     parser.add_argument("--small-only", action="store_true")
     parser.add_argument("--chat-only", action="store_true")
+    parser.add_argument("--int8-only", action="store_true")
     args = parser.parse_args()
     out: Path = args.out
+    if args.int8_only:
+        reference = json.loads((out / "reference.json").read_text(encoding="utf-8"))
+        reference["int8"] = make_int8(out)
+        write_reference(out, reference)
+        return
     if args.chat_only:
         reference = json.loads((out / "reference.json").read_text(encoding="utf-8"))
         reference["chat"] = make_chat(out)
@@ -339,6 +402,8 @@ def main() -> None:
         reference["models"][name] = make(name, tokenizer, out)
     (out / "tokenizer.json").unlink()  # each model folder has its copy
     reference["chat"] = make_chat(out)
+    write_reference(out, reference)
+    reference["int8"] = make_int8(out)
     write_reference(out, reference)
     optimize(out / "gpt2", out / "gpt2_optimized")
     if out.resolve() == DEFAULT_OUT.resolve():

@@ -1,7 +1,7 @@
 """`mode = "generate"` with real optimum exports (a GPT-2-like and a Llama-like decoder with
 grouped-query attention and rotary positions; the GPT-2-like one fused by ONNX Runtime's
-transformer optimizer; a smaller one exported without its cache, and merged as optimum's older
-exports were): greedy tokens equal to
+transformer optimizer, and quantized to int8 by ONNX Runtime; a smaller one exported without
+its cache, and merged as optimum's older exports were): greedy tokens equal to
 Hugging Face's `generate(do_sample=False)`, text equal to the tokenizer's decode, finish
 reasons and usage, stop strings, max_new_tokens, context overflow refused, `stream: false`,
 tokens_per_chunk."""
@@ -39,6 +39,7 @@ def agent_client(
         "gpt2": ("gpt2", ""),
         "llama": ("llama", ""),
         "gpt2_optimized": ("gpt2_optimized", ""),
+        "gpt2_int8": ("gpt2_int8", ""),
         "gpt2_nocache": ("gpt2_nocache", ""),
         "gpt2_merged": ("gpt2_merged", ""),
         "gpt2_merged_batched": ("gpt2_merged", BATCHING),
@@ -104,6 +105,20 @@ def test_an_export_fused_by_onnx_runtimes_optimizer_streams_the_same_tokens(
     assert tokens_of(chunks) == ref["greedy"]
     assert "".join(c.text for c in chunks) == ref["text"]
     assert reply.end.finish_reason == "length"
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_an_int8_quantized_decoder_streams_onnx_runtimes_tokens(
+    agent_client: tuple[Agent, AgentClient], case: int
+) -> None:
+    """ONNX Runtime's dynamic quantization (int8 weights, what `optimum-cli onnxruntime
+    quantize` runs) loads as it is; its greedy tokens are a plain ONNX Runtime loop's."""
+    _, client = agent_client
+    graph = onnx.load(str(DECODERS / "gpt2_int8" / "model.onnx"), load_external_data=False)
+    assert "DynamicQuantizeLinear" in {n.op_type for n in graph.graph.node}
+    ref = REFERENCE["int8"][case]
+    _, chunks = generate(client, "gpt2_int8", {"prompt": ref["prompt"]}, max_new_tokens=N)
+    assert tokens_of(chunks) == ref["greedy"]
 
 
 @pytest.mark.parametrize("case", range(3))
