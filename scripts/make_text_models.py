@@ -56,6 +56,14 @@ MODELS = {
     "distilbert_tokens": ("token-classification", ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]),
 }
 EMBEDDER = "bert_embedder"
+BERT = {  # the BERTs' size: two layers of width 32
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 64,
+    "max_position_embeddings": MAX_POSITIONS,
+    "initializer_range": 0.2,
+}
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -124,16 +132,7 @@ def build(name: str, vocab: int, labels: list[str]) -> Any:
     label2id = {label: i for i, label in id2label.items()}
     common = {"vocab_size": vocab, "id2label": id2label, "label2id": label2id, "pad_token_id": 0}
     if name == "bert_classifier":
-        config = BertConfig(
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=64,
-            max_position_embeddings=MAX_POSITIONS,
-            initializer_range=0.2,
-            **common,
-        )
-        return BertForSequenceClassification(config).eval()
+        return BertForSequenceClassification(BertConfig(**BERT, **common)).eval()
     config = DistilBertConfig(
         dim=32,
         n_layers=2,
@@ -155,12 +154,17 @@ def export(model: Any, tokenizer: Any, task: str, dst: Path) -> None:
         model.save_pretrained(src)
         tokenizer.save_pretrained(src)
         main_export(str(src), output=str(onnx_dir), task=task, device="cpu")
-        if dst.exists():
-            shutil.rmtree(dst)
-        dst.mkdir(parents=True)
-        for file in sorted(onnx_dir.iterdir()):
-            if file.suffix in (".onnx", ".json", ".txt"):
-                shutil.copy(file, dst / file.name)
+        copy_export(onnx_dir, dst)
+
+
+def copy_export(onnx_dir: Path, dst: Path) -> None:
+    """`dst` made anew with what optimum wrote: the model, the JSON files, the vocabulary."""
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    for file in sorted(onnx_dir.iterdir()):
+        if file.suffix in (".onnx", ".json", ".txt"):
+            shutil.copy(file, dst / file.name)
 
 
 def logits(model: Any, tokenizer: Any, texts: list[str]) -> list[Any]:
@@ -200,16 +204,7 @@ def make_embedder(tokenizer: Any, out: Path) -> dict[str, Any]:
 
     torch.manual_seed(0)
     wrapper = wrapped("bert_classifier", tokenizer)
-    config = BertConfig(
-        vocab_size=len(wrapper),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=MAX_POSITIONS,
-        initializer_range=0.2,
-        pad_token_id=0,
-    )
+    config = BertConfig(vocab_size=len(wrapper), pad_token_id=0, **BERT)
     with tempfile.TemporaryDirectory(prefix="embedder-export-") as tmp:
         bert, st_dir, onnx_dir = Path(tmp) / "bert", Path(tmp) / "st", Path(tmp) / "onnx"
         BertModel(config).eval().save_pretrained(bert)
@@ -225,13 +220,7 @@ def make_embedder(tokenizer: Any, out: Path) -> dict[str, Any]:
             library_name="sentence_transformers",
             device="cpu",
         )
-        dst = out / EMBEDDER
-        if dst.exists():
-            shutil.rmtree(dst)
-        dst.mkdir(parents=True)
-        for file in sorted(onnx_dir.iterdir()):
-            if file.suffix in (".onnx", ".json", ".txt"):
-                shutil.copy(file, dst / file.name)
+        copy_export(onnx_dir, out / EMBEDDER)
     cases = []
     for text in TEXTS:
         ids = model.tokenizer(text)["input_ids"]

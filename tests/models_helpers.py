@@ -1,8 +1,13 @@
-"""Helpers for the model repository tests: files in tmp_path, and config.toml texts."""
+"""Helpers for the model repository tests: files in tmp_path, config.toml texts, an optional
+extra made absent."""
 
 from __future__ import annotations
 
+import builtins
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 MODEL_BYTES = b"\x08\x08 not really onnx, the scanner never parses it"
 
@@ -42,3 +47,15 @@ keep_loaded = 0
 intra_op_threads = 2
 providers = ["CUDAExecutionProvider"]
 """
+
+
+def hide_module(monkeypatch: pytest.MonkeyPatch, module: str) -> None:
+    """Make `import module` fail, as where an optional extra is not installed."""
+    real_import = builtins.__import__
+
+    def without(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == module:
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without)

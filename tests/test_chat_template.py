@@ -3,7 +3,6 @@ without a model or a broker."""
 
 from __future__ import annotations
 
-import builtins
 import json
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ import pytest
 
 from agent.models.backends.base import ModelLoadError
 from agent.models.chat_template import ChatRefused, open_chat_template
+from tests.models_helpers import hide_module
 
 pytest.importorskip("jinja2")
 
@@ -102,13 +102,6 @@ def test_without_jinja_the_model_takes_prompts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     folder = folder_with(tmp_path, "plain")
-    real_import = builtins.__import__
-
-    def no_jinja(name: str, *args: Any, **kwargs: Any) -> Any:
-        if name == "jinja2":
-            raise ImportError(name)
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_jinja)
+    hide_module(monkeypatch, "jinja2")
     assert open_chat_template(folder) is None
     assert "install the 'text' extra" in caplog.text

@@ -3,7 +3,6 @@ labels read from a `config.json` (`agent.models.postprocess`), without a broker.
 
 from __future__ import annotations
 
-import builtins
 import json
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ import pytest
 from agent.models.backends.base import ModelLoadError, TensorSpec
 from agent.models.postprocess import PostprocessOp, build_postprocess
 from agent.models.text_inputs import TextRefused, open_text_inputs
+from tests.models_helpers import hide_module
 
 pytest.importorskip("tokenizers")
 
@@ -117,14 +117,7 @@ def test_without_the_library_the_model_takes_token_ids(
 ) -> None:
     """A folder that served token ids before text came in still loads without the extra."""
     folder = tokenizer_folder(tmp_path)
-    real_import = builtins.__import__
-
-    def no_tokenizers(name: str, *args: Any, **kwargs: Any) -> Any:
-        if name == "tokenizers":
-            raise ImportError(name)
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_tokenizers)
+    hide_module(monkeypatch, "tokenizers")
     assert open_text_inputs(specs("input_ids"), folder) is None
     assert "install the 'text' extra" in caplog.text
 

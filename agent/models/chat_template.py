@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.models.backends.base import ModelLoadError
-from agent.models.hf_files import read_json
-from agent.models.text_file import read_text_limited
+from agent.models.hf_files import read_json, read_text
 
 __all__ = ["ChatRefused", "ChatTemplate", "open_chat_template"]
 
@@ -103,15 +102,7 @@ def open_chat_template(folder: Path) -> ChatTemplate | None:
 def _template_text(folder: Path, tokenizer_config: dict[str, Any]) -> str | None:
     path = folder / TEMPLATE_FILE
     if path.is_file():
-        return read_text_limited(
-            path,
-            MAX_TEMPLATE_BYTES,
-            too_large=lambda _: ModelLoadError(
-                f"{TEMPLATE_FILE} is larger than {MAX_TEMPLATE_BYTES} bytes"
-            ),
-            cannot_read=lambda e: ModelLoadError(f"{TEMPLATE_FILE} cannot be read: {e}"),
-            not_text=lambda _: ModelLoadError(f"{TEMPLATE_FILE} is not UTF-8 text"),
-        )
+        return read_text(path, MAX_TEMPLATE_BYTES)
     found = tokenizer_config.get("chat_template")
     if isinstance(found, list):  # named templates: transformers takes "default"
         named = {t.get("name"): t.get("template") for t in found if isinstance(t, dict)}

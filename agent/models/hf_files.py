@@ -18,11 +18,27 @@ from typing import Any
 from agent.models.backends.base import ModelLoadError
 from agent.models.text_file import read_text_limited
 
-__all__ = ["MAX_JSON_BYTES", "context_of", "read_json", "whole_number"]
+__all__ = ["MAX_JSON_BYTES", "context_of", "read_json", "read_text", "whole_number"]
 
 MAX_JSON_BYTES = 1024 * 1024
 # Where configs of the architectures `transformers` knows keep their longest input.
 _CONTEXT_KEYS = ("n_positions", "max_position_embeddings", "n_ctx", "max_sequence_length")
+
+
+def read_text(path: Path, limit: int) -> str:
+    """The UTF-8 text of the version folder's file `path`, its size bounded by `limit`
+    (ModelLoadError, naming the file, where it is larger, unreadable or not text)."""
+
+    def unreadable(e: Exception) -> ModelLoadError:
+        return ModelLoadError(f"{path.name} cannot be read: {e}")
+
+    return read_text_limited(
+        path,
+        limit,
+        too_large=lambda _: ModelLoadError(f"{path.name} is larger than {limit} bytes"),
+        cannot_read=unreadable,
+        not_text=unreadable,
+    )
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -30,21 +46,10 @@ def read_json(path: Path) -> dict[str, Any]:
     too large, unreadable or not a JSON object)."""
     if not path.is_file():
         return {}
-
-    def unreadable(e: Exception) -> ModelLoadError:
-        return ModelLoadError(f"{path.name} cannot be read: {e}")
-
-    text = read_text_limited(
-        path,
-        MAX_JSON_BYTES,
-        too_large=lambda _: ModelLoadError(f"{path.name} is larger than {MAX_JSON_BYTES} bytes"),
-        cannot_read=unreadable,
-        not_text=unreadable,
-    )
     try:
-        data = json.loads(text)
+        data = json.loads(read_text(path, MAX_JSON_BYTES))
     except json.JSONDecodeError as e:
-        raise unreadable(e) from e
+        raise ModelLoadError(f"{path.name} cannot be read: {e}") from e
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path.name} is not a JSON object")
     return data
