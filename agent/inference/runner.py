@@ -376,13 +376,17 @@ def _checked_inputs(job: Job, loaded: LoadedVersion) -> dict[str, Any]:
     request = job.request
     if job.checked is not None and job.checked[0] == loaded.version:
         images.bind_outputs(job, loaded, None)
-        return job.checked[1]
-    given = texts.tokenized_inputs(job, loaded)  # a prompt made into token ids
-    given, geometry = images.prepared_inputs(job, loaded, given)  # a JPEG/PNG decoded, prepared
-    images.bind_outputs(job, loaded, geometry)
-    optional = (*loaded.config.stream.state, *loaded.config.defaults)
-    specs = required_inputs(loaded.request_inputs, optional, given)
-    return validate_inputs(request.id, given, specs)
+        checked = job.checked[1]
+    else:
+        given = texts.tokenized_inputs(job, loaded)  # a prompt made into token ids
+        given, geometry = images.prepared_inputs(job, loaded, given)  # a JPEG/PNG decoded
+        images.bind_outputs(job, loaded, geometry)
+        optional = (*loaded.config.stream.state, *loaded.config.defaults)
+        specs = required_inputs(loaded.request_inputs, optional, given)
+        checked = validate_inputs(request.id, given, specs)
+    if loaded.audio is not None:  # a speech encoder's samples, as its feature extractor has them
+        checked = loaded.audio.apply(checked)
+    return checked
 
 
 def required_inputs(

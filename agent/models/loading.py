@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.models.audio_inputs import AudioNormalization, open_audio_normalization
 from agent.models.backends.base import BackendOptions, ModelLoadError, Session
 from agent.models.backends.registry import get_backend
 from agent.models.decoder_layout import Generation, open_generation
@@ -38,6 +39,7 @@ class OpenedVersion:
     postprocess: Postprocessor | None  # its [[postprocess]], labels read
     generation: Generation | None  # mode = "generate": the decoder's layout
     text: TextInputs | None  # a tokenizer.json beside a model of token ids: text in
+    audio: AudioNormalization | None  # a speech encoder's samples normalised
 
 
 def verify_files(
@@ -68,8 +70,9 @@ def open_version(
     """A checked, warmed-up session of ``version`` (``options``: the agent-wide ones), how
     the warm-up went, with ``trust`` who signed it, its ``[[postprocess]]`` checked against
     its outputs (labels read from the version folder), for `mode = "generate"` its decoder
-    layout (agent.models.decoder_layout), and for any other model of token ids with a
-    `tokenizer.json` how text becomes its inputs (agent.models.text_inputs). ``engine``: a plan
+    layout (agent.models.decoder_layout), for any other model of token ids with a
+    `tokenizer.json` how text becomes its inputs (agent.models.text_inputs), and for a speech
+    encoder whose feature extractor normalises, that (agent.models.audio_inputs). ``engine``: a plan
     the agent built from the version's ONNX file (agent.models.engine_builds), loaded
     instead of it once the version's own files passed."""
     if version.problem is not None:
@@ -100,6 +103,8 @@ def open_version(
                 _check_generate_batching(generation, version.backend)
         else:
             text = open_text_inputs(session.inputs, folder)
+        mode = record.config.stream.mode
+        audio = open_audio_normalization(session.inputs, folder, mode)
         warmed = run_warm_up(
             session,
             record.config.warmup,
@@ -112,7 +117,7 @@ def open_version(
         if isinstance(e, ModelLoadError):
             raise
         raise ModelLoadError(f"warm-up failed: {e}") from e
-    return OpenedVersion(session, warmed, signed, post, generation, text)
+    return OpenedVersion(session, warmed, signed, post, generation, text, audio)
 
 
 def _check_generate_batching(generation: Generation, backend: str | None) -> None:

@@ -372,6 +372,7 @@ class ModelManager:
         loaded.postprocess = opened.postprocess
         loaded.generation = opened.generation
         loaded.text = opened.text
+        loaded.audio = opened.audio
         with self._lock:
             entry.state, entry.loaded, entry.backend = "ready", loaded, loaded.backend
             entry.warmup, entry.signed = warmed, opened.signed

@@ -46,7 +46,7 @@ import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agent.models.backends.base import InferenceError, ModelLoadError
-from agent.models.ctc import CtcSpec, decode_ctc
+from agent.models.ctc import HF_VOCAB, CtcSpec, decode_ctc, hf_ctc_spec
 from agent.models.detect import DetectSpec, decode_detections
 from agent.models.hf_files import read_json
 from agent.models.preprocess import load_cv2
@@ -121,6 +121,11 @@ class PostprocessOp(BaseModel):
             raise ValueError('op = "cast" needs dtype')
         if self.op == "ctc" and self.labels is None:
             raise ValueError('op = "ctc" needs labels (a file of the characters, one a line)')
+        if self.labels == HF_VOCAB and {"space", "blank"} & self.model_fields_set:
+            raise ValueError(
+                f'labels = "{HF_VOCAB}" takes the blank and the spaces from the tokenizer\'s '
+                "files: drop space and blank"
+            )
         problem = self._layout_problem() if self.op == "detect" else None
         if problem is not None:
             raise ValueError(problem)
@@ -238,12 +243,19 @@ def build_postprocess(
             raise ModelLoadError(
                 f"{where}: no output {missing[0]!r} (there are {', '.join(sorted(available))})"
             )
-        exact = op.op == "ctc"
-        labels = read_labels(folder, op.labels, exact=exact) if op.labels is not None else None
-        steps.append((op.output, _step(op, labels)))
+        if op.op == "ctc" and op.labels == HF_VOCAB:  # a Hugging Face CTC tokenizer's
+            steps.append((op.output, _ctc_step(hf_ctc_spec(op.output, folder))))
+        else:
+            exact = op.op == "ctc"
+            labels = read_labels(folder, op.labels, exact=exact) if op.labels else None
+            steps.append((op.output, _step(op, labels)))
         available |= _made(op)
         available -= _removed(op)
     return Postprocessor(steps)
+
+
+def _ctc_step(spec: CtcSpec) -> Step:
+    return lambda outputs, _: decode_ctc(spec, outputs)
 
 
 def _made(op: PostprocessOp) -> set[str]:
@@ -300,8 +312,7 @@ def _step(op: PostprocessOp, labels: tuple[str, ...] | None) -> Step:
                 f"postprocess ctc: blank {op.blank} is past the {len(characters) + 1} classes "
                 "the labels (and space) and the blank make"
             )
-        ctc = CtcSpec(name, characters, op.blank)
-        return lambda outputs, _: decode_ctc(ctc, outputs)
+        return _ctc_step(CtcSpec(name, characters, op.blank))
     if op.op == "topk":
         # an index past the labels: "" (the table built once, not per request)
         table = np.array([*labels, ""], dtype=object) if labels is not None else None

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import cbor2
 
+from agent.models.audio_inputs import AudioNormalization
 from agent.models.backends.base import Dim, Session, TensorSpec, session_metadata
 from agent.models.decoder_layout import Generation
 from agent.models.model_config import BatchingConfig, ModelConfig, StreamConfig
@@ -66,6 +67,7 @@ class LoadedVersion:
     postprocess: Postprocessor | None = field(default=None, repr=False, compare=False)
     generation: Generation | None = field(default=None, repr=False, compare=False)  # generate
     text: TextInputs | None = field(default=None, repr=False, compare=False)  # text in
+    audio: AudioNormalization | None = field(default=None, repr=False, compare=False)
 
     @functools.cached_property
     def request_inputs(self) -> tuple[TensorSpec, ...]:
