@@ -23,7 +23,9 @@ It writes, each folder a version folder as ``save_pretrained`` and optimum leave
   ``sentence-transformers`` in the export venv);
 - ``reference.json``: per model, each text's token ids and the framework's output for it alone
   (``AutoTokenizer`` then the PyTorch model's logits; ``SentenceTransformer.encode``'s
-  embedding), and the outputs of all texts as one padded batch, as a pipeline makes them.
+  embedding; for the token classifier also the entities of ``pipeline("token-classification",
+  aggregation_strategy="simple")``), and the outputs of all texts as one padded batch, as a
+  pipeline makes them.
 
 The tokenizer is a lower-casing WordPiece made with `tokenizers` from the text below (BERT's
 normalizer, pre-tokenizer and ``[CLS] $A [SEP]`` template; ``build_tokenizer``). Everything is
@@ -189,8 +191,20 @@ def make(name: str, tokenizer: Any, out: Path) -> dict[str, Any]:
     for text in TEXTS:
         ids = saved(text)["input_ids"]
         cases.append({"text": text, "ids": ids, "logits": logits(model, saved, [text])[0]})
+        if task == "token-classification":
+            cases[-1]["entities"] = entities(model, saved, text)
         print(f"{name}: {text!r} -> {ids}")
     return {"task": task, "labels": labels, "cases": cases, "batch": logits(model, saved, TEXTS)}
+
+
+def entities(model: Any, tokenizer: Any, text: str) -> list[dict[str, Any]]:
+    """`pipeline("token-classification", aggregation_strategy="simple")`'s entities."""
+    from transformers import pipeline
+
+    found = pipeline(
+        "token-classification", model=model, tokenizer=tokenizer, aggregation_strategy="simple"
+    )(text)
+    return [{**entity, "score": float(entity["score"])} for entity in found]
 
 
 def make_embedder(tokenizer: Any, out: Path) -> dict[str, Any]:

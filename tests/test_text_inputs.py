@@ -42,7 +42,7 @@ def specs(*names: str, length: int | str = "sequence", dtype: Any = np.int64) ->
 def test_rows_are_padded_right_and_masked(tmp_path: Path) -> None:
     text = open_text_inputs(specs("input_ids", "attention_mask"), tokenizer_folder(tmp_path))
     assert text is not None
-    made = text.inputs(np.array(["a b c", "b"]))
+    made, _ = text.inputs(np.array(["a b c", "b"]))
     assert made["input_ids"].tolist() == [[2, 4, 5, 6, 3], [2, 5, 3, 0, 0]]
     assert made["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
     assert made["input_ids"].dtype == np.int64
@@ -56,7 +56,7 @@ def test_the_tokenizers_pad_token_and_side(tmp_path: Path) -> None:
     )
     text = open_text_inputs(specs("input_ids", "attention_mask"), folder)
     assert text is not None
-    made = text.inputs(np.array(["a b", "a"]))
+    made, _ = text.inputs(np.array(["a b", "a"]))
     assert made["input_ids"].tolist() == [[2, 4, 5, 3], [6, 2, 4, 3]]
     assert made["attention_mask"].tolist() == [[1, 1, 1, 1], [0, 1, 1, 1]]
 
@@ -65,7 +65,7 @@ def test_the_pad_id_of_config_json_without_a_pad_token(tmp_path: Path) -> None:
     folder = tokenizer_folder(tmp_path, config={"pad_token_id": 1})
     text = open_text_inputs(specs("input_ids"), folder)
     assert text is not None
-    assert text.inputs(np.array(["a b", "a"]))["input_ids"].tolist() == [
+    assert text.inputs(np.array(["a b", "a"]))[0]["input_ids"].tolist() == [
         [2, 4, 5, 3],
         [2, 4, 3, 1],
     ]
@@ -77,7 +77,7 @@ def test_a_fixed_sequence_is_filled_and_bounds_the_text(tmp_path: Path) -> None:
     names = ("input_ids", "token_type_ids", "position_ids")
     text = open_text_inputs(specs(*names, length=6, dtype=np.int32), tokenizer_folder(tmp_path))
     assert text is not None
-    made = text.inputs(np.array("a b"))
+    made, _ = text.inputs(np.array("a b"))
     assert made["input_ids"].tolist() == [[2, 4, 5, 3, 0, 0]]
     assert made["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5]]
     assert made["token_type_ids"].tolist() == [[0] * 6]
@@ -91,7 +91,7 @@ def test_the_context_of_config_json_bounds_the_text(tmp_path: Path) -> None:
         specs("input_ids"), tokenizer_folder(tmp_path, config={"max_position_embeddings": 4})
     )
     assert text is not None
-    assert text.inputs(np.array("a b"))["input_ids"].shape == (1, 4)
+    assert text.inputs(np.array("a b"))[0]["input_ids"].shape == (1, 4)
     with pytest.raises(TextRefused, match="is 5 tokens: the model takes at most 4"):
         text.inputs(np.array("a b c"))
 
@@ -175,3 +175,26 @@ def test_an_id2label_that_cannot_label(tmp_path: Path, config: Any, says: str) -
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=says):
         topk_of_config(tmp_path)
+
+
+def test_entities_of_left_padded_rows(tmp_path: Path) -> None:
+    """Each text's tokens found where its row put them (left padding moves them), its own
+    unknown words named by their text, a group per tag run, `B-` starting a new one."""
+    from agent.models.entities import EntitiesSpec, decode_entities
+
+    folder = tokenizer_folder(tmp_path, tokenizer_config={"padding_side": "left"})
+    text = open_text_inputs(specs("input_ids"), folder)
+    assert text is not None
+    made, batch = text.inputs(np.array(["a b zz c", "c"]))
+    assert made["input_ids"].tolist() == [[2, 4, 5, 1, 6, 3], [0, 0, 0, 2, 6, 3]]
+    labels = ("O", "B-X", "I-X")
+    best = [[0, 1, 2, 2, 1, 0], [0, 0, 0, 0, 2, 0]]  # a row's best label a position
+    logits = np.eye(3, dtype=np.float32)[best] * 4
+    got = decode_entities(EntitiesSpec("logits", labels), {"logits": logits}, batch)
+    assert [
+        [(e["entity_group"], e["word"], e["start"], e["end"]) for e in row]
+        for row in got["entities"]
+    ] == [
+        [("X", "a b zz", 0, 6), ("X", "c", 7, 8)],
+        [("X", "c", 0, 1)],
+    ]

@@ -32,6 +32,7 @@ EMBEDDER = REFERENCE["models"]["bert_embedder"]
 TEXTS = [case["text"] for case in BERT["cases"]]
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 
+ENTITIES = '[[postprocess]]\noutput = "logits"\nop = "entities"\nlabels = "config.json"\n'
 MODELS = {  # name: (fixture folder, config.toml, files left out)
     "bert": ("bert_classifier", "", ()),
     "tokens": ("distilbert_tokens", "", ()),
@@ -44,6 +45,9 @@ MODELS = {  # name: (fixture folder, config.toml, files left out)
     ),
     "sliced": ("bert_classifier", '[stream]\nmode = "batch"\nmicro_batch = 2\n', ()),
     "untokenized": ("bert_classifier", "", ("tokenizer.json",)),
+    "ner": ("distilbert_tokens", ENTITIES, ()),
+    "ner_sliced": ("distilbert_tokens", '[stream]\nmode = "batch"\n' + ENTITIES, ()),
+    "ner_untokenized": ("distilbert_tokens", ENTITIES, ("tokenizer.json",)),
 }
 
 
@@ -166,3 +170,34 @@ def test_bad_text_is_refused_and_the_agent_serves_on(
         client.request(model, inputs, stream=False).collect()
     got = client.request("bert", {"prompt": TEXTS[0]}, stream=False).collect()
     np.testing.assert_allclose(got["logits"], [BERT["cases"][0]["logits"]], **TOLERANCE)
+
+
+def same_entities(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
+    assert [{**e, "score": 0} for e in got] == [{**e, "score": 0} for e in want]
+    np.testing.assert_allclose([e["score"] for e in got], [e["score"] for e in want], rtol=1e-5)
+
+
+def test_entities_are_the_pipelines(text_agent: tuple[Agent, AgentClient]) -> None:
+    """`op = "entities"`: what `pipeline("token-classification", aggregation_strategy=
+    "simple")` gives: tags grouped (B- starts a group), words joined by the tokenizer's
+    decoder (an unknown token as its text), characters of the text, mean scores; O left out.
+    A batch of texts gives a list each."""
+    _, client = text_agent
+    for want in TOKENS["cases"]:
+        got = client.request("ner", {"prompt": want["text"]}, stream=False).collect()
+        assert set(got) == {"entities"} and len(got["entities"]) == 1
+        same_entities(got["entities"][0], want["entities"])
+    got = client.request("ner", {"prompt": np.array(TEXTS)}, stream=False).collect()
+    for row, want in zip(got["entities"], TOKENS["cases"], strict=True):
+        same_entities(row, want["entities"])
+
+
+def test_entities_need_the_text(text_agent: tuple[Agent, AgentClient]) -> None:
+    agent, client = text_agent
+    ids = np.array([TOKENS["cases"][0]["ids"]], dtype=np.int64)
+    inputs = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    with pytest.raises(AgentError, match=r"model_error.*send inputs.prompt, not token ids"):
+        client.request("ner", inputs, stream=False).collect()
+    versions = agent.models.inventory()["models"]
+    assert 'mode = "whole" only' in versions["ner_sliced"]["versions"]["1"]["error"]
+    assert "takes no text" in versions["ner_untokenized"]["versions"]["1"]["error"]

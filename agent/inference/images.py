@@ -132,10 +132,11 @@ def bind_outputs(job: Job, loaded: LoadedVersion, geometry: Geometry | None) -> 
     if post is None:
         job.post = None
         return
+    texts = job.texts  # a prompt's, as tokenized (agent.inference.texts)
 
     def apply(outputs: dict[str, Any]) -> dict[str, Any]:
         try:
-            return post.apply(outputs, geometry)
+            return post.apply(outputs, geometry, texts)
         except InferenceError as e:
             raise ReplyRefused("model_error", str(e)) from e
 

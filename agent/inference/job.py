@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.inference.reply_stream import ReplyStream
+from agent.models.text_inputs import TextBatch
 from agent.protocol.requests import Request
 
 
@@ -58,3 +59,4 @@ class Job:
     # applied to each piece's outputs; more `timing` keys (an image's decode_ms).
     post: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     timing: dict[str, float] = field(default_factory=dict)
+    texts: TextBatch | None = None  # its `prompt`, as tokenized (agent.inference.texts)

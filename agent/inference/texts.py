@@ -39,7 +39,7 @@ def tokenized_inputs(job: Job, loaded: LoadedVersion) -> Mapping[str, Any]:
         )
     started = time.perf_counter()
     try:
-        made = text.inputs(inputs[TEXT_INPUT])
+        made, job.texts = text.inputs(inputs[TEXT_INPUT])
     except TextRefused as e:
         raise WireError("bad_request", str(e), job.request.id) from None
     job.timing["tokenize_ms"] = round((time.perf_counter() - started) * 1000, 3)

@@ -105,6 +105,8 @@ def open_version(
             text = open_text_inputs(session.inputs, folder)
         mode = record.config.stream.mode
         audio = open_audio_normalization(session.inputs, folder, mode)
+        if any(op.op == "entities" for op in record.config.postprocess):
+            _check_entities(text, mode)
         warmed = run_warm_up(
             session,
             record.config.warmup,
@@ -118,6 +120,20 @@ def open_version(
             raise
         raise ModelLoadError(f"warm-up failed: {e}") from e
     return OpenedVersion(session, warmed, signed, post, generation, text, audio)
+
+
+def _check_entities(text: TextInputs | None, mode: str) -> None:
+    """`op = "entities"` names words of a request's text, each text a row of the outputs."""
+    if text is None:
+        raise ModelLoadError(
+            "postprocess entities: the version takes no text (it needs a tokenizer.json, the "
+            "'text' extra and an integer input_ids)"
+        )
+    if mode != "whole":
+        raise ModelLoadError(
+            f'postprocess entities: mode = "whole" only, where each text is a row of the '
+            f'outputs (not "{mode}")'
+        )
 
 
 def _check_generate_batching(generation: Generation, backend: str | None) -> None:

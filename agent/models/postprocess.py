@@ -26,7 +26,9 @@ Each op works on one output (``output = NAME``)::
 and ``ctc`` (``labels``, ``space``, ``blank``: a text recogniser's ``[batch, steps, classes]``
 as ``NAME_text`` and ``NAME_score``, agent.models.ctc), ``db`` (``thresh``, ``box_thresh``,
 ``unclip_ratio``, ``max_candidates``: a DB text detector's map as ``boxes`` and ``scores``,
-agent.models.text_boxes; needs OpenCV), ``argmax`` (axis, keepdims; int64 in place),
+agent.models.text_boxes; needs OpenCV), ``entities`` (``labels``: a token classifier's
+``[texts, sequence, labels]`` as the ``entities`` of the request's text, agent.models.entities),
+``argmax`` (axis, keepdims; int64 in place),
 ``threshold`` (value; a uint8 0/1 mask in place: ``x > value``), ``cast`` (dtype), ``drop``.
 The ops run in numpy on every request's and every source frame's outputs, after the outputs
 a request or source asked for were chosen: an op whose output is not among them is skipped.
@@ -38,6 +40,7 @@ cannot be read, fails the version at load (:func:`build_postprocess` raises
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -48,11 +51,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from agent.models.backends.base import InferenceError, ModelLoadError
 from agent.models.ctc import HF_VOCAB, CtcSpec, decode_ctc, hf_ctc_spec
 from agent.models.detect import DetectSpec, decode_detections
+from agent.models.entities import EntitiesSpec, decode_entities
 from agent.models.hf_files import read_json
 from agent.models.preprocess import load_cv2
 from agent.models.resize import Geometry
 from agent.models.text_boxes import TextBoxSpec, decode_text_boxes
 from agent.models.text_file import read_text_limited
+from agent.models.text_inputs import TextBatch
 
 __all__ = ["PostprocessOp", "Postprocessor", "build_postprocess"]
 
@@ -77,6 +82,7 @@ _OP_KEYS: dict[str, frozenset[str]] = {
     ),
     "ctc": frozenset({"labels", "space", "blank"}),
     "db": frozenset({"thresh", "box_thresh", "unclip_ratio", "max_candidates"}),
+    "entities": frozenset({"labels"}),
 }
 
 
@@ -87,7 +93,17 @@ class PostprocessOp(BaseModel):
 
     output: str = Field(min_length=1)
     op: Literal[
-        "softmax", "sigmoid", "argmax", "topk", "threshold", "cast", "drop", "detect", "ctc", "db"
+        "softmax",
+        "sigmoid",
+        "argmax",
+        "topk",
+        "threshold",
+        "cast",
+        "drop",
+        "detect",
+        "ctc",
+        "db",
+        "entities",
     ]
     axis: int = -1
     keepdims: bool = False
@@ -121,6 +137,8 @@ class PostprocessOp(BaseModel):
             raise ValueError('op = "cast" needs dtype')
         if self.op == "ctc" and self.labels is None:
             raise ValueError('op = "ctc" needs labels (a file of the characters, one a line)')
+        if self.op == "entities" and self.labels is None:
+            raise ValueError('op = "entities" needs labels ("config.json": its id2label)')
         if self.labels == HF_VOCAB and {"space", "blank"} & self.model_fields_set:
             raise ValueError(
                 f'labels = "{HF_VOCAB}" takes the blank and the spaces from the tokenizer\'s '
@@ -204,23 +222,35 @@ def _id2label(path: Path) -> tuple[str, ...]:
     return tuple(by_id[i] for i in range(len(by_id)))
 
 
-Step = Callable[[Outputs, Geometry | None], Outputs]
+@dataclass(frozen=True)
+class Given:
+    """What a request gave that ops read besides the outputs: its image's geometry (boxes
+    back in the image's pixels), its texts as tokenized (entities named in them)."""
+
+    geometry: Geometry | None = None
+    texts: TextBatch | None = None
+
+
+Step = Callable[[Outputs, Given], Outputs]
 
 
 class Postprocessor:
-    """A version's ops, checked and bound (labels read): `apply(outputs, geometry)`."""
+    """A version's ops, checked and bound (labels read): `apply(outputs, geometry, texts)`."""
 
     def __init__(self, steps: Sequence[tuple[str, Step]]) -> None:
         self._steps = tuple(steps)
 
-    def apply(self, outputs: Outputs, geometry: Geometry | None = None) -> Outputs:
+    def apply(
+        self, outputs: Outputs, geometry: Geometry | None = None, texts: TextBatch | None = None
+    ) -> Outputs:
         """The ops in order on `outputs` (a new dict; ops on absent outputs skipped);
         InferenceError ("postprocess: ...") where an op cannot take an output it is given."""
         result = dict(outputs)
+        given = Given(geometry, texts)
         try:
             for name, step in self._steps:
                 if name in result:
-                    result = step(result, geometry)
+                    result = step(result, given)
         except (ValueError, TypeError, IndexError) as e:
             raise InferenceError(f"postprocess: {e}") from e
         return result
@@ -268,11 +298,13 @@ def _made(op: PostprocessOp) -> set[str]:
         return {"boxes", "scores"}
     if op.op == "ctc":
         return {f"{op.output}_text", f"{op.output}_score"}
+    if op.op == "entities":
+        return {"entities"}
     return set() if op.op == "drop" else {op.output}
 
 
 def _removed(op: PostprocessOp) -> set[str]:
-    if op.op in ("drop", "ctc"):
+    if op.op in ("drop", "ctc", "entities"):
         return {op.output}
     if op.op == "detect":
         inputs = {name for name in (op.output, op.scores, op.masks) if name is not None}
@@ -299,11 +331,11 @@ def _step(op: PostprocessOp, labels: tuple[str, ...] | None) -> Step:
             labels=labels,
         )
         cv2 = _opencv("detect with masks") if op.masks is not None else None
-        return lambda outputs, geometry: decode_detections(spec, outputs, geometry, cv2)
+        return lambda outputs, given: decode_detections(spec, outputs, given.geometry, cv2)
     if op.op == "db":
         cv2 = _opencv('op = "db"')
         boxes = TextBoxSpec(name, op.thresh, op.box_thresh, op.unclip_ratio, op.max_candidates)
-        return lambda outputs, geometry: decode_text_boxes(boxes, outputs, geometry, cv2)
+        return lambda outputs, given: decode_text_boxes(boxes, outputs, given.geometry, cv2)
     if op.op == "ctc":
         assert labels is not None  # checked by PostprocessOp
         characters = (*labels, " ") if op.space else labels
@@ -313,6 +345,10 @@ def _step(op: PostprocessOp, labels: tuple[str, ...] | None) -> Step:
                 "the labels (and space) and the blank make"
             )
         return _ctc_step(CtcSpec(name, characters, op.blank))
+    if op.op == "entities":
+        assert labels is not None  # checked by PostprocessOp
+        entities = EntitiesSpec(name, labels)
+        return lambda outputs, given: decode_entities(entities, outputs, given.texts)
     if op.op == "topk":
         # an index past the labels: "" (the table built once, not per request)
         table = np.array([*labels, ""], dtype=object) if labels is not None else None

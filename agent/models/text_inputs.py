@@ -27,9 +27,15 @@ import numpy as np
 
 from agent.models.backends.base import Array, ModelLoadError, TensorSpec
 from agent.models.hf_files import context_of, read_json, whole_number
-from agent.models.tokenizer import TOKENIZER_FILE, TextCodec, open_tokenizer, tokenizers_installed
+from agent.models.tokenizer import (
+    TOKENIZER_FILE,
+    Encoded,
+    TextCodec,
+    open_tokenizer,
+    tokenizers_installed,
+)
 
-__all__ = ["TEXT_INPUT", "TextInputs", "TextRefused", "open_text_inputs"]
+__all__ = ["TEXT_INPUT", "TextBatch", "TextInputs", "TextRefused", "open_text_inputs"]
 
 TEXT_INPUT = "prompt"  # the request's input that carries text (as for a generate model)
 MAX_TEXTS = 1024  # rows of one request's batch of texts
@@ -39,6 +45,18 @@ log = logging.getLogger(__name__)
 
 class TextRefused(ValueError):
     """A request's text that cannot be made into the model's inputs (the message says why)."""
+
+
+@dataclass(frozen=True)
+class TextBatch:
+    """A request's texts as they went in: each one's tokens, and where its first token is in
+    its row of the inputs (after any left padding). Post-processing that names words (the
+    `entities` op) reads them."""
+
+    codec: TextCodec
+    texts: tuple[str, ...]
+    encoded: tuple[Encoded, ...]
+    firsts: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -61,33 +79,38 @@ class TextInputs:
         specs = (self.ids, self.mask, self.types, self.positions)
         return tuple(spec.name for spec in specs if spec is not None)
 
-    def inputs(self, value: Any) -> dict[str, Array]:
+    def inputs(self, value: Any) -> tuple[dict[str, Array], TextBatch]:
         """The model's inputs for `value` (one text, or a string tensor of them: one row
-        each); TextRefused says what is wrong with it."""
-        rows = [self.codec.encode_with_types(text) for text in _texts(value)]
-        longest = max(len(ids) for ids, _ in rows)
+        each), and how each text was cut; TextRefused says what is wrong with it."""
+        texts = _texts(value)
+        encoded = [self.codec.encode_text(text) for text in texts]
+        longest = max(len(e.ids) for e in encoded)
         if self.longest is not None and longest > self.longest:
             raise TextRefused(
                 f"inputs.{TEXT_INPUT} is {longest} tokens: the model takes at most {self.longest}"
             )
         width = self.fixed if self.fixed is not None else longest
-        ids = np.full((len(rows), width), self.pad_id, dtype=self.ids.dtype)
-        mask = np.zeros((len(rows), width), dtype=np.int64)
-        types = np.zeros((len(rows), width), dtype=np.int64)
-        for row, (tokens, type_ids) in enumerate(rows):
-            where = slice(width - len(tokens), width) if self.pad_left else slice(0, len(tokens))
-            ids[row, where] = tokens
+        ids = np.full((len(encoded), width), self.pad_id, dtype=self.ids.dtype)
+        mask = np.zeros((len(encoded), width), dtype=np.int64)
+        types = np.zeros((len(encoded), width), dtype=np.int64)
+        firsts = []
+        for row, cut in enumerate(encoded):
+            first = width - len(cut.ids) if self.pad_left else 0
+            where = slice(first, first + len(cut.ids))
+            ids[row, where] = cut.ids
             mask[row, where] = 1
-            types[row, where] = type_ids
+            types[row, where] = cut.type_ids
+            firsts.append(first)
+        batch = TextBatch(self.codec, tuple(texts), tuple(encoded), tuple(firsts))
         made = {self.ids.name: ids}
         if self.mask is not None:
             made[self.mask.name] = mask.astype(self.mask.dtype, copy=False)
         if self.types is not None:
             made[self.types.name] = types.astype(self.types.dtype, copy=False)
         if self.positions is not None:  # as the model makes them when none are given
-            positions = np.broadcast_to(np.arange(width), (len(rows), width))
+            positions = np.broadcast_to(np.arange(width), (len(encoded), width))
             made[self.positions.name] = positions.astype(self.positions.dtype)
-        return made
+        return made, batch
 
 
 def _texts(value: Any) -> list[str]:

@@ -12,14 +12,30 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from agent.models.backends.base import ModelLoadError
 
-__all__ = ["TOKENIZER_FILE", "TextCodec", "TokenStream", "open_tokenizer", "tokenizers_installed"]
+__all__ = [
+    "TOKENIZER_FILE",
+    "Encoded",
+    "TextCodec",
+    "TokenStream",
+    "open_tokenizer",
+    "tokenizers_installed",
+]
 
 TOKENIZER_FILE = "tokenizer.json"
 MAX_TOKENIZER_BYTES = 64 * 1024 * 1024
+
+
+class Encoded(NamedTuple):
+    """One text as the tokenizer cut it, a value a token."""
+
+    ids: tuple[int, ...]
+    type_ids: tuple[int, ...]  # BERT's segment: 0 for one text
+    offsets: tuple[tuple[int, int], ...]  # characters [start, end) of the text
+    special: tuple[bool, ...]  # added by the tokenizer ([CLS], [SEP], ...)
 
 
 class TextCodec:
@@ -37,10 +53,32 @@ class TextCodec:
         a chat template's text, which holds its own)."""
         return list(self._tokenizer.encode(text, add_special_tokens=special).ids)
 
-    def encode_with_types(self, text: str) -> tuple[list[int], list[int]]:
-        """The ids of `text` and their token type ids (BERT's segment: 0 for one text)."""
+    def encode_text(self, text: str) -> Encoded:
+        """`text` cut as the model reads it, with what each token is (its type, where it is
+        in the text, whether the tokenizer added it)."""
         encoding = self._tokenizer.encode(text, add_special_tokens=True)
-        return list(encoding.ids), list(encoding.type_ids)
+        return Encoded(
+            tuple(encoding.ids),
+            tuple(encoding.type_ids),
+            tuple(encoding.offsets),
+            tuple(bool(flag) for flag in encoding.special_tokens_mask),
+        )
+
+    @property
+    def unknown_id(self) -> int | None:
+        """The id of the unknown token (`[UNK]`), None for a tokenizer without one."""
+        unknown = getattr(self._tokenizer.model, "unk_token", None)
+        return self.token_id(unknown) if isinstance(unknown, str) else None
+
+    def token(self, token_id: int) -> str:
+        """The vocabulary's token of `token_id` ("" for none)."""
+        return str(self._tokenizer.id_to_token(token_id) or "")
+
+    def joined(self, tokens: Sequence[str]) -> str:
+        """Tokens joined into text by the tokenizer's decoder (transformers'
+        `convert_tokens_to_string`): a WordPiece's `##` pieces glued to their word."""
+        decoder = self._tokenizer.decoder
+        return str(decoder.decode(list(tokens))) if decoder is not None else " ".join(tokens)
 
     def token_id(self, token: str) -> int | None:
         """The id of `token` in the vocabulary, None where it has none."""
