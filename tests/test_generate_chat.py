@@ -121,3 +121,12 @@ def test_a_template_that_does_not_compile_fails_its_version(
     entry = agent.models.inventory()["models"]["chat_broken"]["versions"]["1"]
     assert entry["state"] == "failed"
     assert "the chat template does not compile" in entry["error"]
+
+
+def test_the_inventory_says_a_conversation_goes_in(
+    chat_agent: tuple[Agent, AgentClient],
+) -> None:
+    agent, _ = chat_agent
+    models = agent.models.inventory()["models"]
+    assert models["chat"]["versions"]["1"]["text_inputs"] == ["prompt", "messages"]
+    assert models["plain"]["versions"]["1"]["text_inputs"] == ["prompt"]

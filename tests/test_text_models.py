@@ -201,3 +201,16 @@ def test_entities_need_the_text(text_agent: tuple[Agent, AgentClient]) -> None:
     versions = agent.models.inventory()["models"]
     assert 'mode = "whole" only' in versions["ner_sliced"]["versions"]["1"]["error"]
     assert "takes no text" in versions["ner_untokenized"]["versions"]["1"]["error"]
+
+
+def test_the_inventory_says_which_versions_take_text(
+    text_agent: tuple[Agent, AgentClient],
+) -> None:
+    from agent.models.records import format_inventory
+
+    agent, _ = text_agent
+    inventory = agent.models.inventory()
+    versions = {name: model["versions"]["1"] for name, model in inventory["models"].items()}
+    assert versions["bert"]["text_inputs"] == ["prompt"]
+    assert "text_inputs" not in versions["untokenized"]
+    assert "    text in: prompt" in format_inventory(inventory).splitlines()

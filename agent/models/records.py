@@ -296,6 +296,9 @@ def inventory_of(
                 item["progress"] = entry.progress()
             if entry.loaded is not None and entry.state == "ready":
                 item["providers"] = list(entry.loaded.session.providers)
+                takes = text_inputs_of(entry.loaded)
+                if takes:
+                    item["text_inputs"] = takes
                 item.update(_details(entry.loaded).within(share))
             versions[str(number)] = item
         payload[name] = {
@@ -303,6 +306,17 @@ def inventory_of(
             "versions": versions,
         }
     return {"models": payload}
+
+
+def text_inputs_of(loaded: LoadedVersion) -> list[str]:
+    """The inputs a request may send in place of the signature's: `prompt` (a tokenizer
+    makes the token ids), `messages` (a generate model's chat template lays them out)."""
+    generation = loaded.generation
+    if generation is not None:
+        if generation.tokenizer is None:
+            return []
+        return ["prompt", "messages"] if generation.chat is not None else ["prompt"]
+    return ["prompt"] if loaded.text is not None else []
 
 
 def summarize(inventory: Mapping[str, Any]) -> str:
@@ -349,6 +363,8 @@ def _version_lines(number: str, version: Mapping[str, Any]) -> list[str]:
         lines.append(f"    progress: {_progress_text(progress)}")
     if isinstance(version.get("signed"), Mapping):
         lines.append(f"    signed by: {_safe(version['signed'].get('by'))}")
+    if version.get("text_inputs"):
+        lines.append("    text in: " + ", ".join(_safe(n) for n in version["text_inputs"]))
     signature = version.get("signature") or {}
     for role in ("inputs", "outputs"):
         if role in signature:
