@@ -130,3 +130,15 @@ def test_the_inventory_says_a_conversation_goes_in(
     models = agent.models.inventory()["models"]
     assert models["chat"]["versions"]["1"]["text_inputs"] == ["prompt", "messages"]
     assert models["plain"]["versions"]["1"]["text_inputs"] == ["prompt"]
+
+
+def test_a_text_that_cannot_fit_is_refused_before_it_is_cut(
+    chat_agent: tuple[Agent, AgentClient],
+) -> None:
+    """The decoder's context (config.json: 128) at 100 characters a token at most."""
+    _, client = chat_agent
+    with pytest.raises(AgentError, match=r"bad_request: inputs.prompt is 12801 characters"):
+        client.request("chat", {"prompt": "a" * 12801}, stream=False, timeout=30).collect()
+    long = np.array([["user", "a" * 12801]])
+    with pytest.raises(AgentError, match=r"bad_request: the conversation laid out is \d+ char"):
+        client.request("chat", {"messages": long}, stream=False, timeout=30).collect()

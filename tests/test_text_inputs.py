@@ -198,3 +198,15 @@ def test_entities_of_left_padded_rows(tmp_path: Path) -> None:
         [("X", "a b zz", 0, 6), ("X", "c", 7, 8)],
         [("X", "c", 0, 1)],
     ]
+
+
+def test_a_text_too_long_to_fit_is_refused_before_it_is_cut(tmp_path: Path) -> None:
+    """More characters than the model's tokens can hold (100 a token) is refused without
+    tokenizing (seconds of a worker for the 4 MB a request may carry); a long unknown word,
+    one token, is not."""
+    folder = tokenizer_folder(tmp_path, config={"max_position_embeddings": 4})
+    text = open_text_inputs(specs("input_ids"), folder)
+    assert text is not None
+    assert text.inputs(np.array("x" * 400))[0]["input_ids"].tolist() == [[2, 1, 3]]
+    with pytest.raises(TextRefused, match=r"is 401 characters: more than 4 tokens hold"):
+        text.inputs(np.array(["a", "x" * 401]))

@@ -40,6 +40,7 @@ from agent.inference.text_stream import TextStream
 from agent.models.backends.base import InferenceError
 from agent.models.chat_template import ChatRefused
 from agent.models.decoder_layout import DecoderLayout, Generation
+from agent.models.tokenizer import too_long
 from agent.protocol.errors import WireError
 
 __all__ = ["GenerateAsk", "ask_of", "generate"]
@@ -114,6 +115,7 @@ def _prompt_ids(inputs: Mapping[str, Any], setup: Generation) -> list[int]:
         text = value.reshape(()).item()
         if not isinstance(text, str):
             raise WireError("bad_request", "inputs.prompt must be one text")
+        _refuse_long(text, setup, "inputs.prompt")
         ids = setup.tokenizer.encode(text)
     elif names == ["messages"]:
         ids = _chat_ids(inputs["messages"], setup)
@@ -165,7 +167,15 @@ def _chat_ids(value: Any, setup: Generation) -> list[int]:
         prompt = chat.render([{"role": role, "content": content} for role, content in rows])
     except ChatRefused as e:
         raise WireError("bad_request", str(e)) from None
+    _refuse_long(prompt, setup, "the conversation laid out")
     return tokenizer.encode(prompt, special=False)
+
+
+def _refuse_long(text: str, setup: Generation, what: str) -> None:
+    """`bad_request` for a text that cannot fit the context, before it is tokenized."""
+    problem = too_long(text, setup.context)
+    if problem is not None:
+        raise WireError("bad_request", f"{what} {problem}")
 
 
 def _stops(params: Mapping[str, Any]) -> list[str]:

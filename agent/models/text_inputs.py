@@ -33,6 +33,7 @@ from agent.models.tokenizer import (
     TextCodec,
     open_tokenizer,
     tokenizers_installed,
+    too_long,
 )
 
 __all__ = ["TEXT_INPUT", "TextBatch", "TextInputs", "TextRefused", "open_text_inputs"]
@@ -83,6 +84,10 @@ class TextInputs:
         """The model's inputs for `value` (one text, or a string tensor of them: one row
         each), and how each text was cut; TextRefused says what is wrong with it."""
         texts = _texts(value)
+        for text in texts:
+            problem = too_long(text, self.longest)
+            if problem is not None:
+                raise TextRefused(f"inputs.{TEXT_INPUT} {problem}")
         encoded = [self.codec.encode_text(text) for text in texts]
         longest = max(len(e.ids) for e in encoded)
         if self.longest is not None and longest > self.longest:

@@ -23,10 +23,26 @@ __all__ = [
     "TokenStream",
     "open_tokenizer",
     "tokenizers_installed",
+    "too_long",
 ]
 
 TOKENIZER_FILE = "tokenizer.json"
+# A text longer than this many characters a token the model takes is refused before it is cut:
+# tokenizing the 4 MB a request may carry takes seconds of a worker. No real text comes near
+# (English runs at about 4 characters a token; WordPiece cuts a word over 100 to one [UNK]).
+MAX_CHARS_PER_TOKEN = 100
 MAX_TOKENIZER_BYTES = 64 * 1024 * 1024
+
+
+def too_long(text: str, most_tokens: int | None) -> str | None:
+    """Why `text` is refused before it is cut (more characters than `most_tokens` tokens
+    can hold, at `MAX_CHARS_PER_TOKEN` each), None where it may be cut."""
+    if most_tokens is None or len(text) <= most_tokens * MAX_CHARS_PER_TOKEN:
+        return None
+    return (
+        f"is {len(text)} characters: more than {most_tokens} tokens hold (at most "
+        f"{most_tokens * MAX_CHARS_PER_TOKEN}, {MAX_CHARS_PER_TOKEN} a token)"
+    )
 
 
 class Encoded(NamedTuple):
