@@ -214,7 +214,7 @@ def _connect(args: argparse.Namespace) -> Any:
 def cmd_request(args: argparse.Namespace) -> int:
     from agent.client import AgentError
 
-    inputs = parse_inputs(args.input, args.text)
+    inputs = parse_inputs(args.input, args.text, args.message)
     client = _connect(args)
     try:
         reply = client.request(
@@ -412,6 +412,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="an input: FILE.npy, the array NAME of FILE.npz, or FILE.jpg|.png (its bytes)",
     )
     request.add_argument("--text", "-t", action="append", default=[], metavar="NAME=TEXT")
+    request.add_argument(
+        "--message",
+        "-m",
+        action="append",
+        default=[],
+        metavar="ROLE=TEXT",
+        help="a message of a conversation, in order (inputs.messages of a chat model)",
+    )
     request.add_argument("--compress", action="store_true", help="send the request as zstd")
     request.add_argument("--param", "-p", action="append", default=[], metavar="KEY=VALUE")
     request.add_argument("--no-stream", action="store_true", help="ask for one result message")

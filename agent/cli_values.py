@@ -26,12 +26,17 @@ def describe_outputs(outputs: dict[str, Any], width: int = 60) -> str:
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 
 
-def parse_inputs(specs: Sequence[str], texts: Sequence[str] = ()) -> dict[str, Any]:
+def parse_inputs(
+    specs: Sequence[str], texts: Sequence[str] = (), messages: Sequence[str] = ()
+) -> dict[str, Any]:
     """`NAME=FILE.npy` as the array, `NAME=FILE.npz` as the archive's array called NAME (the
     inputs of a request saved together, or another request's `--save`), `NAME=FILE.jpg|.png`
     as the file's bytes (an encoded image, for a model with `[preprocess]`); `texts`:
-    `NAME=TEXT` as a text (`parse_texts`)."""
+    `NAME=TEXT` as a text (`parse_texts`); `messages`: `ROLE=TEXT` a message of the
+    conversation (`parse_messages`)."""
     inputs: dict[str, Any] = parse_texts(texts)
+    if messages:
+        inputs["messages"] = parse_messages(messages)
     for spec in specs:
         name, path = _pair(spec, "--input", "NAME=FILE.npy")
         try:
@@ -60,6 +65,12 @@ def _array(loaded: Any, name: str, path: str) -> Any:
 def parse_texts(specs: Sequence[str]) -> dict[str, str]:
     """`NAME=TEXT` as a text input (`prompt` of a model with a tokenizer)."""
     return dict(_pair(spec, "--text", "NAME=TEXT") for spec in specs)
+
+
+def parse_messages(specs: Sequence[str]) -> Any:
+    """`ROLE=TEXT`, in order, as a conversation: the string tensor [n, 2] of (role, content)
+    rows that a generate model with a chat template takes as `messages`."""
+    return np.array([_pair(spec, "--message", "ROLE=TEXT") for spec in specs], dtype=object)
 
 
 def parse_params(specs: Sequence[str]) -> dict[str, Any]:

@@ -155,6 +155,10 @@ def test_request_inputs_take_arrays_images_and_texts(tmp_path: Path):
     assert inputs["x"].tolist() == [0, 1, 2]
     with pytest.raises(SystemExit, match="--text needs NAME=TEXT"):
         parse_inputs([], ["no-equals-sign"])
+    conversation = parse_inputs([], [], ["system=Be brief.", "user=Hi = hello"])["messages"]
+    assert conversation.tolist() == [["system", "Be brief."], ["user", "Hi = hello"]]
+    with pytest.raises(SystemExit, match="--message needs ROLE=TEXT"):
+        parse_inputs([], [], ["no-role"])
 
 
 def test_request_inputs_from_an_npz_archive_and_clear_errors_for_bad_files(tmp_path: Path):
