@@ -21,11 +21,14 @@ It writes, each folder a version folder as ``save_pretrained`` and optimum leave
   ``sentence_transformers`` library: ``input_ids``, ``attention_mask`` in,
   ``token_embeddings`` and ``sentence_embedding [batch, 32]`` out (needs
   ``sentence-transformers`` in the export venv);
+- ``bert_encoder/``: that embedder's BERT alone, exported with optimum's
+  ``feature-extraction`` task for the ``transformers`` library: ``last_hidden_state``, the
+  pooling left to the user (the agent's ``pool`` op);
 - ``reference.json``: per model, each text's token ids and the framework's output for it alone
   (``AutoTokenizer`` then the PyTorch model's logits; ``SentenceTransformer.encode``'s
-  embedding; for the token classifier also the entities of ``pipeline("token-classification",
-  aggregation_strategy="simple")``), and the outputs of all texts as one padded batch, as a
-  pipeline makes them.
+  embedding, and the [CLS] token's normalised hidden state; for the token classifier also the
+  entities of ``pipeline("token-classification", aggregation_strategy="simple")``), and the
+  outputs of all texts as one padded batch, as a pipeline makes them.
 
 The tokenizer is a lower-casing WordPiece made with `tokenizers` from the text below (BERT's
 normalizer, pre-tokenizer and ``[CLS] $A [SEP]`` template; ``build_tokenizer``). Everything is
@@ -58,6 +61,7 @@ MODELS = {
     "distilbert_tokens": ("token-classification", ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]),
 }
 EMBEDDER = "bert_embedder"
+ENCODER = "bert_encoder"  # the embedder's BERT alone: last_hidden_state, no pooling
 BERT = {  # the BERTs' size: two layers of width 32
     "hidden_size": 32,
     "num_hidden_layers": 2,
@@ -235,13 +239,46 @@ def make_embedder(tokenizer: Any, out: Path) -> dict[str, Any]:
             device="cpu",
         )
         copy_export(onnx_dir, out / EMBEDDER)
+        main_export(
+            str(bert),
+            output=str(Path(tmp) / "plain"),
+            task="feature-extraction",
+            library_name="transformers",
+            device="cpu",
+        )
+        copy_export(Path(tmp) / "plain", out / ENCODER)
     cases = []
     for text in TEXTS:
         ids = model.tokenizer(text)["input_ids"]
-        cases.append({"text": text, "ids": ids, "embedding": model.encode(text).tolist()})
+        cases.append(
+            {
+                "text": text,
+                "ids": ids,
+                "embedding": model.encode(text).tolist(),
+                "cls": cls_embeddings(model, [text])[0],
+            }
+        )
         print(f"{EMBEDDER}: {text!r} -> {ids}")
     batch = model.encode(TEXTS, batch_size=len(TEXTS)).tolist()
-    return {"task": "feature-extraction", "cases": cases, "batch": batch}
+    return {
+        "task": "feature-extraction",
+        "cases": cases,
+        "batch": batch,
+        "cls_batch": cls_embeddings(model, TEXTS),
+    }
+
+
+def cls_embeddings(model: Any, texts: list[str]) -> list[Any]:
+    """The [CLS] token's last hidden state, L2-normalised (BGE's model-card recipe), of
+    `texts` as one padded batch, from the sentence-transformers model's own BERT."""
+    import torch
+
+    bert, tokenizer = model[0].auto_model, model.tokenizer
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        first = bert(**batch).last_hidden_state[:, 0]
+    result: list[Any] = torch.nn.functional.normalize(first, p=2, dim=1).tolist()
+    return result
 
 
 def main() -> None:

@@ -210,3 +210,21 @@ def test_a_text_too_long_to_fit_is_refused_before_it_is_cut(tmp_path: Path) -> N
     assert text.inputs(np.array("x" * 400))[0]["input_ids"].tolist() == [[2, 1, 3]]
     with pytest.raises(TextRefused, match=r"is 401 characters: more than 4 tokens hold"):
         text.inputs(np.array(["a", "x" * 401]))
+
+
+def test_pooling_left_padded_rows(tmp_path: Path) -> None:
+    """Each text's own tokens pooled, wherever its padding put them; not normalised unless
+    asked; a request of token ids has no text to pool over."""
+    from agent.models.pooling import PoolSpec, pool_texts
+
+    folder = tokenizer_folder(tmp_path, tokenizer_config={"padding_side": "left"})
+    text = open_text_inputs(specs("input_ids"), folder)
+    assert text is not None
+    _, batch = text.inputs(np.array(["a b", "c"]))  # [[2, 4, 5, 3], [0, 2, 6, 3]]
+    hidden = np.arange(16, dtype=np.float32).reshape(2, 4, 2)
+    mean = pool_texts(PoolSpec("h", "mean", False), {"h": hidden}, batch)
+    assert mean["sentence_embedding"].tolist() == [[3.0, 4.0], [12.0, 13.0]]
+    cls = pool_texts(PoolSpec("h", "cls", True), {"h": hidden}, batch)["sentence_embedding"]
+    np.testing.assert_allclose(cls, [[0.0, 1.0], [10 / np.hypot(10, 11), 11 / np.hypot(10, 11)]])
+    with pytest.raises(ValueError, match=r"send inputs\.prompt, not token ids"):
+        pool_texts(PoolSpec("h", "mean", False), {"h": hidden}, None)

@@ -33,6 +33,7 @@ TEXTS = [case["text"] for case in BERT["cases"]]
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 
 ENTITIES = '[[postprocess]]\noutput = "logits"\nop = "entities"\nlabels = "config.json"\n'
+POOL = '[[postprocess]]\noutput = "last_hidden_state"\nop = "pool"\n{}'
 MODELS = {  # name: (fixture folder, config.toml, files left out)
     "bert": ("bert_classifier", "", ()),
     "tokens": ("distilbert_tokens", "", ()),
@@ -45,6 +46,9 @@ MODELS = {  # name: (fixture folder, config.toml, files left out)
     ),
     "sliced": ("bert_classifier", '[stream]\nmode = "batch"\nmicro_batch = 2\n', ()),
     "untokenized": ("bert_classifier", "", ("tokenizer.json",)),
+    "mean": ("bert_encoder", POOL.format('method = "mean"\nnormalize = true\n'), ()),
+    "cls": ("bert_encoder", POOL.format('method = "cls"\nnormalize = true\n'), ()),
+    "cls_sliced": ("bert_encoder", '[stream]\nmode = "batch"\n' + POOL.format(""), ()),
     "ner": ("distilbert_tokens", ENTITIES, ()),
     "ner_sliced": ("distilbert_tokens", '[stream]\nmode = "batch"\n' + ENTITIES, ()),
     "ner_untokenized": ("distilbert_tokens", ENTITIES, ("tokenizer.json",)),
@@ -214,3 +218,25 @@ def test_the_inventory_says_which_versions_take_text(
     assert versions["bert"]["text_inputs"] == ["prompt"]
     assert "text_inputs" not in versions["untokenized"]
     assert "    text in: prompt" in format_inventory(inventory).splitlines()
+
+
+@pytest.mark.parametrize(("model", "key"), [("mean", "embedding"), ("cls", "cls")])
+def test_an_encoders_hidden_states_pooled_on_the_box(
+    text_agent: tuple[Agent, AgentClient], model: str, key: str
+) -> None:
+    """`op = "pool"` on a plain feature-extraction export (`last_hidden_state`): the mean of
+    each text's tokens, normalised, is what the sentence-transformers model (mean pooling,
+    Normalize) encodes; its first token's, normalised, the [CLS] recipe of BGE's card. In a
+    padded batch only each text's own tokens count."""
+    _, client = text_agent
+    for want in EMBEDDER["cases"]:
+        got = client.request(model, {"prompt": want["text"]}, stream=False).collect()
+        assert set(got) == {"sentence_embedding"}
+        np.testing.assert_allclose(got["sentence_embedding"], [want[key]], **TOLERANCE)
+    batch = client.request(model, {"prompt": np.array(TEXTS)}, stream=False).collect()
+    want_batch = EMBEDDER["batch"] if key == "embedding" else EMBEDDER["cls_batch"]
+    np.testing.assert_allclose(batch["sentence_embedding"], want_batch, **TOLERANCE)
+    versions = text_agent[0].models.inventory()["models"]
+    assert (
+        'postprocess pool: mode = "whole" only' in versions["cls_sliced"]["versions"]["1"]["error"]
+    )

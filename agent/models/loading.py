@@ -28,6 +28,8 @@ from agent.models.warmup import run_warm_up
 
 __all__ = ["OpenedVersion", "open_version", "verify_files"]
 
+TEXT_OPS = frozenset({"entities", "pool"})  # postprocess ops that read the request's text
+
 
 @dataclass(frozen=True)
 class OpenedVersion:
@@ -105,8 +107,9 @@ def open_version(
             text = open_text_inputs(session.inputs, folder)
         mode = record.config.stream.mode
         audio = open_audio_normalization(session.inputs, folder, mode)
-        if any(op.op == "entities" for op in record.config.postprocess):
-            _check_entities(text, mode)
+        for op in record.config.postprocess:
+            if op.op in TEXT_OPS:
+                _check_text_op(op.op, text, mode)
         warmed = run_warm_up(
             session,
             record.config.warmup,
@@ -122,16 +125,16 @@ def open_version(
     return OpenedVersion(session, warmed, signed, post, generation, text, audio)
 
 
-def _check_entities(text: TextInputs | None, mode: str) -> None:
-    """`op = "entities"` names words of a request's text, each text a row of the outputs."""
+def _check_text_op(name: str, text: TextInputs | None, mode: str) -> None:
+    """Ops that read a request's text (`entities`, `pool`), each text a row of the outputs."""
     if text is None:
         raise ModelLoadError(
-            "postprocess entities: the version takes no text (it needs a tokenizer.json, the "
+            f"postprocess {name}: the version takes no text (it needs a tokenizer.json, the "
             "'text' extra and an integer input_ids)"
         )
     if mode != "whole":
         raise ModelLoadError(
-            f'postprocess entities: mode = "whole" only, where each text is a row of the '
+            f'postprocess {name}: mode = "whole" only, where each text is a row of the '
             f'outputs (not "{mode}")'
         )
 

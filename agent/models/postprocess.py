@@ -28,6 +28,8 @@ as ``NAME_text`` and ``NAME_score``, agent.models.ctc), ``db`` (``thresh``, ``bo
 ``unclip_ratio``, ``max_candidates``: a DB text detector's map as ``boxes`` and ``scores``,
 agent.models.text_boxes; needs OpenCV), ``entities`` (``labels``: a token classifier's
 ``[texts, sequence, labels]`` as the ``entities`` of the request's text, agent.models.entities),
+``pool`` (``method`` mean | cls, ``normalize``: an encoder's hidden states as one
+``sentence_embedding`` a text, agent.models.pooling),
 ``argmax`` (axis, keepdims; int64 in place),
 ``threshold`` (value; a uint8 0/1 mask in place: ``x > value``), ``cast`` (dtype), ``drop``.
 The ops run in numpy on every request's and every source frame's outputs, after the outputs
@@ -53,6 +55,7 @@ from agent.models.ctc import HF_VOCAB, CtcSpec, decode_ctc, hf_ctc_spec
 from agent.models.detect import DetectSpec, decode_detections
 from agent.models.entities import EntitiesSpec, decode_entities
 from agent.models.hf_files import read_json
+from agent.models.pooling import POOLED, PoolSpec, pool_texts
 from agent.models.preprocess import load_cv2
 from agent.models.resize import Geometry
 from agent.models.text_boxes import TextBoxSpec, decode_text_boxes
@@ -83,6 +86,7 @@ _OP_KEYS: dict[str, frozenset[str]] = {
     "ctc": frozenset({"labels", "space", "blank"}),
     "db": frozenset({"thresh", "box_thresh", "unclip_ratio", "max_candidates"}),
     "entities": frozenset({"labels"}),
+    "pool": frozenset({"method", "normalize"}),
 }
 
 
@@ -104,6 +108,7 @@ class PostprocessOp(BaseModel):
         "ctc",
         "db",
         "entities",
+        "pool",
     ]
     axis: int = -1
     keepdims: bool = False
@@ -127,6 +132,8 @@ class PostprocessOp(BaseModel):
     box_thresh: float = Field(default=0.6, ge=0, le=1)
     unclip_ratio: float = Field(default=1.5, gt=0, le=10)
     max_candidates: int = Field(default=1000, ge=1, le=100000)
+    method: Literal["mean", "cls"] = "mean"  # pool: the tokens' mean, or the first token's
+    normalize: bool = False  # pool: L2-normalised
 
     @model_validator(mode="after")
     def _keys_of_op(self) -> PostprocessOp:
@@ -300,11 +307,13 @@ def _made(op: PostprocessOp) -> set[str]:
         return {f"{op.output}_text", f"{op.output}_score"}
     if op.op == "entities":
         return {"entities"}
+    if op.op == "pool":
+        return {POOLED}
     return set() if op.op == "drop" else {op.output}
 
 
 def _removed(op: PostprocessOp) -> set[str]:
-    if op.op in ("drop", "ctc", "entities"):
+    if op.op in ("drop", "ctc", "entities", "pool"):
         return {op.output}
     if op.op == "detect":
         inputs = {name for name in (op.output, op.scores, op.masks) if name is not None}
@@ -345,6 +354,9 @@ def _step(op: PostprocessOp, labels: tuple[str, ...] | None) -> Step:
                 "the labels (and space) and the blank make"
             )
         return _ctc_step(CtcSpec(name, characters, op.blank))
+    if op.op == "pool":
+        pool = PoolSpec(name, op.method, op.normalize)
+        return lambda outputs, given: pool_texts(pool, outputs, given.texts)
     if op.op == "entities":
         assert labels is not None  # checked by PostprocessOp
         entities = EntitiesSpec(name, labels)
