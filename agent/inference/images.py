@@ -86,7 +86,7 @@ def prepared_inputs(
 ) -> tuple[Mapping[str, Any], Geometry | None]:
     """The request's `inputs` with its image (if it sent one) decoded and preprocessed, and
     the image's geometry; the decode and preprocess times go to `job.timing`."""
-    config = loaded.config.preprocess
+    config = loaded.preprocess
     specs = loaded.session.inputs
     target = image_input(config, specs)
     value = inputs.get(target) if target is not None else None

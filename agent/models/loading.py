@@ -18,7 +18,9 @@ from agent.models.backends.base import BackendOptions, ModelLoadError, Session
 from agent.models.backends.registry import get_backend
 from agent.models.decoder_layout import Generation, open_generation
 from agent.models.defaults import default_arrays
+from agent.models.image_processor import processor_preprocess
 from agent.models.postprocess import Postprocessor, build_postprocess
+from agent.models.preprocess import PreprocessConfig
 from agent.models.records import ModelRecord
 from agent.models.repository import VersionInfo, checksum_problem, verify_checksum
 from agent.models.signature import check_signature, incompatibilities
@@ -42,6 +44,7 @@ class OpenedVersion:
     generation: Generation | None  # mode = "generate": the decoder's layout
     text: TextInputs | None  # a tokenizer.json beside a model of token ids: text in
     audio: AudioNormalization | None  # a speech encoder's samples normalised
+    preprocess: PreprocessConfig | None  # no [preprocess]: its image processor's, if any
 
 
 def verify_files(
@@ -74,7 +77,8 @@ def open_version(
     its outputs (labels read from the version folder), for `mode = "generate"` its decoder
     layout (agent.models.decoder_layout), for any other model of token ids with a
     `tokenizer.json` how text becomes its inputs (agent.models.text_inputs), and for a speech
-    encoder whose feature extractor normalises, that (agent.models.audio_inputs). ``engine``: a plan
+    encoder whose feature extractor normalises, that (agent.models.audio_inputs), and an image
+    model's processor as its `[preprocess]` (agent.models.image_processor). ``engine``: a plan
     the agent built from the version's ONNX file (agent.models.engine_builds), loaded
     instead of it once the version's own files passed."""
     if version.problem is not None:
@@ -107,6 +111,9 @@ def open_version(
             text = open_text_inputs(session.inputs, folder)
         mode = record.config.stream.mode
         audio = open_audio_normalization(session.inputs, folder, mode)
+        preprocess = None
+        if record.config.preprocess is None and generation is None:
+            preprocess = processor_preprocess(session.inputs, folder)
         for op in record.config.postprocess:
             if op.op in TEXT_OPS:
                 _check_text_op(op.op, text, mode)
@@ -122,7 +129,7 @@ def open_version(
         if isinstance(e, ModelLoadError):
             raise
         raise ModelLoadError(f"warm-up failed: {e}") from e
-    return OpenedVersion(session, warmed, signed, post, generation, text, audio)
+    return OpenedVersion(session, warmed, signed, post, generation, text, audio, preprocess)
 
 
 def _check_text_op(name: str, text: TextInputs | None, mode: str) -> None:

@@ -373,6 +373,7 @@ class ModelManager:
         loaded.generation = opened.generation
         loaded.text = opened.text
         loaded.audio = opened.audio
+        loaded.processor_preprocess = opened.preprocess
         with self._lock:
             entry.state, entry.loaded, entry.backend = "ready", loaded, loaded.backend
             entry.warmup, entry.signed = warmed, opened.signed

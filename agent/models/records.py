@@ -22,7 +22,7 @@ from agent.models.backends.base import Dim, Session, TensorSpec, session_metadat
 from agent.models.decoder_layout import Generation
 from agent.models.model_config import BatchingConfig, ModelConfig, StreamConfig
 from agent.models.postprocess import Postprocessor
-from agent.models.preprocess import image_input
+from agent.models.preprocess import PreprocessConfig, image_input
 from agent.models.signature import request_inputs
 from agent.models.text_inputs import TextInputs
 
@@ -68,6 +68,15 @@ class LoadedVersion:
     generation: Generation | None = field(default=None, repr=False, compare=False)  # generate
     text: TextInputs | None = field(default=None, repr=False, compare=False)  # text in
     audio: AudioNormalization | None = field(default=None, repr=False, compare=False)
+    # The `[preprocess]` its image processor's `preprocessor_config.json` describes, where
+    # `config.toml` has none (agent.models.image_processor).
+    processor_preprocess: PreprocessConfig | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def preprocess(self) -> PreprocessConfig | None:
+        """How an image becomes its input: `config.toml`'s `[preprocess]`, else its image
+        processor's."""
+        return self.config.preprocess or self.processor_preprocess
 
     @functools.cached_property
     def request_inputs(self) -> tuple[TensorSpec, ...]:
@@ -125,7 +134,7 @@ class Serving:
             config.stream,
             batching if batching.enabled else None,
             tuple(config.defaults),
-            image_input(config.preprocess, loaded.session.inputs),
+            image_input(loaded.preprocess, loaded.session.inputs),
             loaded.text is not None,
         )
 

@@ -49,7 +49,7 @@ def select_outputs(
 def model_inputs(config: SourceConfig, record: Record, loaded: LoadedVersion) -> dict[str, Array]:
     """The record's fields as the model's inputs: mapped by name, then preprocessed (the
     frame's `geometry` then kept on the record and put in its `extra`, sent with its chunk)."""
-    pre = loaded.config.preprocess if config.preprocess else None
+    pre = loaded.preprocess if config.preprocess else None
     names = [spec.name for spec in loaded.session.inputs]
     target = image_input(pre, loaded.session.inputs)  # None without a [preprocess]
     fields = record.fields
