@@ -14,7 +14,9 @@ layers of width 32, three labels) exported with optimum's ``image-classification
 0.5 and 0.5); two drawn PNG images, ``square.png`` (32 x 32, the model's size: no resize) and
 ``wide.png`` (48 x 64, resized); and ``reference.json``: the processor's
 ``pixel_values`` into the PyTorch model, for each image opened with Pillow as a pipeline
-opens it, the logits.
+opens it, the logits. ``crop/preprocessor_config.json`` is a ``CLIPImageProcessor`` for the
+same model (the shorter side to 32, bicubic, the centre 32 x 32 kept, CLIP's mean and std),
+and ``crop_logits`` in ``reference.json`` what it and the model make of each image.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def main() -> None:
     import torch
     from optimum.exporters.onnx import main_export
     from PIL import Image
-    from transformers import ViTImageProcessor
+    from transformers import CLIPImageProcessor, ViTImageProcessor
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -91,14 +93,18 @@ def main() -> None:
         for file in sorted(onnx_dir.iterdir()):
             if file.suffix in (".onnx", ".json"):
                 shutil.copy(file, out / file.name)
+    cropping = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size=32)
+    cropping.save_pretrained(out / "crop")
     images = {}
     for seed, (name, size) in enumerate(IMAGES.items()):
         draw(out / name, size, seed)
-        pixels = processor(Image.open(out / name).convert("RGB"), return_tensors="pt")
-        with torch.no_grad():
-            logits = model(**pixels).logits[0].tolist()
-        images[name] = {"size": list(size), "logits": logits}
-        print(f"vit {name}: {logits}")
+        image = Image.open(out / name).convert("RGB")
+        images[name] = {"size": list(size)}
+        for key, made in (("logits", processor), ("crop_logits", cropping)):
+            with torch.no_grad():
+                logits = model(**made(image, return_tensors="pt")).logits[0].tolist()
+            images[name][key] = logits
+            print(f"vit {name} {key}: {logits}")
     reference = {"labels": LABELS, "images": images}
     (out / "reference.json").write_text(json.dumps(reference, indent=1) + "\n")
 

@@ -86,6 +86,22 @@ def test_fit_height_pads_zeros_after_normalising(layout: str) -> None:
     assert (columns[:, :, :4] == 1.0).all() and (columns[:, :, 4:] == 0.0).all()
 
 
+def test_crop_geometry_by_hand() -> None:
+    """The shorter side to 32, the longer int(32 * long / short), the centre 32 x 32 kept
+    (top = (H - 32) // 2, as transformers' center_crop): a negative pad, the crop's offset."""
+    assert geometry(48, 64, resize=[32, 32], resize_mode="crop", shortest_edge=32) == {
+        "source": [48, 64],
+        "input": [32, 32],
+        "scale": [32 / 48, 42 / 64],
+        "pad": [0, -5],
+    }
+    tall = geometry(100, 50, resize=[20, 24], resize_mode="crop", shortest_edge=24)
+    assert tall["input"] == [20, 24] and tall["pad"] == [-14, 0]  # 48 x 24, rows 14..33
+    config = PreprocessConfig(resize=[2, 2], resize_mode="crop", shortest_edge=3, dtype="uint8")
+    image, _ = preprocess_image(np.arange(9, dtype=np.uint8).reshape(3, 3, 1), config)
+    assert image[0, 0].tolist() == [[0, 1], [3, 4]]  # (3 - 2) // 2 = 0: the top left kept
+
+
 def test_multiple_of_rounds_stretch() -> None:
     assert plan_resize(50, 70, mode="stretch", resize=None, multiple_of=32).canvas == (64, 64)
     assert plan_resize(10, 10, mode="stretch", resize=None, multiple_of=32).canvas == (32, 32)
@@ -96,6 +112,10 @@ def test_multiple_of_rounds_stretch() -> None:
     [
         ({"resize_mode": "letterbox"}, "needs resize"),
         ({"resize_mode": "fit_height"}, "needs resize"),
+        ({"resize_mode": "crop", "resize": [8, 8]}, "shortest_edge = N go together"),
+        ({"resize_mode": "crop", "shortest_edge": 8}, "needs resize"),
+        ({"resize_mode": "crop", "resize": [8, 9], "shortest_edge": 8}, "at least the crop"),
+        ({"resize": [8, 8], "shortest_edge": 8}, "go together"),
         ({"resize_mode": "fit_height", "resize": [32, 320], "pad_value": 0}, "drop pad_value"),
         ({"resize_mode": "limit_side"}, "go together"),
         ({"limit_side": 32}, "go together"),

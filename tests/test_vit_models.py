@@ -36,9 +36,11 @@ def vit_agent(
 
     tmp = tmp_path_factory.mktemp("vit")
     root = tmp / "models"
-    for name, config in {"vit": "", "vit_labels": TOP}.items():
-        shutil.copytree(FIXTURE, root / name / "1", ignore=shutil.ignore_patterns("*.png", "ref*"))
+    for name, config in {"vit": "", "vit_labels": TOP, "vit_crop": ""}.items():
+        ignore = shutil.ignore_patterns("*.png", "ref*", "crop")
+        shutil.copytree(FIXTURE, root / name / "1", ignore=ignore)
         (root / name / "config.toml").write_text(config)
+    shutil.copy(FIXTURE / "crop" / "preprocessor_config.json", root / "vit_crop" / "1")
     yield from serve_agent(broker, agent_config(tmp, broker, root))
 
 
@@ -66,6 +68,30 @@ def test_a_resized_image_comes_close_with_its_labels(vit_agent: tuple[Agent, Age
     order = np.argsort(-want)
     assert got["logits_labels"].tolist() == [[REFERENCE["labels"][i] for i in order]]
     np.testing.assert_allclose(got["logits"], [want[order]], atol=0.1)
+
+
+@pytest.mark.parametrize(("image", "atol"), [("square.png", 1e-5), ("wide.png", 0.15)])
+def test_a_clip_processor_resizes_the_shorter_side_and_crops(
+    vit_agent: tuple[Agent, AgentClient], image: str, atol: float
+) -> None:
+    """`CLIPImageProcessor`: the shorter side to 32 (bicubic), the centre 32 x 32 kept
+    (`resize_mode = "crop"`), CLIP's mean and std: the model's size goes in exactly, the
+    48 x 64 image close (OpenCV's bicubic, not Pillow's); the crop's offset is the
+    geometry's negative pad."""
+    _, client = vit_agent
+    png = (FIXTURE / image).read_bytes()
+    reply = client.request("vit_crop", {"pixel_values": png}, stream=False)
+    got = reply.collect()
+    want = REFERENCE["images"][image]["crop_logits"]
+    np.testing.assert_allclose(got["logits"], [want], rtol=1e-4, atol=atol)
+    assert int(np.argmax(got["logits"])) == int(np.argmax(want))
+    if image == "wide.png":  # 48 x 64 to 32 x 42, its columns 5..36 kept
+        assert reply.geometry == {
+            "source": [48, 64],
+            "input": [32, 32],
+            "scale": [32 / 48, 42 / 64],
+            "pad": [0, -5],
+        }
 
 
 def processor_folder(tmp_path: Path, **processor: Any) -> Path:

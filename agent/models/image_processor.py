@@ -7,14 +7,16 @@ that config is read into one, so a request may send the JPEG or PNG as it is:
 
 - `do_resize` with `size: {height, width}`: `resize = [height, width]`, stretched, with
   `resample` 0 nearest, 2 bilinear, 3 bicubic (PIL's numbers) as OpenCV's interpolation;
+- `do_center_crop` with `size: {shortest_edge}` and `crop_size: {height, width}` (CLIP's):
+  `resize_mode = "crop"`, the shorter side to `shortest_edge`, the centre kept;
 - `do_rescale`, `rescale_factor`: `scale`; `do_normalize`, `image_mean`, `image_std`: `mean`,
   `std`; RGB, channels first, float32.
 
-A processor this cannot express (a `shortest_edge` size, a centre crop, padding, another
-`resample`) gives none: the version loads and takes tensors, and an info line says why. The
-resize is OpenCV's, not Pillow's: an image of the model's own size goes in as the processor
-makes it; a resized one differs by Pillow's and OpenCV's rounding (Pillow also smooths what it
-shrinks).
+A processor this cannot express (a `shortest_edge` size without a crop, ConvNeXt's
+`crop_pct`, padding, another `resample`) gives none: the version loads and takes tensors, and
+an info line says why. The resize is OpenCV's, not Pillow's: an image of the model's own size
+goes in as the processor makes it; a resized one differs by Pillow's and OpenCV's rounding
+(Pillow also smooths what it shrinks).
 
 Imports only `backends.base`, `hf_files` and `preprocess`.
 """
@@ -60,21 +62,36 @@ def processor_preprocess(specs: Sequence[TensorSpec], folder: Path) -> Preproces
 
 
 def _unsupported(processor: dict[str, Any]) -> str | None:
-    size = processor.get("size")
-    if processor.get("do_resize", True) and not (
-        isinstance(size, dict) and set(size) == {"height", "width"}
-    ):
+    size, crop = processor.get("size"), processor.get("crop_size")
+    if processor.get("do_pad") or "crop_pct" in processor:
+        return "padding or a crop_pct"
+    if processor.get("do_center_crop"):
+        if not (_is_shortest_edge(size) and _is_height_width(crop)):
+            return f"size {size!r} and crop_size {crop!r}: a crop takes a shortest_edge"
+    elif processor.get("do_resize", True) and not _is_height_width(size):
         return f"size {size!r}: only {{height, width}} is resized here"
-    if processor.get("do_center_crop") or processor.get("do_pad"):
-        return "a centre crop or padding"
     if processor.get("resample", 2) not in _RESAMPLE:
         return f"resample {processor.get('resample')!r}"
     return None
 
 
+def _is_height_width(size: Any) -> bool:
+    return isinstance(size, dict) and set(size) == {"height", "width"}
+
+
+def _is_shortest_edge(size: Any) -> bool:
+    return isinstance(size, dict) and set(size) == {"shortest_edge"}
+
+
 def _keys(processor: dict[str, Any]) -> dict[str, Any]:
     keys: dict[str, Any] = {"input": IMAGE_INPUT, "color": "rgb", "layout": "NCHW"}
-    if processor.get("do_resize", True):
+    if processor.get("do_center_crop"):  # resized by the shorter side, then the centre
+        crop = processor["crop_size"]
+        keys["resize_mode"] = "crop"
+        keys["resize"] = [crop["height"], crop["width"]]
+        keys["shortest_edge"] = processor["size"]["shortest_edge"]
+        keys["interpolation"] = _RESAMPLE[processor.get("resample", 2)]
+    elif processor.get("do_resize", True):
         size = processor["size"]
         keys["resize"] = [size["height"], size["width"]]
         keys["interpolation"] = _RESAMPLE[processor.get("resample", 2)]

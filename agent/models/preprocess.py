@@ -6,7 +6,10 @@ box serving it) prepares frames the same way::
     [preprocess]
     input = "image"            # the model input the frame feeds (default: its only input)
     resize = [32, 32]          # [height, width]
-    resize_mode = "stretch"    # stretch | letterbox | limit_side | fit_height (agent.models.resize)
+    resize_mode = "stretch"    # stretch | letterbox | limit_side | fit_height | crop
+                               # (agent.models.resize)
+    shortest_edge = 256        # crop: the shorter side resized to this, then the centre
+                               # resize = [h, w] kept
     limit_side = 960           # limit_side: the side's bound; limit_type = "max" | "min"
     multiple_of = 32           # round each side to a multiple (detectors with dynamic input)
     pad_value = 114            # letterbox: the padding, in the frame's own pixel values
@@ -80,7 +83,8 @@ class PreprocessConfig(BaseModel):
 
     input: str | None = Field(default=None, min_length=1)
     resize: list[int] | None = None
-    resize_mode: Literal["stretch", "letterbox", "limit_side", "fit_height"] = "stretch"
+    resize_mode: Literal["stretch", "letterbox", "limit_side", "fit_height", "crop"] = "stretch"
+    shortest_edge: int | None = Field(default=None, ge=1, le=_MAX_SIDE)
     limit_side: int | None = Field(default=None, ge=1, le=_MAX_SIDE)
     limit_type: Literal["max", "min"] = "max"
     multiple_of: int | None = Field(default=None, ge=1, le=1024)
@@ -137,7 +141,12 @@ class PreprocessConfig(BaseModel):
         return self
 
     def _check_resize_mode(self) -> None:
-        if self.resize_mode in ("letterbox", "fit_height") and self.resize is None:
+        if (self.resize_mode == "crop") != (self.shortest_edge is not None):
+            raise ValueError('resize_mode = "crop" and shortest_edge = N go together')
+        edge, crop = self.shortest_edge, self.resize
+        if edge is not None and crop is not None and edge < max(crop):
+            raise ValueError("shortest_edge must be at least the crop, resize = [h, w]")
+        if self.resize_mode in ("letterbox", "fit_height", "crop") and self.resize is None:
             raise ValueError(f'resize_mode = "{self.resize_mode}" needs resize = [height, width]')
         if self.resize_mode == "fit_height" and "pad_value" in self.model_fields_set:
             raise ValueError(
@@ -275,10 +284,14 @@ def _placed(image: Array, config: PreprocessConfig) -> tuple[Array, ResizePlan, 
         limit_side=config.limit_side,
         limit_type=config.limit_type,
         multiple_of=config.multiple_of,
+        shortest_edge=config.shortest_edge,
     )
     if (plan.height, plan.width) != (height, width):
         image = _resize(image, plan.height, plan.width, config.interpolation)
-    if plan.padded and config.resize_mode != "fit_height":
+    if plan.cropped:  # a view of the resized image's centre
+        top, left = -plan.top, -plan.left
+        image = image[top : top + plan.canvas[0], left : left + plan.canvas[1]]
+    elif plan.padded and config.resize_mode != "fit_height":
         image = _pad(image, plan.canvas, plan.top, plan.left, config.pad_value)
     return image, plan, plan.geometry(height, width)
 

@@ -1,6 +1,6 @@
 """The resize step of `[preprocess]`: where an image's pixels land in the model input.
 
-Four modes (`resize_mode`):
+Five modes (`resize_mode`):
 
 - ``stretch``: to ``resize = [h, w]`` exactly, the aspect ratio not kept (the default);
 - ``letterbox``: scaled by one factor to fit inside ``resize``, the rest padded with
@@ -13,7 +13,12 @@ Four modes (`resize_mode`):
   its width ``ceil(rows * w / h)`` (the aspect ratio kept), on a canvas ``resize[1]`` wide or,
   for a longer line, ``int(rows * w / h)`` (at most 3200: a longer line is squeezed to it);
   the rest of the canvas, on the right, is padded after normalising, with zeros
-  (``preprocess`` does it).
+  (``preprocess`` does it);
+- ``crop``: torchvision's and Hugging Face's resize-then-centre-crop (CLIP's, DeiT's
+  processors): the shorter side to ``shortest_edge``, the longer ``int(shortest_edge * long
+  / short)``, then the centre ``resize = [h, w]`` kept (``top = (H - h) // 2``, as
+  `transformers`' ``center_crop``); the geometry's ``pad`` is then negative, the crop's
+  offset.
 
 ``multiple_of = N`` then rounds each side to a multiple of N: ``stretch`` and
 ``limit_side`` round the resized size to the nearest multiple (at least N, as PaddleOCR's
@@ -61,13 +66,15 @@ class Geometry:
 @dataclass(frozen=True)
 class ResizePlan:
     """The image resized to `(height, width)`, then placed at `(top, left)` on a canvas of
-    `canvas` (equal to the resized size where nothing is padded)."""
+    `canvas` (equal to the resized size where nothing is padded), or, `cropped`, the canvas
+    cut from it at `(-top, -left)`."""
 
     height: int
     width: int
     canvas: tuple[int, int]
     top: int
     left: int
+    cropped: bool = False  # the canvas is a part of the resized image, at (-top, -left)
 
     def geometry(self, source_height: int, source_width: int) -> Geometry:
         return Geometry(
@@ -79,7 +86,7 @@ class ResizePlan:
 
     @property
     def padded(self) -> bool:
-        return self.canvas != (self.height, self.width)
+        return self.canvas != (self.height, self.width) and not self.cropped
 
 
 def _round_to(size: int, multiple: int | None) -> int:
@@ -103,6 +110,7 @@ def plan_resize(
     limit_side: int | None = None,
     limit_type: str = "max",
     multiple_of: int | None = None,
+    shortest_edge: int | None = None,
 ) -> ResizePlan:
     """Where an image of `height` x `width` goes (see the module docstring for the modes)."""
     if mode == "letterbox" and resize is not None:
@@ -124,6 +132,13 @@ def plan_resize(
             new_w = min(math.ceil(rows * ratio), canvas_w)
         canvas_w = _ceil_to(canvas_w, multiple_of)
         return ResizePlan(rows, max(new_w, 1), (rows, canvas_w), 0, 0)
+    if mode == "crop" and resize is not None and shortest_edge is not None:
+        crop_h, crop_w = resize
+        short, long = (width, height) if width <= height else (height, width)
+        new_long = int(shortest_edge * long / short)
+        new_h, new_w = (new_long, shortest_edge) if width <= height else (shortest_edge, new_long)
+        top, left = (new_h - crop_h) // 2, (new_w - crop_w) // 2
+        return ResizePlan(new_h, new_w, (crop_h, crop_w), -top, -left, cropped=True)
     if mode == "limit_side" and limit_side is not None:
         ratio = 1.0
         if limit_type == "max" and max(height, width) > limit_side:
