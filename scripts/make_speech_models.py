@@ -24,12 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from make_text_models import copy_export  # this script's folder
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "real" / "wav2vec2"
@@ -111,12 +111,7 @@ def main() -> None:
         model = build(len(hf.tokenizer))
         model.save_pretrained(src)
         main_export(str(src), output=str(onnx_dir), task="automatic-speech-recognition")
-        if out.exists():
-            shutil.rmtree(out)
-        out.mkdir(parents=True)
-        for file in sorted(onnx_dir.iterdir()):
-            if file.suffix in (".onnx", ".json"):
-                shutil.copy(file, out / file.name)
+        copy_export(onnx_dir, out)
     audio = signal()
     np.save(out / "signal.npy", audio)
     features = hf(audio, sampling_rate=RATE, return_tensors="pt")

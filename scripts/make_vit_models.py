@@ -24,12 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from make_text_models import copy_export  # this script's folder
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "real" / "vit"
@@ -87,12 +87,7 @@ def main() -> None:
         model.save_pretrained(src)
         processor.save_pretrained(src)
         main_export(str(src), output=str(onnx_dir), task="image-classification", device="cpu")
-        if out.exists():
-            shutil.rmtree(out)
-        out.mkdir(parents=True)
-        for file in sorted(onnx_dir.iterdir()):
-            if file.suffix in (".onnx", ".json"):
-                shutil.copy(file, out / file.name)
+        copy_export(onnx_dir, out)
     cropping = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size=32)
     cropping.save_pretrained(out / "crop")
     images = {}

@@ -128,55 +128,28 @@ def test_the_blank_comes_from_the_tokenizer() -> None:
         PostprocessOp(output="logits", op="ctc", labels="vocab.json", blank=3)
 
 
+WAV2VEC2 = {"feature_extractor_type": "Wav2Vec2FeatureExtractor", "do_normalize": True}
+
+
 @pytest.mark.parametrize(
-    ("extractor", "mode", "shape", "normalises"),
+    ("changed", "mode", "rank", "normalises"),
     [
-        (
-            {"feature_extractor_type": "Wav2Vec2FeatureExtractor", "do_normalize": True},
-            "whole",
-            2,
-            True,
-        ),
-        (
-            {"feature_extractor_type": "Wav2Vec2FeatureExtractor", "do_normalize": True},
-            "batch",
-            2,
-            True,
-        ),
-        (
-            {"feature_extractor_type": "Wav2Vec2FeatureExtractor", "do_normalize": True},
-            "scan",
-            2,
-            False,
-        ),
-        (
-            {"feature_extractor_type": "Wav2Vec2FeatureExtractor", "do_normalize": False},
-            "whole",
-            2,
-            False,
-        ),
-        (
-            {"feature_extractor_type": "WhisperFeatureExtractor", "do_normalize": True},
-            "whole",
-            2,
-            False,
-        ),
-        (
-            {"feature_extractor_type": "Wav2Vec2FeatureExtractor", "do_normalize": True},
-            "whole",
-            3,
-            False,
-        ),
+        ({}, "whole", 2, True),
+        ({}, "batch", 2, True),
+        ({}, "scan", 2, False),
+        ({"do_normalize": False}, "whole", 2, False),
+        ({"feature_extractor_type": "WhisperFeatureExtractor"}, "whole", 2, False),
+        ({}, "whole", 3, False),
     ],
 )
 def test_which_versions_normalise(
-    tmp_path: Path, extractor: dict[str, Any], mode: str, shape: int, normalises: bool
+    tmp_path: Path, changed: dict[str, Any], mode: str, rank: int, normalises: bool
 ) -> None:
     """Whole utterances (whole and batch modes) of a normalising wav2vec2-style extractor; a
     scan's windows and a pcm source's are not utterances."""
     from agent.models.audio_inputs import open_audio_normalization
     from agent.models.backends.base import TensorSpec
 
-    (tmp_path / "preprocessor_config.json").write_text(json.dumps(extractor))
-    specs = [TensorSpec("input_values", np.dtype(np.float32), ("batch", "samples", 1)[:shape])]
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({**WAV2VEC2, **changed}))
+    specs = [TensorSpec("input_values", np.dtype(np.float32), ("batch", "samples", 1)[:rank])]
     assert (open_audio_normalization(specs, tmp_path, mode) is not None) is normalises

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from agent.models.text_inputs import TextBatch
+from agent.models.text_inputs import TextBatch, per_text_rows
 
 __all__ = ["EntitiesSpec", "decode_entities"]
 
@@ -55,17 +55,7 @@ def decode_entities(
 ) -> dict[str, Any]:
     """`outputs` with the classifier's logits replaced by `entities`; ValueError where the
     request sent no text or the output is not `[texts, sequence, labels]`."""
-    if texts is None:
-        raise ValueError(
-            f"entities: {spec.output} is named by the request's text: send inputs.prompt, "
-            "not token ids"
-        )
-    logits = np.asarray(outputs[spec.output], dtype=np.float32)
-    if logits.ndim != 3 or logits.shape[0] != len(texts.texts):
-        raise ValueError(
-            f"entities: {spec.output} has shape {list(logits.shape)}, expected "
-            f"[{len(texts.texts)}, sequence, labels]"
-        )
+    logits, texts = per_text_rows("entities", spec.output, outputs, texts, "labels")
     if logits.shape[2] != len(spec.labels):
         raise ValueError(
             f"entities: {spec.output} has {logits.shape[2]} labels; the labels file names "

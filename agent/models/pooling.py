@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from agent.models.text_inputs import TextBatch
+from agent.models.text_inputs import TextBatch, per_text_rows
 
 __all__ = ["POOLED", "PoolSpec", "pool_texts"]
 
@@ -37,17 +37,7 @@ class PoolSpec:
 def pool_texts(spec: PoolSpec, outputs: dict[str, Any], texts: TextBatch | None) -> dict[str, Any]:
     """`outputs` with the hidden states replaced by one embedding a text; ValueError where
     the request sent no text or the output is not `[texts, sequence, hidden]`."""
-    if texts is None:
-        raise ValueError(
-            f"pool: {spec.output} is pooled over the request's text: send inputs.prompt, "
-            "not token ids"
-        )
-    hidden = np.asarray(outputs[spec.output], dtype=np.float32)
-    if hidden.ndim != 3 or hidden.shape[0] != len(texts.texts):
-        raise ValueError(
-            f"pool: {spec.output} has shape {list(hidden.shape)}, expected "
-            f"[{len(texts.texts)}, sequence, hidden]"
-        )
+    hidden, texts = per_text_rows("pool", spec.output, outputs, texts, "hidden")
     rows = []
     for row, (cut, first) in enumerate(zip(texts.encoded, texts.firsts, strict=True)):
         tokens = hidden[row, first : first + len(cut.ids)]

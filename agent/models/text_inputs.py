@@ -36,7 +36,14 @@ from agent.models.tokenizer import (
     too_long,
 )
 
-__all__ = ["TEXT_INPUT", "TextBatch", "TextInputs", "TextRefused", "open_text_inputs"]
+__all__ = [
+    "TEXT_INPUT",
+    "TextBatch",
+    "TextInputs",
+    "TextRefused",
+    "open_text_inputs",
+    "per_text_rows",
+]
 
 TEXT_INPUT = "prompt"  # the request's input that carries text (as for a generate model)
 MAX_TEXTS = 1024  # rows of one request's batch of texts
@@ -116,6 +123,26 @@ class TextInputs:
             positions = np.broadcast_to(np.arange(width), (len(encoded), width))
             made[self.positions.name] = positions.astype(self.positions.dtype)
         return made, batch
+
+
+def per_text_rows(
+    op: str, output: str, outputs: dict[str, Any], texts: TextBatch | None, last: str
+) -> tuple[Array, TextBatch]:
+    """`outputs[output]` as float32 `[texts, sequence, last]`, a row a text of the request, and
+    the texts; ValueError naming the op where the request sent token ids, not text, or the
+    output's rows are not its texts."""
+    if texts is None:
+        raise ValueError(
+            f"{op}: {output} is read with the request's text: send inputs.{TEXT_INPUT}, "
+            "not token ids"
+        )
+    rows: Array = np.asarray(outputs[output], dtype=np.float32)
+    if rows.ndim != 3 or rows.shape[0] != len(texts.texts):
+        raise ValueError(
+            f"{op}: {output} has shape {list(rows.shape)}, expected "
+            f"[{len(texts.texts)}, sequence, {last}]"
+        )
+    return rows, texts
 
 
 def _texts(value: Any) -> list[str]:
