@@ -11,6 +11,7 @@ export stack, so it gets a scratch virtualenv of its own::
     .venv-paddle/bin/pip install --no-deps paddlex==3.7.2   # its CTC decoder, the reference
     .venv-paddle/bin/pip install colorlog requests chardet ruamel.yaml pyyaml filelock \
         pydantic huggingface_hub modelscope aistudio_sdk pandas   # what importing it needs
+    .venv-paddle/bin/pip install opencv-contrib-python pyclipper shapely   # its OCR ops need
     .venv-paddle/bin/python scripts/make_paddle_models.py [--out tests/fixtures/real]
 
 The model is a small DBNet-style detector as PaddleOCR's det models are built (convolutions
