@@ -16,7 +16,9 @@ layers of width 32, three labels) exported with optimum's ``image-classification
 ``pixel_values`` into the PyTorch model, for each image opened with Pillow as a pipeline
 opens it, the logits. ``crop/preprocessor_config.json`` is a ``CLIPImageProcessor`` for the
 same model (the shorter side to 32, bicubic, the centre 32 x 32 kept, CLIP's mean and std),
-and ``crop_logits`` in ``reference.json`` what it and the model make of each image.
+and ``crop_logits`` in ``reference.json`` what it and the model make of each image;
+``crop_pct/preprocessor_config.json`` a ``ConvNextImageProcessor`` (the shorter side to
+``int(32 / 0.8)`` = 40, the centre 32 x 32 kept) and ``crop_pct_logits`` the same for it.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def main() -> None:
     import torch
     from optimum.exporters.onnx import main_export
     from PIL import Image
-    from transformers import CLIPImageProcessor, ViTImageProcessor
+    from transformers import CLIPImageProcessor, ConvNextImageProcessor, ViTImageProcessor
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -90,12 +92,15 @@ def main() -> None:
         copy_export(onnx_dir, out)
     cropping = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size=32)
     cropping.save_pretrained(out / "crop")
+    convnext = ConvNextImageProcessor(size={"shortest_edge": 32}, crop_pct=0.8)
+    convnext.save_pretrained(out / "crop_pct")
+    made_by = {"logits": processor, "crop_logits": cropping, "crop_pct_logits": convnext}
     images = {}
     for seed, (name, size) in enumerate(IMAGES.items()):
         draw(out / name, size, seed)
         image = Image.open(out / name).convert("RGB")
         images[name] = {"size": list(size)}
-        for key, made in (("logits", processor), ("crop_logits", cropping)):
+        for key, made in made_by.items():
             with torch.no_grad():
                 logits = model(**made(image, return_tensors="pt")).logits[0].tolist()
             images[name][key] = logits

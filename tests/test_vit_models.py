@@ -36,11 +36,12 @@ def vit_agent(
 
     tmp = tmp_path_factory.mktemp("vit")
     root = tmp / "models"
-    for name, config in {"vit": "", "vit_labels": TOP, "vit_crop": ""}.items():
-        ignore = shutil.ignore_patterns("*.png", "ref*", "crop")
+    for name, config in {"vit": "", "vit_labels": TOP, "vit_crop": "", "vit_pct": ""}.items():
+        ignore = shutil.ignore_patterns("*.png", "ref*", "crop*")
         shutil.copytree(FIXTURE, root / name / "1", ignore=ignore)
         (root / name / "config.toml").write_text(config)
     shutil.copy(FIXTURE / "crop" / "preprocessor_config.json", root / "vit_crop" / "1")
+    shutil.copy(FIXTURE / "crop_pct" / "preprocessor_config.json", root / "vit_pct" / "1")
     yield from serve_agent(broker, agent_config(tmp, broker, root))
 
 
@@ -94,6 +95,25 @@ def test_a_clip_processor_resizes_the_shorter_side_and_crops(
         }
 
 
+@pytest.mark.parametrize("image", ["square.png", "wide.png"])
+def test_a_convnext_processor_crops_by_its_crop_pct(
+    vit_agent: tuple[Agent, AgentClient], image: str
+) -> None:
+    """`ConvNextImageProcessor`, `shortest_edge` 32 and `crop_pct` 0.8: the shorter side to
+    int(32 / 0.8) = 40, the centre 32 x 32 kept. Both images are resized (enlarged), so the
+    logits come close to the pipeline's (OpenCV's bilinear, not Pillow's)."""
+    _, client = vit_agent
+    png = (FIXTURE / image).read_bytes()
+    reply = client.request("vit_pct", {"pixel_values": png}, stream=False)
+    got = reply.collect()
+    want = REFERENCE["images"][image]["crop_pct_logits"]
+    # Pixels a mean 0.002 (square) and 0.013 (wide) of a normalised unit from the pipeline's;
+    # the random model makes that up to 0.24 of its logits.
+    np.testing.assert_allclose(got["logits"], [want], atol=0.3)
+    assert int(np.argmax(got["logits"])) == int(np.argmax(want))
+    assert reply.geometry is not None and reply.geometry["input"] == [32, 32]
+
+
 def processor_folder(tmp_path: Path, **processor: Any) -> Path:
     config = {"image_processor_type": "ViTImageProcessor", "size": {"height": 8, "width": 8}}
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({**config, **processor}))
@@ -116,7 +136,8 @@ def test_what_the_processor_says_becomes_the_preprocess(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("processor", "inputs"),
     [
-        ({"size": {"shortest_edge": 224}}, IMAGE),  # resized then cropped: not expressed
+        ({"size": {"shortest_edge": 224}}, IMAGE),  # the shorter side, no crop: not expressed
+        ({"size": {"shortest_edge": 8}, "crop_pct": 0.9}, IMAGE),  # not ConvNeXt's processor
         ({"do_center_crop": True}, IMAGE),
         ({"resample": 1}, IMAGE),  # Pillow's LANCZOS
         ({}, [TensorSpec("x", np.dtype(np.float32), ("batch", 3, 8, 8))]),
@@ -125,3 +146,22 @@ def test_what_the_processor_says_becomes_the_preprocess(tmp_path: Path) -> None:
 )
 def test_what_is_not_applied(tmp_path: Path, processor: Any, inputs: Any) -> None:
     assert processor_preprocess(inputs, processor_folder(tmp_path, **processor)) is None
+
+
+@pytest.mark.parametrize(
+    ("edge", "crop_pct", "mode", "shortest"), [(8, None, "crop", 9), (384, 0.9, "stretch", None)]
+)
+def test_convnext_crop_pct_from_384_stretches(
+    tmp_path: Path, edge: int, crop_pct: float | None, mode: str, shortest: int | None
+) -> None:
+    """Below 384 ConvNeXt's processor crops (a null crop_pct is its default, 224 / 256);
+    from 384 it stretches to edge x edge."""
+    folder = processor_folder(
+        tmp_path,
+        image_processor_type="ConvNextImageProcessor",
+        size={"shortest_edge": edge},
+        crop_pct=crop_pct,
+    )
+    pre = processor_preprocess(IMAGE, folder)
+    assert pre is not None
+    assert (pre.resize_mode, pre.resize, pre.shortest_edge) == (mode, [edge, edge], shortest)

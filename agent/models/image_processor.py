@@ -9,11 +9,13 @@ that config is read into one, so a request may send the JPEG or PNG as it is:
   `resample` 0 nearest, 2 bilinear, 3 bicubic (PIL's numbers) as OpenCV's interpolation;
 - `do_center_crop` with `size: {shortest_edge}` and `crop_size: {height, width}` (CLIP's):
   `resize_mode = "crop"`, the shorter side to `shortest_edge`, the centre kept;
+- `size: {shortest_edge: N}` with `crop_pct` (ConvNeXt's): below 384, the shorter side to
+  `int(N / crop_pct)` and the centre `N x N` kept; from 384, stretched to `N x N`;
 - `do_rescale`, `rescale_factor`: `scale`; `do_normalize`, `image_mean`, `image_std`: `mean`,
   `std`; RGB, channels first, float32.
 
-A processor this cannot express (a `shortest_edge` size without a crop, ConvNeXt's
-`crop_pct`, padding, another `resample`) gives none: the version loads and takes tensors, and
+A processor this cannot express (a `shortest_edge` size without a crop, DeiT's square resize
+before its crop, padding, another `resample`) gives none: the version loads and takes tensors, and
 an info line says why. The resize is OpenCV's, not Pillow's: an image of the model's own size
 goes in as the processor makes it; a resized one differs by Pillow's and OpenCV's rounding
 (Pillow also smooths what it shrinks).
@@ -39,6 +41,7 @@ __all__ = ["PROCESSOR_FILE", "processor_preprocess"]
 PROCESSOR_FILE = "preprocessor_config.json"
 IMAGE_INPUT = "pixel_values"
 _RESAMPLE = {0: "nearest", 2: "linear", 3: "cubic"}  # PIL.Image.Resampling's numbers
+CROP_PCT_BELOW = 384  # ConvNeXt's processor crops below this size, stretches from it
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +66,14 @@ def processor_preprocess(specs: Sequence[TensorSpec], folder: Path) -> Preproces
 
 def _unsupported(processor: dict[str, Any]) -> str | None:
     size, crop = processor.get("size"), processor.get("crop_size")
-    if processor.get("do_pad") or "crop_pct" in processor:
-        return "padding or a crop_pct"
-    if processor.get("do_center_crop"):
+    if processor.get("do_pad"):
+        return "padding"
+    if "crop_pct" in processor:
+        if not _is_convnext(processor):
+            return f"a crop_pct of {processor.get('image_processor_type')}"
+        if not _is_shortest_edge(size):
+            return f"crop_pct with size {size!r}: ConvNeXt's takes a shortest_edge"
+    elif processor.get("do_center_crop"):
         if not (_is_shortest_edge(size) and _is_height_width(crop)):
             return f"size {size!r} and crop_size {crop!r}: a crop takes a shortest_edge"
     elif processor.get("do_resize", True) and not _is_height_width(size):
@@ -73,6 +81,11 @@ def _unsupported(processor: dict[str, Any]) -> str | None:
     if processor.get("resample", 2) not in _RESAMPLE:
         return f"resample {processor.get('resample')!r}"
     return None
+
+
+def _is_convnext(processor: dict[str, Any]) -> bool:
+    kind = processor.get("image_processor_type")
+    return isinstance(kind, str) and kind.startswith("ConvNextImageProcessor")
 
 
 def _is_height_width(size: Any) -> bool:
@@ -85,7 +98,15 @@ def _is_shortest_edge(size: Any) -> bool:
 
 def _keys(processor: dict[str, Any]) -> dict[str, Any]:
     keys: dict[str, Any] = {"input": IMAGE_INPUT, "color": "rgb", "layout": "NCHW"}
-    if processor.get("do_center_crop"):  # resized by the shorter side, then the centre
+    if "crop_pct" in processor:  # ConvNeXt's: the shorter side to edge / crop_pct, then the
+        edge = processor["size"]["shortest_edge"]  # centre edge x edge; from 384, stretched
+        keys["resize"] = [edge, edge]
+        if edge < CROP_PCT_BELOW:
+            crop_pct = processor["crop_pct"]  # null: the processor's default, 224 / 256
+            keys["resize_mode"] = "crop"
+            keys["shortest_edge"] = int(edge / (crop_pct if crop_pct is not None else 224 / 256))
+        keys["interpolation"] = _RESAMPLE[processor.get("resample", 2)]
+    elif processor.get("do_center_crop"):  # resized by the shorter side, then the centre
         crop = processor["crop_size"]
         keys["resize_mode"] = "crop"
         keys["resize"] = [crop["height"], crop["width"]]
