@@ -1,6 +1,6 @@
 """A Hugging Face image processor's `preprocessor_config.json` as the version's `[preprocess]`.
 
-An image model exported by optimum (`image-classification`: ViT, DeiT, BEiT, Swin...) comes
+An image model exported by optimum (`image-classification`: ViT, Swin, ConvNeXt...) comes
 with its processor's config: how a photo becomes `pixel_values`. Where the model's
 `config.toml` has no `[preprocess]` and the model takes one `pixel_values [batch, 3, H, W]`,
 that config is read into one, so a request may send the JPEG or PNG as it is:
