@@ -109,17 +109,30 @@ def make_paddle_det() -> Fixture:
     x = rng.standard_normal((1, 3, 32, 48)).astype(np.float32)  # a normalised image
     want = model(paddle.to_tensor(x)).numpy()
     data = converted(model, [None, 3, None, None])
+    return paddle_fixture(
+        "paddle_det",
+        "paddle-det-dbnet",
+        data,
+        x,
+        want,
+        "DBNet-style detector built in Paddle, saved by paddle.jit.save with a dynamic "
+        "batch, height and width, converted by Paddle2ONNX; the reference is Paddle's output.",
+    )
+
+
+def paddle_fixture(name: str, family: str, data: bytes, x: Any, want: Any, notes: str) -> Fixture:
+    """A Paddle2ONNX fixture of input `x` and output `want` (Paddle's), as the writer of
+    make_real_models takes it."""
     return Fixture(
-        name="paddle_det",
+        name=name,
         model=data,
         inputs={"x": x},
         outputs={"fetch_name_0": want},
-        family="paddle-det-dbnet",
+        family=family,
         exporter={"name": "paddle2onnx.export (opset 14)", "version": _version("paddle2onnx")},
         framework={"name": "paddlepaddle", "version": _version("paddlepaddle")},
         tolerance={"rtol": 1e-4, "atol": 1e-5},
-        notes="DBNet-style detector built in Paddle, saved by paddle.jit.save with a dynamic "
-        "batch, height and width, converted by Paddle2ONNX; the reference is Paddle's output.",
+        notes=notes,
     )
 
 
@@ -184,16 +197,13 @@ def make_paddle_rec(out: Path) -> Fixture:
     }
     (folder / "ctc.json").write_text(json.dumps(decoded, indent=2, ensure_ascii=False) + "\n")
     print(f"  paddle_rec: {texts} {scores}")
-    return Fixture(
-        name="paddle_rec",
-        model=data,
-        inputs={"x": x},
-        outputs={"fetch_name_0": want},
-        family="paddle-rec-crnn",
-        exporter={"name": "paddle2onnx.export (opset 14)", "version": _version("paddle2onnx")},
-        framework={"name": "paddlepaddle", "version": _version("paddlepaddle")},
-        tolerance={"rtol": 1e-4, "atol": 1e-5},
-        notes="CRNN-style CTC recogniser built in Paddle (blank, 36 characters, space), saved "
+    return paddle_fixture(
+        "paddle_rec",
+        "paddle-rec-crnn",
+        data,
+        x,
+        want,
+        "CRNN-style CTC recogniser built in Paddle (blank, 36 characters, space), saved "
         "by paddle.jit.save with a dynamic batch and width, converted by Paddle2ONNX; the "
         "reference is Paddle's output, ctc.json PaddleX's decoding of it.",
     )

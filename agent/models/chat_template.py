@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.models.backends.base import ModelLoadError
-from agent.models.hf_files import read_json, read_text
+from agent.models.hf_files import read_json, read_text, special_token
 
 __all__ = ["ChatRefused", "ChatTemplate", "open_chat_template"]
 
@@ -173,13 +173,7 @@ def _special_tokens(config: dict[str, Any]) -> dict[str, Any]:
     for key in _SPECIAL_TOKENS:
         value = config.get(key)
         if key == "additional_special_tokens" and isinstance(value, list):
-            found[key] = [_content(v) for v in value if _content(v) is not None]
-        elif _content(value) is not None:
-            found[key] = _content(value)
+            found[key] = [t for t in map(special_token, value) if t is not None]
+        elif special_token(value) is not None:
+            found[key] = special_token(value)
     return found
-
-
-def _content(value: Any) -> str | None:
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None

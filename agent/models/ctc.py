@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from agent.models.backends.base import ModelLoadError
-from agent.models.hf_files import read_json
+from agent.models.hf_files import read_json, special_token
 
 __all__ = ["HF_VOCAB", "CtcSpec", "decode_ctc", "hf_ctc_spec"]
 
@@ -124,12 +124,12 @@ def hf_ctc_spec(output: str, folder: Path) -> CtcSpec:
         raise ModelLoadError(f"postprocess ctc: {HF_VOCAB} must give the ids 0 to n-1, once each")
     config = {**read_json(folder / "special_tokens_map.json")}
     config |= read_json(folder / "tokenizer_config.json")
-    pad = _token(config.get("pad_token"), "<pad>")
+    pad = special_token(config.get("pad_token")) or "<pad>"
     if pad not in vocab:
         raise ModelLoadError(
             f"postprocess ctc: the pad token {pad!r} (the blank) is not in {HF_VOCAB}"
         )
-    delimiter = _token(config.get("word_delimiter_token"), "|")
+    delimiter = special_token(config.get("word_delimiter_token")) or "|"
     replace = config.get("replace_word_delimiter_char", " ")
     replace = replace if isinstance(replace, str) else " "
     blank = vocab[pad]
@@ -142,10 +142,3 @@ def hf_ctc_spec(output: str, folder: Path) -> CtcSpec:
         lower=config.get("do_lower_case") is True,
         clean_up=config.get("clean_up_tokenization_spaces") is True,
     )
-
-
-def _token(value: Any, default: str) -> str:
-    """A special token as a tokenizer config writes it (a text, or an AddedToken's fields)."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else default

@@ -31,7 +31,7 @@ import numpy as np
 from agent.models.backends.base import DeviceBinding, ModelLoadError, Session, TensorSpec
 from agent.models.chat_template import ChatTemplate, open_chat_template
 from agent.models.generate_config import GenerateConfig
-from agent.models.hf_files import context_of, read_json
+from agent.models.hf_files import context_of, read_json, whole_number
 from agent.models.tokenizer import TextCodec, open_tokenizer
 
 __all__ = [
@@ -210,4 +210,4 @@ def context_in(folder: Path) -> int | None:
 def _eos_of(data: dict[str, Any]) -> frozenset[int]:
     value = data.get("eos_token_id")
     values = value if isinstance(value, list) else [value]
-    return frozenset(v for v in values if isinstance(v, int) and not isinstance(v, bool))
+    return frozenset(v for v in map(whole_number, values) if v is not None)

@@ -18,7 +18,14 @@ from typing import Any
 from agent.models.backends.base import ModelLoadError
 from agent.models.text_file import read_text_limited
 
-__all__ = ["MAX_JSON_BYTES", "context_of", "read_json", "read_text", "whole_number"]
+__all__ = [
+    "MAX_JSON_BYTES",
+    "context_of",
+    "read_json",
+    "read_text",
+    "special_token",
+    "whole_number",
+]
 
 MAX_JSON_BYTES = 1024 * 1024
 # Where configs of the architectures `transformers` knows keep their longest input.
@@ -58,6 +65,14 @@ def read_json(path: Path) -> dict[str, Any]:
 def whole_number(value: Any) -> int | None:
     """`value` where it is a JSON integer (not a boolean), else None."""
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def special_token(value: Any) -> str | None:
+    """A special token as a tokenizer's config writes it: a text, or (older files) an
+    AddedToken's fields, whose `content` is the text; None for anything else."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 def context_of(config: dict[str, Any]) -> int | None:

@@ -105,16 +105,15 @@ def _keys(processor: dict[str, Any]) -> dict[str, Any]:
             crop_pct = processor["crop_pct"]  # null: the processor's default, 224 / 256
             keys["resize_mode"] = "crop"
             keys["shortest_edge"] = int(edge / (crop_pct if crop_pct is not None else 224 / 256))
-        keys["interpolation"] = _RESAMPLE[processor.get("resample", 2)]
     elif processor.get("do_center_crop"):  # resized by the shorter side, then the centre
         crop = processor["crop_size"]
         keys["resize_mode"] = "crop"
         keys["resize"] = [crop["height"], crop["width"]]
         keys["shortest_edge"] = processor["size"]["shortest_edge"]
-        keys["interpolation"] = _RESAMPLE[processor.get("resample", 2)]
     elif processor.get("do_resize", True):
         size = processor["size"]
         keys["resize"] = [size["height"], size["width"]]
+    if "resize" in keys:
         keys["interpolation"] = _RESAMPLE[processor.get("resample", 2)]
     if processor.get("do_rescale", True):
         keys["scale"] = float(processor.get("rescale_factor", 1 / 255))

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from agent.models.backends.base import Array, ModelLoadError, TensorSpec
-from agent.models.hf_files import context_of, read_json, whole_number
+from agent.models.hf_files import context_of, read_json, special_token, whole_number
 from agent.models.tokenizer import (
     TOKENIZER_FILE,
     Encoded,
@@ -207,10 +207,8 @@ def _pad_id(codec: TextCodec, hf_config: dict[str, Any], tokenizer_config: dict[
     """The tokenizer's pad token (`tokenizer_config.json`), else `config.json`'s
     `pad_token_id`, else 0: what pads a row is masked out, so only a model that reads its
     pad positions tells them apart."""
-    token = tokenizer_config.get("pad_token")
-    if isinstance(token, dict):  # older files write an AddedToken's fields
-        token = token.get("content")
-    found = codec.token_id(token) if isinstance(token, str) else None
+    token = special_token(tokenizer_config.get("pad_token"))
+    found = codec.token_id(token) if token is not None else None
     if found is None:
         found = whole_number(hf_config.get("pad_token_id"))
     return found if found is not None and found >= 0 else 0
