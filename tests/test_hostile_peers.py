@@ -286,6 +286,7 @@ def test_an_id_in_use_is_answered_not_dropped(broker, tmp_path, make_agent, make
     assert len(list(second)) == 2
     messages: queue.Queue[dict[str, Any]] = queue.Queue()
     client.listen(f"{agent.root}/result/decoder/same-id", lambda t, m, raw: messages.put(m or {}))
+    time.sleep(0.1)  # the subscription is in place before the refusal (one message) is sent
     client.publish_raw(f"{agent.root}/infer/decoder", _request("same-id"), 1)
     deadline = time.monotonic() + 10
     refusal = None
