@@ -271,12 +271,17 @@ def test_retained_requests_never_run(own_broker, tmp_path, make_client, protocol
 
 
 def test_an_id_in_use_is_answered_not_dropped(broker, tmp_path, make_agent, make_client):
-    """A second request with the id of a stored, running one was dropped without a word."""
-    repository = write_long_decoder(tmp_path / "models", max_steps=400)
+    """A second request with the id of a stored, running one was dropped without a word.
+
+    The first stream is long (it must still run when its id comes again: a 400-step one could
+    end first, and a finished id's duplicate is dropped as a redelivery) and is cancelled once
+    the refusal is in."""
+    steps = 100_000
+    repository = write_long_decoder(tmp_path / "models", max_steps=steps)
     agent = make_agent(broker, repository)
     client = make_client(broker, agent)
     first = client.request(
-        "decoder", {"token": TOKEN}, request_id="same-id", params={"max_steps": 400}, qos=1
+        "decoder", {"token": TOKEN}, request_id="same-id", params={"max_steps": steps}, qos=1
     )
     chunks = iter(first)
     next(chunks)  # it runs
@@ -297,8 +302,10 @@ def test_an_id_in_use_is_answered_not_dropped(broker, tmp_path, make_agent, make
     assert refusal is not None
     assert refusal["seq"] is None and refusal["code"] == "bad_request"
     assert "in use" in refusal["message"]
-    rest = list(chunks)  # the running stream is untouched and ends as it would have
-    assert len(rest) == 399
+    client.cancel("same-id")
+    rest = list(chunks)  # the running stream went on untouched until it was cancelled
+    assert first.end is not None and first.end.finish_reason == "cancelled"
+    assert first.end.chunks == 1 + len(rest) < steps
 
 
 def _answer(client: AgentClient, agent: Agent, request_id: str, **extra: Any) -> dict[str, Any]:
