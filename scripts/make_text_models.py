@@ -27,7 +27,8 @@ It writes, each folder a version folder as ``save_pretrained`` and optimum leave
 - ``reference.json``: per model, each text's token ids and the framework's output for it alone
   (``AutoTokenizer`` then the PyTorch model's logits; ``SentenceTransformer.encode``'s
   embedding, and the [CLS] token's normalised hidden state; for the token classifier also the
-  entities of ``pipeline("token-classification", aggregation_strategy="simple")``), and the
+  entities of ``pipeline("token-classification", aggregation_strategy="simple")``, and in
+  ``entities_by`` those of its other strategies), and the
   outputs of all texts as one padded batch, as a pipeline makes them.
 
 The tokenizer is a lower-casing WordPiece made with `tokenizers` from the text below (BERT's
@@ -60,6 +61,8 @@ MODELS = {
     "bert_classifier": ("text-classification", ["negative", "neutral", "positive"]),
     "distilbert_tokens": ("token-classification", ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]),
 }
+# The token classification pipeline's other aggregation strategies ("simple" is `entities`).
+AGGREGATIONS = ("none", "first", "average", "max")
 EMBEDDER = "bert_embedder"
 ENCODER = "bert_encoder"  # the embedder's BERT alone: last_hidden_state, no pooling
 BERT = {  # the BERTs' size: two layers of width 32
@@ -196,17 +199,20 @@ def make(name: str, tokenizer: Any, out: Path) -> dict[str, Any]:
         ids = saved(text)["input_ids"]
         cases.append({"text": text, "ids": ids, "logits": logits(model, saved, [text])[0]})
         if task == "token-classification":
-            cases[-1]["entities"] = entities(model, saved, text)
+            cases[-1]["entities"] = entities(model, saved, text, "simple")
+            cases[-1]["entities_by"] = {
+                strategy: entities(model, saved, text, strategy) for strategy in AGGREGATIONS
+            }
         print(f"{name}: {text!r} -> {ids}")
     return {"task": task, "labels": labels, "cases": cases, "batch": logits(model, saved, TEXTS)}
 
 
-def entities(model: Any, tokenizer: Any, text: str) -> list[dict[str, Any]]:
-    """`pipeline("token-classification", aggregation_strategy="simple")`'s entities."""
+def entities(model: Any, tokenizer: Any, text: str, strategy: str) -> list[dict[str, Any]]:
+    """`pipeline("token-classification", aggregation_strategy=strategy)`'s entities."""
     from transformers import pipeline
 
     found = pipeline(
-        "token-classification", model=model, tokenizer=tokenizer, aggregation_strategy="simple"
+        "token-classification", model=model, tokenizer=tokenizer, aggregation_strategy=strategy
     )(text)
     return [{**entity, "score": float(entity["score"])} for entity in found]
 

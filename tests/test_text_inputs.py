@@ -200,6 +200,44 @@ def test_entities_of_left_padded_rows(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    ("strategy", "want"),
+    [
+        ("simple", [("X", "a", 0, 1), ("X", "b", 2, 3), ("X", "c", 4, 5)]),
+        ("first", [("X", "a - b", 0, 3), ("X", "c", 4, 5)]),
+        ("average", [("X", "c", 4, 5)]),  # a-b: O by the mean of its three tokens
+        ("max", [("X", "c", 4, 5)]),  # a-b: O, its most confident token's
+    ],
+)
+def test_words_of_a_tokenizer_that_does_not_mark_pieces(
+    tmp_path: Path, strategy: Any, want: list[tuple[str, str, int, int]]
+) -> None:
+    """A tokenizer with no `##` (a word-level one here, byte-level BPE alike) gets the
+    pipeline's fallback: a token with no space at or just before it continues the word, so
+    "a-b" is one word of three tokens and "c" another."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from agent.models.entities import EntitiesSpec, decode_entities
+
+    vocab = {w: i for i, w in enumerate([*WORDS, "-"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    text = open_text_inputs(specs("input_ids"), tmp_path)
+    assert text is not None
+    made, batch = text.inputs(np.array(["a-b c"]))
+    assert made["input_ids"].tolist() == [[2, 4, 7, 5, 6, 3]]
+    # [CLS], a: B-X (0.79), -: O (0.91), b: I-X (0.79), c: B-X, [SEP]
+    logits = np.array([[[0, 0, 0], [0, 2, 0], [3, 0, 0], [0, 0, 2], [0, 2, 0], [0, 0, 0]]])
+    spec = EntitiesSpec("logits", ("O", "B-X", "I-X"), strategy)
+    got = decode_entities(spec, {"logits": logits.astype(np.float32)}, batch)
+    found = got["entities"][0]
+    assert [(e["entity_group"], e["word"], e["start"], e["end"]) for e in found] == want
+
+
 def test_a_text_too_long_to_fit_is_refused_before_it_is_cut(tmp_path: Path) -> None:
     """More characters than the model's tokens can hold (100 a token) is refused without
     tokenizing (seconds of a worker for the 4 MB a request may carry); a long unknown word,

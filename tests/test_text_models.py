@@ -32,6 +32,7 @@ EMBEDDER = REFERENCE["models"]["bert_embedder"]
 TEXTS = [case["text"] for case in BERT["cases"]]
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 
+AGGREGATIONS = ("none", "first", "average", "max")  # the pipeline's strategies besides "simple"
 ENTITIES = '[[postprocess]]\noutput = "logits"\nop = "entities"\nlabels = "config.json"\n'
 POOL = '[[postprocess]]\noutput = "last_hidden_state"\nop = "pool"\n{}'
 MODELS = {  # name: (fixture folder, config.toml, files left out)
@@ -52,6 +53,10 @@ MODELS = {  # name: (fixture folder, config.toml, files left out)
     "ner": ("distilbert_tokens", ENTITIES, ()),
     "ner_sliced": ("distilbert_tokens", '[stream]\nmode = "batch"\n' + ENTITIES, ()),
     "ner_untokenized": ("distilbert_tokens", ENTITIES, ("tokenizer.json",)),
+    **{
+        f"ner_{strategy}": ("distilbert_tokens", f'{ENTITIES}aggregation = "{strategy}"\n', ())
+        for strategy in AGGREGATIONS
+    },
 }
 
 
@@ -194,6 +199,44 @@ def test_entities_are_the_pipelines(text_agent: tuple[Agent, AgentClient]) -> No
     got = client.request("ner", {"prompt": np.array(TEXTS)}, stream=False).collect()
     for row, want in zip(got["entities"], TOKENS["cases"], strict=True):
         same_entities(row, want["entities"])
+
+
+@pytest.mark.parametrize("strategy", AGGREGATIONS)
+def test_entities_of_each_aggregation_strategy_are_the_pipelines(
+    text_agent: tuple[Agent, AgentClient], strategy: str
+) -> None:
+    """`aggregation = "none"`: each token's label, score, index and token; "first",
+    "average" and "max": tokens joined into words (a `##` piece continues its word, an unknown
+    token starts one) and each word labelled by its first token, its tokens' mean scores or its
+    most confident token, then grouped; as the pipeline's `aggregation_strategy` gives them.
+    The fixture's texts make the strategies disagree (a word labelled PER by "first" and "max"
+    is LOC by "average"; a word left out by "first" is in with "max")."""
+    _, client = text_agent
+    wants = [case["entities_by"][strategy] for case in TOKENS["cases"]]
+    for text, want in zip(TEXTS, wants, strict=True):
+        got = client.request(f"ner_{strategy}", {"prompt": text}, stream=False).collect()
+        same_entities(got["entities"][0], want)
+    got = client.request(f"ner_{strategy}", {"prompt": np.array(TEXTS)}, stream=False).collect()
+    for row, want in zip(got["entities"], wants, strict=True):
+        same_entities(row, want)
+
+
+def test_the_strategies_differ_on_the_fixture() -> None:
+    """The references above are worth comparing: the strategies' entities are not all one."""
+    first, average, maximum = (
+        [case["entities_by"][strategy] for case in TOKENS["cases"]]
+        for strategy in ("first", "average", "max")
+    )
+    assert first != average and first != maximum and average != maximum
+
+
+def test_an_unknown_aggregation_is_refused_at_load() -> None:
+    from agent.models.postprocess import PostprocessOp
+
+    with pytest.raises(ValueError, match="aggregation"):
+        PostprocessOp(output="logits", op="entities", labels="config.json", aggregation="mean")
+    with pytest.raises(ValueError, match="takes no aggregation"):
+        PostprocessOp(output="logits", op="softmax", aggregation="first")
 
 
 def test_entities_need_the_text(text_agent: tuple[Agent, AgentClient]) -> None:

@@ -26,8 +26,9 @@ Each op works on one output (``output = NAME``)::
 and ``ctc`` (``labels``, ``space``, ``blank``: a text recogniser's ``[batch, steps, classes]``
 as ``NAME_text`` and ``NAME_score``, agent.models.ctc), ``db`` (``thresh``, ``box_thresh``,
 ``unclip_ratio``, ``max_candidates``: a DB text detector's map as ``boxes`` and ``scores``,
-agent.models.text_boxes; needs OpenCV), ``entities`` (``labels``: a token classifier's
-``[texts, sequence, labels]`` as the ``entities`` of the request's text, agent.models.entities),
+agent.models.text_boxes; needs OpenCV), ``entities`` (``labels``, ``aggregation`` none | simple |
+first | average | max: a token classifier's ``[texts, sequence, labels]`` as the ``entities``
+of the request's text, agent.models.entities),
 ``pool`` (``method`` mean | cls, ``normalize``: an encoder's hidden states as one
 ``sentence_embedding`` a text, agent.models.pooling),
 ``argmax`` (axis, keepdims; int64 in place),
@@ -53,7 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from agent.models.backends.base import InferenceError, ModelLoadError
 from agent.models.ctc import HF_VOCAB, CtcSpec, decode_ctc, hf_ctc_spec
 from agent.models.detect import DetectSpec, decode_detections
-from agent.models.entities import EntitiesSpec, decode_entities
+from agent.models.entities import Aggregation, EntitiesSpec, decode_entities
 from agent.models.hf_files import read_json
 from agent.models.pooling import POOLED, PoolSpec, pool_texts
 from agent.models.preprocess import load_cv2
@@ -85,7 +86,7 @@ _OP_KEYS: dict[str, frozenset[str]] = {
     ),
     "ctc": frozenset({"labels", "space", "blank"}),
     "db": frozenset({"thresh", "box_thresh", "unclip_ratio", "max_candidates"}),
-    "entities": frozenset({"labels"}),
+    "entities": frozenset({"labels", "aggregation"}),
     "pool": frozenset({"method", "normalize"}),
 }
 
@@ -134,6 +135,7 @@ class PostprocessOp(BaseModel):
     max_candidates: int = Field(default=1000, ge=1, le=100000)
     method: Literal["mean", "cls"] = "mean"  # pool: the tokens' mean, or the first token's
     normalize: bool = False  # pool: L2-normalised
+    aggregation: Aggregation = "simple"  # entities: the pipeline's aggregation_strategy
 
     @model_validator(mode="after")
     def _keys_of_op(self) -> PostprocessOp:
@@ -359,7 +361,7 @@ def _step(op: PostprocessOp, labels: tuple[str, ...] | None) -> Step:
         return lambda outputs, given: pool_texts(pool, outputs, given.texts)
     if op.op == "entities":
         assert labels is not None  # checked by PostprocessOp
-        entities = EntitiesSpec(name, labels)
+        entities = EntitiesSpec(name, labels, op.aggregation)
         return lambda outputs, given: decode_entities(entities, outputs, given.texts)
     if op.op == "topk":
         # an index past the labels: "" (the table built once, not per request)

@@ -86,6 +86,12 @@ class TextCodec:
         unknown = getattr(self._tokenizer.model, "unk_token", None)
         return self.token_id(unknown) if isinstance(unknown, str) else None
 
+    @property
+    def marks_word_pieces(self) -> bool:
+        """Whether a token that continues a word is marked (WordPiece's `##`: the model's
+        `continuing_subword_prefix`), as `transformers` tells a word-aware tokenizer."""
+        return bool(getattr(self._tokenizer.model, "continuing_subword_prefix", None))
+
     def token(self, token_id: int) -> str:
         """The vocabulary's token of `token_id` ("" for none)."""
         return str(self._tokenizer.id_to_token(token_id) or "")
