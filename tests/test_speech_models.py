@@ -136,7 +136,8 @@ WAV2VEC2 = {"feature_extractor_type": "Wav2Vec2FeatureExtractor", "do_normalize"
     [
         ({}, "whole", 2, True),
         ({}, "batch", 2, True),
-        ({}, "scan", 2, False),
+        ({}, "scan", 2, True),
+        ({}, "steps", 2, False),
         ({"do_normalize": False}, "whole", 2, False),
         ({"feature_extractor_type": "WhisperFeatureExtractor"}, "whole", 2, False),
         ({}, "whole", 3, False),
@@ -145,11 +146,14 @@ WAV2VEC2 = {"feature_extractor_type": "Wav2Vec2FeatureExtractor", "do_normalize"
 def test_which_versions_normalise(
     tmp_path: Path, changed: dict[str, Any], mode: str, rank: int, normalises: bool
 ) -> None:
-    """Whole utterances (whole and batch modes) of a normalising wav2vec2-style extractor; a
-    scan's windows and a pcm source's are not utterances."""
+    """Whole utterances (whole and batch modes) of a normalising wav2vec2-style extractor, and
+    a scan's windows (each on its own: tests/test_speech_windows.py); not a steps loop."""
     from agent.models.audio_inputs import open_audio_normalization
     from agent.models.backends.base import TensorSpec
 
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({**WAV2VEC2, **changed}))
     specs = [TensorSpec("input_values", np.dtype(np.float32), ("batch", "samples", 1)[:rank])]
-    assert (open_audio_normalization(specs, tmp_path, mode) is not None) is normalises
+    scanned = "input_values" if mode == "scan" else None
+    found = open_audio_normalization(specs, tmp_path, mode, scanned)
+    assert (found is not None) is normalises
+    assert found is None or found.per_window is (mode == "scan")

@@ -69,6 +69,16 @@ def test_audio_models_get_a_sample_rate_and_a_window() -> None:
     assert shapes["state"][0][0] == 2 and shapes["state"][0][2] == 128
 
 
+def test_speech_samples_get_a_window_not_a_token_count() -> None:
+    """wav2vec2-style `input_values [batch, sequence_length]` (optimum's names): a window of
+    samples its convolutions take, not the 4 a text's sequence gets; a spectrogram's
+    `input_values` (rank 3) is no such thing."""
+    shapes = _shapes(_spec("input_values", "float32", "batch_size", "sequence_length"))
+    assert shapes["input_values"][0][0] == 1 and shapes["input_values"][0][1] >= 256
+    spectrogram = _shapes(_spec("input_values", "float32", "batch_size", "frames", 128))
+    assert spectrogram["input_values"][0][1] < 256
+
+
 def test_other_scalars_are_one_and_strings_are_text() -> None:
     shapes = _shapes(_spec("k", "int64"), _spec("text", "object", None, 1))
     assert shapes["k"] == ((), [1])

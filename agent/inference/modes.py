@@ -95,10 +95,14 @@ class Run:
         config: StreamConfig,
         members: Sequence[Member],
         scan: ScanConfig | None = None,
+        window_rows: Callable[[Array], Array] | None = None,
     ) -> None:
         self.session = session
         self.config = config
         self.scan = scan
+        # scan: what each window's rows go through before the model (a speech encoder's
+        # normalisation: `agent.models.audio_inputs`); None: nothing
+        self.window_rows = window_rows
         self.members = members
         self.joined = len(members) > 1
         self.infer_s = 0.0
@@ -246,7 +250,7 @@ def _scan_member(run: Run, config: ScanConfig, position: int) -> Iterator[list[P
         for _, window in group:
             if not run.live([position]):
                 return
-            inputs[config.input] = window
+            inputs[config.input] = window if run.window_rows is None else run.window_rows(window)
             result = run.model(inputs)
             inputs = _fed(inputs, result, links)
             cursor.state = {name: inputs[name] for name in run.config.state}

@@ -173,7 +173,9 @@ class Runner:
         *,
         batched: bool,
     ) -> None:
-        run = Run(loaded.session, loaded.config.stream, members, loaded.config.scan)
+        audio = loaded.audio
+        windows = audio.rows if audio is not None and audio.per_window else None
+        run = Run(loaded.session, loaded.config.stream, members, loaded.config.scan, windows)
         finished: set[int] = set()
         energy = self._metrics.energy.begin()  # None while the board's power is unknown
         try:
@@ -384,8 +386,9 @@ def _checked_inputs(job: Job, loaded: LoadedVersion) -> dict[str, Any]:
         optional = (*loaded.config.stream.state, *loaded.config.defaults)
         specs = required_inputs(loaded.request_inputs, optional, given)
         checked = validate_inputs(request.id, given, specs)
-    if loaded.audio is not None:  # a speech encoder's samples, as its feature extractor has them
-        checked = loaded.audio.apply(checked)
+    audio = loaded.audio  # a speech encoder's samples, as its feature extractor has them
+    if audio is not None and not audio.per_window:  # (a scan's windows: `modes.scan`)
+        checked = audio.apply(checked)
     return checked
 
 

@@ -110,7 +110,9 @@ def open_version(
         else:
             text = open_text_inputs(session.inputs, folder)
         mode = record.config.stream.mode
-        audio = open_audio_normalization(session.inputs, folder, mode)
+        scan = record.config.scan
+        scanned = scan.input if scan is not None else None
+        audio = open_audio_normalization(session.inputs, folder, mode, scanned)
         preprocess = None
         if record.config.preprocess is None and generation is None:
             preprocess = processor_preprocess(session.inputs, folder)

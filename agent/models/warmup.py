@@ -14,7 +14,8 @@ loads but cannot run. Where the inputs come from decides what a failure means:
 The guesses (:func:`synthetic_inputs`) follow what exporters name their dimensions: optimum
 writes ``batch_size``, ``sequence_length``, ``past_sequence_length`` and sums such as
 ``past_sequence_length + sequence_length``; image models take ``[N, C, H, W]`` or
-``[N, H, W, C]`` with 1, 3 or 4 channels; audio models take a sample-rate scalar.
+``[N, H, W, C]`` with 1, 3 or 4 channels; audio models take a sample-rate scalar or, as
+Hugging Face's speech encoders do, samples named ``input_values`` ``[batch, samples]``.
 """
 
 from __future__ import annotations
@@ -73,7 +74,9 @@ Arrays = dict[str, npt.NDArray[Any]]
 class _Sizes:
     """What the synthetic guesses know about the whole model (some rules look across inputs)."""
 
-    audio: bool  # the model takes a sample-rate scalar: its free lengths are audio windows
+    # the model takes a sample-rate scalar or speech samples: its free lengths are audio
+    # windows (a wav2vec2's convolutions refuse a few samples)
+    audio: bool
 
 
 def _word_size(word: str, sizes: _Sizes) -> int:
@@ -135,6 +138,12 @@ def _is_sample_rate(spec: TensorSpec) -> bool:
     )
 
 
+def _is_speech_samples(spec: TensorSpec) -> bool:
+    """Raw samples as optimum exports wav2vec2, HuBERT, WavLM: `input_values` float
+    `[batch, samples]` (a spectrogram's `input_values` has rank 3)."""
+    return spec.name == "input_values" and spec.dtype.kind == "f" and spec.rank == 2
+
+
 def _fill(spec: TensorSpec, shape: tuple[int, ...]) -> npt.NDArray[Any]:
     """Zeros, except where zero is nonsense: a sample rate, other numeric scalars (counts,
     k, lengths), and masks (an all-zero attention mask masks everything)."""
@@ -153,7 +162,8 @@ def synthetic_inputs(
 ) -> Arrays:
     """Plausible inputs for every declared input, from the signature alone; `known` (the
     model's `[defaults]`, a scan's window) replace the guesses."""
-    sizes = _Sizes(audio=any(_is_sample_rate(spec) for spec in session.inputs))
+    audio = any(_is_sample_rate(spec) or _is_speech_samples(spec) for spec in session.inputs)
+    sizes = _Sizes(audio=audio)
     guessed = {spec.name: _fill(spec, _shape(spec, sizes)) for spec in session.inputs}
     return {**guessed, **(known or {})}
 

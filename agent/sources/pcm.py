@@ -53,7 +53,7 @@ def window_plan(config: SourceConfig, loaded: LoadedVersion) -> WindowPlan:
         raise SourceError(f"model '{config.model}' has no input '{scan.input}' ([scan] input)")
     assert config.channels is not None
     _check_layout(config, spec, scan.axis)
-    problem = sample_rate_problem(config, model.defaults)
+    problem = sample_rate_problem(config, model.defaults) or _extractor_rate_problem(config, loaded)
     if problem is not None:
         raise SourceError(problem)
     unfed = sorted(set(specs) - {scan.input} - set(model.stream.state) - set(model.defaults))
@@ -107,6 +107,19 @@ def sample_rate_problem(config: SourceConfig, defaults: Mapping[str, Any]) -> st
     return None
 
 
+def _extractor_rate_problem(config: SourceConfig, loaded: LoadedVersion) -> str | None:
+    """A speech encoder's feature extractor says the rate it was trained at
+    (`preprocessor_config.json`'s `sampling_rate`): the source's must be it."""
+    rate = loaded.audio.sample_rate if loaded.audio is not None else None
+    if rate is None or rate == config.sample_rate:
+        return None
+    return (
+        f"sample_rate = {config.sample_rate} does not match model '{config.model}' (its "
+        f"preprocessor_config.json: sampling_rate {rate}): record at {rate} Hz or resample "
+        "in the command"
+    )
+
+
 def zero_state(
     session_inputs: Sequence[TensorSpec], names: Sequence[str], batch: int
 ) -> dict[str, Array]:
@@ -156,22 +169,26 @@ class CarriedState:
 
     def run(self, loaded: LoadedVersion, record: PcmRecord, chunk: int = 0) -> dict[str, Array]:
         """The windows of the record's `chunk` through the model in order, the state fed back
-        after each; the emitted outputs of one window, or of several stacked on a new leading
-        axis."""
+        after each; the emitted outputs of one window after the version's `[[postprocess]]`,
+        or of several stacked on a new leading axis."""
         plan = record.plan
         assert plan is not None
         windows = record.windows(chunk)
         if (record.fresh and chunk == 0) or loaded.version != self.version:
             self.restart(loaded, plan, windows[0])
         run = loaded.session.run
+        audio = loaded.audio  # a speech encoder's windows normalised (agent.models.audio_inputs)
+        rows = audio.rows if audio is not None and audio.per_window else None
+        post = loaded.postprocess  # each window's outputs, as a scan request's chunk has them
         results: list[dict[str, Array]] = []
         for window in windows:
-            outputs = run(self._feed(plan, window))
+            outputs = run(self._feed(plan, window if rows is None else rows(window)))
             self.state = {name: outputs[out] for name, out in self.links}
-            results.append({name: outputs[name] for name in self.emitted})
+            emitted = {name: outputs[name] for name in self.emitted}
+            results.append(emitted if post is None else post.apply(emitted))
         if plan.per_chunk == 1:
             return results[0]
-        return {name: np.stack([r[name] for r in results]) for name in self.emitted}
+        return {name: np.stack([r[name] for r in results]) for name in results[0]}
 
 
 class PcmSourceRunner(SourceRunner):
