@@ -38,7 +38,12 @@ LOGITS = {"rtol": 1e-3, "atol": 1e-3}  # ONNX Runtime and PyTorch differ by abou
 
 
 def speech_repository(root: Path) -> Path:
-    for name, config in {"asr": SCAN + CTC, "asr_logits": SCAN}.items():
+    models = {
+        "asr": SCAN + CTC,
+        "asr_logits": SCAN,
+        "asr_two": f"{SCAN}windows_per_chunk = 2\n{CTC}",
+    }
+    for name, config in models.items():
         shutil.copytree(FIXTURE, root / name / "1", ignore=shutil.ignore_patterns("ref*", "sig*"))
         (root / name / "config.toml").write_text(config)
     return root
@@ -86,6 +91,17 @@ def test_each_window_is_decoded_to_its_text(speech_agent: tuple[Agent, AgentClie
     got = chunks(client, "asr", SIGNAL)
     assert [c.outputs["logits_text"].tolist() for c in got] == [[t] for t in WINDOWS["texts"]]
     assert [c.index for c in got] == list(range(len(WINDOWS["texts"])))
+
+
+def test_two_windows_a_chunk_are_each_decoded(speech_agent: tuple[Agent, AgentClient]) -> None:
+    """`windows_per_chunk = 2`: the ops run on each window, their texts stacked on a leading
+    axis (not the ops on the stacked logits, which no CTC decode takes)."""
+    _, client = speech_agent
+    got = chunks(client, "asr_two", SIGNAL)
+    assert [c.offset for c in got] == WINDOWS["starts"][::2]
+    assert [c.outputs["logits_text"].shape for c in got] == [(2, 1)] * len(got)
+    texts = [text for c in got for text in c.outputs["logits_text"][:, 0].tolist()]
+    assert texts == WINDOWS["texts"]
 
 
 def test_a_session_in_pieces_gives_the_same_windows(

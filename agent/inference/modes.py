@@ -84,6 +84,9 @@ class Piece:
     offset: int | None = None  # scan: the chunk's `offset` (its first window's first sample)
     extra: dict[str, Any] | None = None  # more keys of its chunk (generate: `text`)
     chunk: bool = True  # False: no chunk, only the end (a cancelled generate, nothing new)
+    # scan, several windows a chunk: each window's outputs, before they were stacked (the
+    # `[[postprocess]]` ops run on each window, then the results are stacked: `stacked`)
+    windows: list[Arrays] | None = None
 
 
 class Run:
@@ -256,12 +259,13 @@ def _scan_member(run: Run, config: ScanConfig, position: int) -> Iterator[list[P
             cursor.state = {name: inputs[name] for name in run.config.state}
             outputs.append(_chosen(run, position, result))
         first = group[0][0]
-        piece = outputs[0] if per_chunk == 1 else _stacked(outputs)
+        piece = outputs[0] if per_chunk == 1 else stacked(outputs)
         last = start + per_chunk >= len(windows)
-        yield [Piece(position, first // config.hop, piece, last, offset=first)]
+        parts = outputs if per_chunk > 1 else None
+        yield [Piece(position, first // config.hop, piece, last, offset=first, windows=parts)]
 
 
-def _stacked(outputs: list[Arrays]) -> Arrays:
+def stacked(outputs: list[Arrays]) -> Arrays:
     """Several windows' outputs as one piece: on a new leading axis (lists: a list)."""
     return {name: _joined("steps", [o[name] for o in outputs]) for name in outputs[0]}
 

@@ -257,7 +257,9 @@ class Runner:
         for piece in pieces:
             try:
                 post = jobs[piece.member][0].post
-                if post is not None:
+                if post is not None and piece.windows is not None:  # each window, then stacked
+                    piece.outputs = modes.stacked([post(window) for window in piece.windows])
+                elif post is not None:
                     piece.outputs = post(piece.outputs)
                 if self._emit(piece, jobs, run, collected):
                     ended.append(piece.member)
