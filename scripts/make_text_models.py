@@ -76,6 +76,10 @@ BERT = {  # the BERTs' size: two layers of width 32
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Before torch loads: its own and oneDNN's AVX2 kernels, as the committed references were made
+# (AVX-512 kernels move the logits' last digits, and with them the files' bytes).
+os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+os.environ.setdefault("DNNL_MAX_CPU_ISA", "AVX2")
 
 CORPUS = """\
 The little robot woke up in the morning and looked at the sky. It was blue and bright.
