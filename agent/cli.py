@@ -411,7 +411,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=FILE",
         help="an input: FILE.npy, the array NAME of FILE.npz, or FILE.jpg|.png (its bytes)",
     )
-    request.add_argument("--text", "-t", action="append", default=[], metavar="NAME=TEXT")
+    request.add_argument(
+        "--text",
+        "-t",
+        action="append",
+        default=[],
+        metavar="NAME=TEXT",
+        help="a text input (prompt, pair); a NAME given again: a string tensor of its texts",
+    )
     request.add_argument(
         "--message",
         "-m",

@@ -62,9 +62,18 @@ def _array(loaded: Any, name: str, path: str) -> Any:
         return loaded[name]
 
 
-def parse_texts(specs: Sequence[str]) -> dict[str, str]:
-    """`NAME=TEXT` as a text input (`prompt` of a model with a tokenizer)."""
-    return dict(_pair(spec, "--text", "NAME=TEXT") for spec in specs)
+def parse_texts(specs: Sequence[str]) -> dict[str, Any]:
+    """`NAME=TEXT` as a text input (`prompt` of a model with a tokenizer); a NAME given more
+    than once, its texts in order as a string tensor [n] (a batch of prompts, a query's
+    passages as `pair`)."""
+    grouped: dict[str, list[str]] = {}
+    for spec in specs:
+        name, text = _pair(spec, "--text", "NAME=TEXT")
+        grouped.setdefault(name, []).append(text)
+    return {
+        name: texts[0] if len(texts) == 1 else np.array(texts, dtype=object)
+        for name, texts in grouped.items()
+    }
 
 
 def parse_messages(specs: Sequence[str]) -> Any:

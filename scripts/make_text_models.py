@@ -24,11 +24,15 @@ It writes, each folder a version folder as ``save_pretrained`` and optimum leave
 - ``bert_encoder/``: that embedder's BERT alone, exported with optimum's
   ``feature-extraction`` task for the ``transformers`` library: ``last_hidden_state``, the
   pooling left to the user (the agent's ``pool`` op);
+- ``bert_reranker/``: a seeded random sentence-transformers cross-encoder (a BERT sequence
+  classifier of one label) exported with optimum's ``text-classification`` task: a query and
+  a passage in as one row (``[CLS] query [SEP] passage [SEP]``), ``logits [batch, 1]`` out;
 - ``reference.json``: per model, each text's token ids and the framework's output for it alone
   (``AutoTokenizer`` then the PyTorch model's logits; ``SentenceTransformer.encode``'s
   embedding, and the [CLS] token's normalised hidden state; for the token classifier also the
   entities of ``pipeline("token-classification", aggregation_strategy="simple")``, and in
-  ``entities_by`` those of its other strategies), and the
+  ``entities_by`` those of its other strategies; for the reranker, each pair's ids and
+  ``CrossEncoder.predict``'s score), and the
   outputs of all texts as one padded batch, as a pipeline makes them.
 
 The tokenizer is a lower-casing WordPiece made with `tokenizers` from the text below (BERT's
@@ -64,6 +68,13 @@ MODELS = {
 # The token classification pipeline's other aggregation strategies ("simple" is `entities`).
 AGGREGATIONS = ("none", "first", "average", "max")
 EMBEDDER = "bert_embedder"
+RERANKER = "bert_reranker"  # a cross-encoder: a query and a passage in, one score out
+PAIRS = [  # (query, passage) for the reranker: two queries, each against two passages
+    ("where did alice fly", "Alice flew from Paris to Berlin, and Bob drove from Zurich."),
+    ("where did alice fly", "The weather was bad and the train was late."),
+    ("is the coffee good", "the coffee was good and the people were kind"),
+    ("is the coffee good", "Edge boxes stream results to their backends over MQTT"),
+]
 ENCODER = "bert_encoder"  # the embedder's BERT alone: last_hidden_state, no pooling
 BERT = {  # the BERTs' size: two layers of width 32
     "hidden_size": 32,
@@ -278,6 +289,42 @@ def make_embedder(tokenizer: Any, out: Path) -> dict[str, Any]:
     }
 
 
+def make_reranker(tokenizer: Any, out: Path) -> dict[str, Any]:
+    """`out/bert_reranker/`: a sentence-transformers cross-encoder (a BERT sequence classifier
+    of one label over a query and a passage) exported by optimum's `text-classification` task;
+    `CrossEncoder.predict`'s scores (the logit's sigmoid) as the reference, of each pair alone
+    and of all as one padded batch, with the logits of `tokenizer(queries, passages)`."""
+    import torch
+    from sentence_transformers import CrossEncoder
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(1)
+    wrapper = wrapped("bert_classifier", tokenizer)
+    config = BertConfig(vocab_size=len(wrapper), pad_token_id=0, num_labels=1, **BERT)
+    model = BertForSequenceClassification(config).eval()
+    export(model, wrapper, "text-classification", out / RERANKER)
+    with tempfile.TemporaryDirectory(prefix="reranker-") as tmp:
+        model.save_pretrained(tmp)
+        wrapper.save_pretrained(tmp)
+        encoder = CrossEncoder(tmp, max_length=MAX_POSITIONS, device="cpu")
+        batch_scores = encoder.predict(PAIRS, batch_size=len(PAIRS)).tolist()
+        cases = [
+            {
+                "query": query,
+                "passage": passage,
+                "ids": encoder.tokenizer(query, passage)["input_ids"],
+                "score": float(encoder.predict([(query, passage)])[0]),
+            }
+            for query, passage in PAIRS
+        ]
+    batch = wrapper([q for q, _ in PAIRS], [p for _, p in PAIRS], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**batch).logits.tolist()
+    for case in cases:
+        print(f"{RERANKER}: {case['query']!r} / {case['passage']!r} -> {case['score']:.4f}")
+    return {"task": "text-classification", "cases": cases, "batch": batch_scores, "logits": logits}
+
+
 def cls_embeddings(model: Any, texts: list[str]) -> list[Any]:
     """The [CLS] token's last hidden state, L2-normalised (BGE's model-card recipe), of
     `texts` as one padded batch, from the sentence-transformers model's own BERT."""
@@ -301,6 +348,7 @@ def main() -> None:
     for name in MODELS:
         reference["models"][name] = make(name, tokenizer, out)
     reference["models"][EMBEDDER] = make_embedder(tokenizer, out)
+    reference["models"][RERANKER] = make_reranker(tokenizer, out)
     text = json.dumps(reference, indent=1, ensure_ascii=False)
     (out / "reference.json").write_text(text + "\n", encoding="utf-8")
 

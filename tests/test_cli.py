@@ -153,6 +153,8 @@ def test_request_inputs_take_arrays_images_and_texts(tmp_path: Path):
     assert inputs["prompt"] == "The little robot = a story"  # split at the first "=" only
     assert inputs["image"] == b"\xff\xd8not-checked-here"
     assert inputs["x"].tolist() == [0, 1, 2]
+    pairs = parse_inputs([], ["prompt=q", "pair=first passage", "pair=second"])
+    assert pairs["prompt"] == "q" and pairs["pair"].tolist() == ["first passage", "second"]
     with pytest.raises(SystemExit, match="--text needs NAME=TEXT"):
         parse_inputs([], ["no-equals-sign"])
     conversation = parse_inputs([], [], ["system=Be brief.", "user=Hi = hello"])["messages"]

@@ -238,6 +238,30 @@ def test_words_of_a_tokenizer_that_does_not_mark_pieces(
     assert [(e["entity_group"], e["word"], e["start"], e["end"]) for e in found] == want
 
 
+def test_pairs_are_joined_by_the_pair_template(tmp_path: Path) -> None:
+    """`pair`: each row `[CLS] prompt [SEP] pair [SEP]`, the pair's token types 1 (the
+    template's), padded as one batch; one prompt goes with every pair."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", 2), ("[SEP]", 3)],
+    )
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    text = open_text_inputs(specs("input_ids", "attention_mask", "token_type_ids"), tmp_path)
+    assert text is not None
+    made, batch = text.inputs(np.array("a"), np.array(["b c", "c"]))
+    assert made["input_ids"].tolist() == [[2, 4, 3, 5, 6, 3], [2, 4, 3, 6, 3, 0]]
+    assert made["token_type_ids"].tolist() == [[0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1, 0]]
+    assert made["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0]]
+    assert batch.texts == ("a", "a") and batch.pairs == ("b c", "c")
+    with pytest.raises(TextRefused, match=r"pair holds 2 texts and inputs\.prompt 3"):
+        text.inputs(np.array(["a", "b", "c"]), np.array(["b", "c"]))
+
+
 def test_a_text_too_long_to_fit_is_refused_before_it_is_cut(tmp_path: Path) -> None:
     """More characters than the model's tokens can hold (100 a token) is refused without
     tokenizing (seconds of a worker for the 4 MB a request may carry); a long unknown word,

@@ -29,6 +29,9 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "real" / "text"
 REFERENCE: dict[str, Any] = json.loads((FIXTURES / "reference.json").read_text(encoding="utf-8"))
 BERT, TOKENS = REFERENCE["models"]["bert_classifier"], REFERENCE["models"]["distilbert_tokens"]
 EMBEDDER = REFERENCE["models"]["bert_embedder"]
+RERANKER = REFERENCE["models"]["bert_reranker"]
+QUERIES = [case["query"] for case in RERANKER["cases"]]
+PASSAGES = [case["passage"] for case in RERANKER["cases"]]
 TEXTS = [case["text"] for case in BERT["cases"]]
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 
@@ -50,6 +53,7 @@ MODELS = {  # name: (fixture folder, config.toml, files left out)
     "mean": ("bert_encoder", POOL.format('method = "mean"\nnormalize = true\n'), ()),
     "cls": ("bert_encoder", POOL.format('method = "cls"\nnormalize = true\n'), ()),
     "cls_sliced": ("bert_encoder", '[stream]\nmode = "batch"\n' + POOL.format(""), ()),
+    "reranker": ("bert_reranker", '[[postprocess]]\noutput = "logits"\nop = "sigmoid"\n', ()),
     "ner": ("distilbert_tokens", ENTITIES, ()),
     "ner_sliced": ("distilbert_tokens", '[stream]\nmode = "batch"\n' + ENTITIES, ()),
     "ner_untokenized": ("distilbert_tokens", ENTITIES, ("tokenizer.json",)),
@@ -169,6 +173,15 @@ def test_batch_mode_streams_slices_of_the_texts(text_agent: tuple[Agent, AgentCl
             r"makes input_ids.*not both",
         ),
         ("untokenized", {"prompt": "hello"}, r"needs a tokenizer.json"),
+        ("reranker", {"pair": "a passage"}, r"second text of inputs.prompt: send both"),
+        ("untokenized", {"pair": "a passage"}, r"inputs.pair \(text\) needs a tokenizer.json"),
+        (
+            "reranker",
+            {"prompt": np.array(["a", "b"]), "pair": np.array(["c", "d", "e"])},
+            r"pair holds 3 texts and inputs.prompt 2",
+        ),
+        ("reranker", {"prompt": "a", "pair": np.zeros(2, np.int64)}, r"inputs.pair must be a"),
+        ("reranker", {"prompt": "a", "pair": "word " * 70}, r"prompt and its pair are \d+ tokens"),
     ],
 )
 def test_bad_text_is_refused_and_the_agent_serves_on(
@@ -179,6 +192,55 @@ def test_bad_text_is_refused_and_the_agent_serves_on(
         client.request(model, inputs, stream=False).collect()
     got = client.request("bert", {"prompt": TEXTS[0]}, stream=False).collect()
     np.testing.assert_allclose(got["logits"], [BERT["cases"][0]["logits"]], **TOLERANCE)
+
+
+def test_a_query_and_its_passages_give_the_cross_encoders_scores(
+    text_agent: tuple[Agent, AgentClient],
+) -> None:
+    """`inputs.pair`: each row the prompt and its pair joined by the tokenizer's pair template
+    (the passage's token types 1), as `CrossEncoder.predict` joins them: a pair alone, one
+    query for several passages, and a batch of pairs padded together give its scores."""
+    _, client = text_agent
+    for case in RERANKER["cases"]:
+        inputs = {"prompt": case["query"], "pair": case["passage"]}
+        got = client.request("reranker", inputs, stream=False).collect()
+        np.testing.assert_allclose(got["logits"], [[case["score"]]], **TOLERANCE)
+    query = RERANKER["cases"][0]["query"]
+    passages = np.array([c["passage"] for c in RERANKER["cases"] if c["query"] == query])
+    got = client.request("reranker", {"prompt": query, "pair": passages}, stream=False).collect()
+    np.testing.assert_allclose(got["logits"][:, 0], RERANKER["batch"][:2], **TOLERANCE)
+    inputs = {"prompt": np.array(QUERIES), "pair": np.array(PASSAGES)}
+    got = client.request("reranker", inputs, stream=False).collect()
+    np.testing.assert_allclose(got["logits"][:, 0], RERANKER["batch"], **TOLERANCE)
+
+
+def test_pairs_are_cut_as_the_cross_encoders_tokenizer_cuts_them() -> None:
+    from agent.models.backends.base import TensorSpec
+    from agent.models.text_inputs import open_text_inputs
+
+    names = ("input_ids", "attention_mask", "token_type_ids")
+    specs = [TensorSpec(name, np.dtype(np.int64), ("batch", "sequence")) for name in names]
+    text = open_text_inputs(specs, FIXTURES / "bert_reranker")
+    assert text is not None
+    for case in RERANKER["cases"]:
+        made, _ = text.inputs(np.array(case["query"]), np.array(case["passage"]))
+        assert made["input_ids"].tolist() == [case["ids"]]
+
+
+def test_the_passage_is_read_not_only_the_query(text_agent: tuple[Agent, AgentClient]) -> None:
+    """The fixture's scores differ between a query's passages, and the prompt alone (no pair)
+    is another input again: the pair reaches the model."""
+    _, client = text_agent
+    assert RERANKER["batch"][0] != pytest.approx(RERANKER["batch"][1], abs=1e-3)
+    alone = client.request("reranker", {"prompt": QUERIES[0]}, stream=False).collect()
+    assert float(alone["logits"][0, 0]) != pytest.approx(RERANKER["batch"][0], abs=1e-3)
+
+
+def test_ops_that_name_words_take_no_pair(text_agent: tuple[Agent, AgentClient]) -> None:
+    _, client = text_agent
+    inputs = {"prompt": TEXTS[0], "pair": TEXTS[1]}
+    with pytest.raises(AgentError, match=r"model_error.*without inputs.pair"):
+        client.request("ner", inputs, stream=False).collect()
 
 
 def same_entities(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:

@@ -1,10 +1,10 @@
 """Text inputs of a request: a `prompt` made into the token inputs of a model that reads them.
 
 For a version with a tokenizer (`LoadedVersion.text`, `agent.models.text_inputs`), a request
-may send `inputs.prompt` (one text, or a string tensor of texts) in place of `input_ids` and
-its companions. Here, where the request runs (a worker, or the network thread for a short
-run), the texts are tokenized; the time goes to the reply's `timing` as `tokenize_ms`, and the
-inputs are then checked as any others are.
+may send `inputs.prompt` (one text, or a string tensor of texts), and with it `inputs.pair`
+(each row's second text), in place of `input_ids` and its companions. Here, where the request
+runs (a worker, or the network thread for a short run), the texts are tokenized; the time goes
+to the reply's `timing` as `tokenize_ms`, and the inputs are then checked as any others are.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import Any
 from agent.inference.job import Job
 from agent.models.backends.base import TensorSpec
 from agent.models.manager import LoadedVersion
-from agent.models.text_inputs import TEXT_INPUT, TextRefused
+from agent.models.text_inputs import PAIR_INPUT, TEXT_INPUT, TextRefused
 from agent.protocol.errors import WireError
 
-__all__ = ["refuse_untokenized", "tokenized_inputs"]
+__all__ = ["refuse_lone_pair", "refuse_untokenized", "tokenized_inputs"]
 
 
 def tokenized_inputs(job: Job, loaded: LoadedVersion) -> Mapping[str, Any]:
@@ -28,7 +28,10 @@ def tokenized_inputs(job: Job, loaded: LoadedVersion) -> Mapping[str, Any]:
     inputs = job.request.inputs
     text = loaded.text
     if text is None or TEXT_INPUT not in inputs:
-        refuse_untokenized(inputs, loaded.session.inputs, job.request.id)
+        if text is None:
+            refuse_untokenized(inputs, loaded.session.inputs, job.request.id)
+        else:
+            refuse_lone_pair(inputs, job.request.id)
         return inputs
     both = [name for name in text.names if name in inputs]
     if both:
@@ -39,23 +42,35 @@ def tokenized_inputs(job: Job, loaded: LoadedVersion) -> Mapping[str, Any]:
         )
     started = time.perf_counter()
     try:
-        made, job.texts = text.inputs(inputs[TEXT_INPUT])
+        made, job.texts = text.inputs(inputs[TEXT_INPUT], inputs.get(PAIR_INPUT))
     except TextRefused as e:
         raise WireError("bad_request", str(e), job.request.id) from None
     job.timing["tokenize_ms"] = round((time.perf_counter() - started) * 1000, 3)
-    rest = {name: value for name, value in inputs.items() if name != TEXT_INPUT}
+    rest = {name: value for name, value in inputs.items() if name not in (TEXT_INPUT, PAIR_INPUT)}
     return {**rest, **made}
 
 
 def refuse_untokenized(
     inputs: Mapping[str, Any], specs: Sequence[TensorSpec], request_id: str | None
 ) -> None:
-    """`bad_request` for a `prompt` sent to a version with no tokenizer (unless its model has
-    an input of that name): the reason, rather than the inputs it misses."""
-    if TEXT_INPUT in inputs and all(spec.name != TEXT_INPUT for spec in specs):
+    """`bad_request` for a `prompt` (or `pair`) sent to a version with no tokenizer (unless
+    its model has an input of that name): the reason, rather than the inputs it misses."""
+    names = {spec.name for spec in specs}
+    for name in (TEXT_INPUT, PAIR_INPUT):
+        if name in inputs and name not in names:
+            raise WireError(
+                "bad_request",
+                f"inputs.{name} (text) needs a tokenizer.json in the version folder, and "
+                "this version has none: send the model's own inputs",
+                request_id,
+            )
+
+
+def refuse_lone_pair(inputs: Mapping[str, Any], request_id: str | None) -> None:
+    """`bad_request` for a `pair` without the `prompt` it is the second text of."""
+    if PAIR_INPUT in inputs and TEXT_INPUT not in inputs:
         raise WireError(
             "bad_request",
-            f"inputs.{TEXT_INPUT} (text) needs a tokenizer.json in the version folder, and "
-            "this version has none: send the model's own inputs",
+            f"inputs.{PAIR_INPUT} is the second text of inputs.{TEXT_INPUT}: send both",
             request_id,
         )

@@ -6,7 +6,11 @@ A version folder with a Hugging Face `tokenizer.json` whose model takes an integ
 `tensor(string)` of texts to run as one batch. Each text is cut as `transformers` cuts it (the
 `tokenizers` library, special tokens added); the rows are padded to the longest, or to the
 sequence length the signature fixes, with the tokenizer's pad token, on the side its
-`tokenizer_config.json` says (right by default). The model's `attention_mask`,
+`tokenizer_config.json` says (right by default). A request may add `inputs.pair`, a second
+text for each (a cross-encoder's passage for its query; one `prompt` goes with every `pair`):
+each row is then the two joined by the tokenizer's pair template (`[CLS] A [SEP] B [SEP]`,
+the second text's `token_type_ids` 1), as `tokenizer(text, text_pair)` joins them. The
+model's `attention_mask`,
 `token_type_ids` and `position_ids` inputs, where it has them, are made to match, as the
 tokenizer and the model would make them. A text longer than the model can take (its fixed
 sequence length, or `config.json`'s context) is refused, never cut short.
@@ -37,6 +41,7 @@ from agent.models.tokenizer import (
 )
 
 __all__ = [
+    "PAIR_INPUT",
     "TEXT_INPUT",
     "TextBatch",
     "TextInputs",
@@ -46,6 +51,7 @@ __all__ = [
 ]
 
 TEXT_INPUT = "prompt"  # the request's input that carries text (as for a generate model)
+PAIR_INPUT = "pair"  # a second text for each of the prompt's (`tokenizer(text, text_pair)`)
 MAX_TEXTS = 1024  # rows of one request's batch of texts
 
 log = logging.getLogger(__name__)
@@ -65,6 +71,7 @@ class TextBatch:
     texts: tuple[str, ...]
     encoded: tuple[Encoded, ...]
     firsts: tuple[int, ...]
+    pairs: tuple[str, ...] | None = None  # `inputs.pair`: each row's second text
 
 
 @dataclass(frozen=True)
@@ -87,19 +94,26 @@ class TextInputs:
         specs = (self.ids, self.mask, self.types, self.positions)
         return tuple(spec.name for spec in specs if spec is not None)
 
-    def inputs(self, value: Any) -> tuple[dict[str, Array], TextBatch]:
+    def inputs(self, value: Any, pair: Any = None) -> tuple[dict[str, Array], TextBatch]:
         """The model's inputs for `value` (one text, or a string tensor of them: one row
-        each), and how each text was cut; TextRefused says what is wrong with it."""
-        texts = _texts(value)
-        for text in texts:
-            problem = too_long(text, self.longest)
-            if problem is not None:
-                raise TextRefused(f"inputs.{TEXT_INPUT} {problem}")
-        encoded = [self.codec.encode_text(text) for text in texts]
+        each) and `pair` (None, or each row's second text), and how each text was cut;
+        TextRefused says what is wrong with them."""
+        texts = _texts(value, TEXT_INPUT)
+        pairs = _pairs(texts, pair)
+        if pairs is not None and len(texts) == 1:
+            texts = texts * len(pairs)  # one query for every passage
+        for name, each in ((TEXT_INPUT, texts), (PAIR_INPUT, pairs or [])):
+            for text in each:
+                problem = too_long(text, self.longest)
+                if problem is not None:
+                    raise TextRefused(f"inputs.{name} {problem}")
+        seconds: list[str | None] = list(pairs) if pairs is not None else [None] * len(texts)
+        encoded = [self.codec.encode_text(t, p) for t, p in zip(texts, seconds, strict=True)]
         longest = max(len(e.ids) for e in encoded)
         if self.longest is not None and longest > self.longest:
+            what = f"{TEXT_INPUT} is" if pairs is None else f"{TEXT_INPUT} and its pair are"
             raise TextRefused(
-                f"inputs.{TEXT_INPUT} is {longest} tokens: the model takes at most {self.longest}"
+                f"inputs.{what} {longest} tokens: the model takes at most {self.longest}"
             )
         width = self.fixed if self.fixed is not None else longest
         ids = np.full((len(encoded), width), self.pad_id, dtype=self.ids.dtype)
@@ -113,7 +127,8 @@ class TextInputs:
             mask[row, where] = 1
             types[row, where] = cut.type_ids
             firsts.append(first)
-        batch = TextBatch(self.codec, tuple(texts), tuple(encoded), tuple(firsts))
+        paired = tuple(pairs) if pairs is not None else None
+        batch = TextBatch(self.codec, tuple(texts), tuple(encoded), tuple(firsts), paired)
         made = {self.ids.name: ids}
         if self.mask is not None:
             made[self.mask.name] = mask.astype(self.mask.dtype, copy=False)
@@ -136,6 +151,11 @@ def per_text_rows(
             f"{op}: {output} is read with the request's text: send inputs.{TEXT_INPUT}, "
             "not token ids"
         )
+    if texts.pairs is not None:
+        raise ValueError(
+            f"{op}: {output} is read one text a row: send inputs.{TEXT_INPUT} without "
+            f"inputs.{PAIR_INPUT}"
+        )
     rows: Array = np.asarray(outputs[output], dtype=np.float32)
     if rows.ndim != 3 or rows.shape[0] != len(texts.texts):
         raise ValueError(
@@ -145,18 +165,32 @@ def per_text_rows(
     return rows, texts
 
 
-def _texts(value: Any) -> list[str]:
-    """The texts of a request's `prompt`: one text, or a string tensor [n]."""
+def _texts(value: Any, name: str) -> list[str]:
+    """The texts of a request's `prompt` (or `pair`): one text, or a string tensor [n]."""
     if not isinstance(value, np.ndarray) or value.dtype.kind not in "OU" or value.ndim > 1:
-        raise TextRefused(f"inputs.{TEXT_INPUT} must be a text, or a string tensor [n] of texts")
+        raise TextRefused(f"inputs.{name} must be a text, or a string tensor [n] of texts")
     texts: list[Any] = value.reshape(-1).tolist()
     if not texts:
-        raise TextRefused(f"inputs.{TEXT_INPUT} holds no text")
+        raise TextRefused(f"inputs.{name} holds no text")
     if len(texts) > MAX_TEXTS:
-        raise TextRefused(f"inputs.{TEXT_INPUT} holds {len(texts)} texts: at most {MAX_TEXTS}")
+        raise TextRefused(f"inputs.{name} holds {len(texts)} texts: at most {MAX_TEXTS}")
     if not all(isinstance(text, str) for text in texts):
-        raise TextRefused(f"inputs.{TEXT_INPUT} must hold texts")
+        raise TextRefused(f"inputs.{name} must hold texts")
     return texts
+
+
+def _pairs(texts: list[str], value: Any) -> list[str] | None:
+    """The second texts of a request's rows (`pair`): as many as the prompt's texts, or any
+    number beside one prompt; None where it sent none."""
+    if value is None:
+        return None
+    pairs = _texts(value, PAIR_INPUT)
+    if len(texts) not in (1, len(pairs)):
+        raise TextRefused(
+            f"inputs.{PAIR_INPUT} holds {len(pairs)} texts and inputs.{TEXT_INPUT} "
+            f"{len(texts)}: send as many, or one {TEXT_INPUT} for all"
+        )
+    return pairs
 
 
 def open_text_inputs(specs: Sequence[TensorSpec], folder: Path) -> TextInputs | None:

@@ -69,10 +69,11 @@ class TextCodec:
         a chat template's text, which holds its own)."""
         return list(self._tokenizer.encode(text, add_special_tokens=special).ids)
 
-    def encode_text(self, text: str) -> Encoded:
-        """`text` cut as the model reads it, with what each token is (its type, where it is
-        in the text, whether the tokenizer added it)."""
-        encoding = self._tokenizer.encode(text, add_special_tokens=True)
+    def encode_text(self, text: str, pair: str | None = None) -> Encoded:
+        """`text` (and its `pair`: a cross-encoder's passage, the tokenizer's pair template
+        joining them) cut as the model reads it, with what each token is (its type, where it
+        is in its text, whether the tokenizer added it)."""
+        encoding = self._tokenizer.encode(text, pair, add_special_tokens=True)
         return Encoded(
             tuple(encoding.ids),
             tuple(encoding.type_ids),
