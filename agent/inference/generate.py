@@ -10,6 +10,10 @@ is chosen outside the graph (`agent.inference.sampling`); the generation ends at
 (`cancelled`). Every `tokens_per_chunk` tokens are one piece, `outputs: {tokens: int64 [k]}`
 and, with a tokenizer, the piece's `text` (`agent.inference.text_stream`).
 
+An encoder-decoder (`Generation.encoder`) runs its encoder once on the prompt first; the
+decoder then starts from its start token, takes the encoder's states at every run, and feeds
+the cross-attention's cache of its first run unchanged to the others (`CacheSlot.fixed`).
+
 Members of one run (requests queued together, where the model has `[batching]`) run their
 prefills one by one, then every later step together, a row each
 (`agent.inference.generate_lockstep`); a layout without the mask or explicit positions, which
@@ -70,6 +74,13 @@ class GenerateAsk:
     def usage(self) -> dict[str, int]:
         return {"prompt_tokens": len(self.prompt), "completion_tokens": len(self.tokens)}
 
+    @property
+    def decoder_ids(self) -> list[int]:
+        """What the decoder reads before its first new token: the prompt, or an
+        encoder-decoder's start token (its prompt goes to the encoder)."""
+        start = self.setup.decoder_start
+        return self.prompt if start is None else [start]
+
     def ending(self) -> dict[str, Any]:
         """The keys of the stream's terminal message."""
         return {"finish_reason": self.finish_reason, "usage": self.usage}
@@ -84,7 +95,14 @@ def ask_of(inputs: Mapping[str, Any], params: Mapping[str, Any], setup: Generati
     tokenizer = setup.tokenizer
     prompt = _prompt_ids(inputs, setup)
     room = setup.max_new_tokens
-    if setup.context is not None:
+    if setup.context is not None and setup.encoder is not None:
+        if len(prompt) > setup.context:  # the encoder's positions; the decoder's own
+            raise WireError(
+                "bad_request",
+                f"the prompt is {len(prompt)} tokens: the encoder takes at most {setup.context}",
+            )
+        room = min(room, setup.context - 1)  # the decoder's positions, its start token's first
+    elif setup.context is not None:
         if len(prompt) >= setup.context:
             raise WireError(
                 "bad_request",
@@ -201,9 +219,13 @@ class _Decoding:
     the step inputs made once (the mask a view of one row of ones as long as the generation
     can grow; the new token and its position written in place before each run)."""
 
-    def __init__(self, ask: GenerateAsk) -> None:
+    def __init__(self, ask: GenerateAsk, run: Run) -> None:
         self.ask = ask
-        self.inputs = _prefill_inputs(ask)
+        # An encoder-decoder's decoder inputs of its encoder's run, and its cross-attention
+        # cache once the first run made it: the same at every run.
+        self.cross = _encoded(run, ask)
+        self.kept: Arrays = {}
+        self.inputs = {**_prefill_inputs(ask), **self.cross}
         self.pending: list[int] = []  # new tokens not yet in a piece (the last of ask.tokens)
         self.pending_text = ""
         layout = ask.setup.layout
@@ -215,11 +237,11 @@ class _Decoding:
         if layout.attention_mask is not None:
             longest = len(ask.prompt) + ask.max_new_tokens
             self.mask = np.ones((1, longest), dtype=layout.int_dtypes[layout.attention_mask])
-        ask.sampler.see(ask.prompt)
+        ask.sampler.see(ask.decoder_ids)  # as `generate` sees the decoder's input_ids
 
 
 def generate(run: Run) -> Iterator[list[Piece]]:
-    states = {p: _Decoding(_ask(run, p)) for p in range(len(run.members))}
+    states = {p: _Decoding(_ask(run, p), run) for p in range(len(run.members))}
     lockstep = len(states) > 1 and _ask(run, 0).setup.layout.batchable
     while states:
         pieces = []
@@ -273,7 +295,7 @@ def _lockstep(run: Run, states: dict[int, _Decoding]) -> Iterator[list[Piece]]:
 
 def _past(ask: GenerateAsk) -> int:
     """The tokens a member's cache holds before its next run."""
-    return len(ask.prompt) + len(ask.tokens) - 1
+    return len(ask.decoder_ids) + len(ask.tokens) - 1
 
 
 def _gone(run: Run, position: int, piece: Piece | None) -> bool:
@@ -320,7 +342,9 @@ def _took(
     """The member's next token chosen from its row of logits, noted; its piece where one is
     due (`ask.finish_reason` set where the token ended the generation)."""
     ask = state.ask
-    token = ask.sampler.choose(logits)
+    token = _forced(ask)
+    if token is None:
+        token = ask.sampler.choose(logits)
     ask.sampler.see((token,))
     if ask.first_token_at is None:
         ask.first_token_at = time.monotonic()
@@ -332,6 +356,17 @@ def _took(
     if ask.finish_reason is None and len(state.pending) < ask.tokens_per_chunk:
         return token, None
     return token, _piece(position, state)
+
+
+def _forced(ask: GenerateAsk) -> int | None:
+    """The token the model's config forces next (`forced_bos_token_id` first,
+    `forced_eos_token_id` last, as `generate`'s logits processors force them), or None."""
+    setup = ask.setup
+    if not ask.tokens and setup.forced_bos is not None:
+        return setup.forced_bos
+    if len(ask.tokens) == ask.max_new_tokens - 1 and setup.forced_eos is not None:
+        return setup.forced_eos
+    return None
 
 
 def _finished(ask: GenerateAsk, token: int) -> str | None:
@@ -368,8 +403,21 @@ def _last_logits(outputs: Arrays, ask: GenerateAsk) -> np.ndarray[Any, Any]:
 
 
 def _prefill_inputs(ask: GenerateAsk) -> Arrays:
-    """The prompt whole, with an empty past."""
-    return _sequence_inputs(ask.setup.layout, ask.prompt)
+    """The decoder's first ids whole, with an empty past."""
+    return _sequence_inputs(ask.setup.layout, ask.decoder_ids)
+
+
+def _encoded(run: Run, ask: GenerateAsk) -> Arrays:
+    """An encoder-decoder's decoder inputs from its encoder's run on the prompt (nothing for a
+    decoder alone)."""
+    encoder, cross = ask.setup.encoder, ask.setup.layout.cross
+    if encoder is None or cross is None:
+        return {}
+    states = run.other(encoder.session, encoder.inputs(ask.prompt))[encoder.output]
+    made: Arrays = {cross.states: states}
+    if cross.mask is not None and cross.mask_dtype is not None:
+        made[cross.mask] = np.ones((1, len(ask.prompt)), dtype=cross.mask_dtype)
+    return made
 
 
 def _sequence_inputs(layout: DecoderLayout, ids: list[int]) -> Arrays:
@@ -394,10 +442,10 @@ def _next_inputs(state: _Decoding, outputs: Arrays, token: int) -> Arrays:
     ask = state.ask
     layout = ask.setup.layout
     if not layout.cache:
-        return _sequence_inputs(layout, [*ask.prompt, *ask.tokens])
+        return {**_sequence_inputs(layout, [*ask.decoder_ids, *ask.tokens]), **state.cross}
     past = _past(ask)  # tokens the cache holds after this run
     state.token[0, 0] = token
-    nxt: Arrays = {layout.input_ids: state.token}
+    nxt: Arrays = {layout.input_ids: state.token, **state.cross}
     if state.mask is not None and layout.attention_mask is not None:
         nxt[layout.attention_mask] = state.mask[:, : past + 1]
     if state.position is not None and layout.position_ids is not None:
@@ -406,7 +454,10 @@ def _next_inputs(state: _Decoding, outputs: Arrays, token: int) -> Arrays:
     if layout.cache_branch is not None:
         nxt[layout.cache_branch] = _USE_CACHE
     for slot in layout.cache:
-        nxt[slot.input] = outputs[slot.output]
+        if slot.fixed:  # the first run made it; later runs return a placeholder
+            nxt[slot.input] = state.kept.setdefault(slot.input, outputs[slot.output])
+        else:
+            nxt[slot.input] = outputs[slot.output]
     return nxt
 
 

@@ -130,6 +130,12 @@ class Run:
             outputs = self.session.run(inputs)
         return self._counted(started, outputs)
 
+    def other(self, session: Session, inputs: Mapping[str, Array]) -> Arrays:
+        """One run of another of the version's sessions (an encoder-decoder's encoder), timed
+        with the model's."""
+        started = time.perf_counter()
+        return self._counted(started, session.run(inputs))
+
     def bound(self, binding: StepBinding, copied: Collection[str]) -> Arrays:
         """One run of a steps loop's bound model (`agent.inference.fed_runs`), timed;
         `copied`: the outputs that may outlive the run after next."""

@@ -11,6 +11,15 @@ fixed. A decoder exported without its cache (optimum's `text-generation`: no
 every step the whole sequence again. `[generate]` overrides the names, the eos ids and the
 context length.
 
+An encoder-decoder (optimum's `text2text-generation-with-past`: T5, BART, Marian) is recognised
+from its decoder's signature too: `encoder_hidden_states` and `encoder_attention_mask` in, and a
+cache of `past_key_values.N.decoder.*` (grown by each run) and `past_key_values.N.encoder.*`
+(the cross-attention's, made by the first run and fed unchanged after it). Its version folder
+holds the decoder as `model.onnx` (optimum's `decoder_model_merged.onnx`) and the encoder as
+`encoder_model.onnx` beside it, opened on the same backend (:class:`Encoder`); the decoder
+starts from `decoder_start_token_id`, and `forced_bos_token_id` / `forced_eos_token_id` force
+the first and the last new token, as `generate` forces them.
+
 The eos ids come from `[generate] eos`, else `generation_config.json`, else `config.json` in the
 version folder; the context length from `[generate] context`, else `config.json`
 (`n_positions`, `max_position_embeddings`, ...), else unbounded. A `tokenizer.json` in the
@@ -20,8 +29,11 @@ a conversation (`agent.models.chat_template`).
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,9 +48,12 @@ from agent.models.tokenizer import TextCodec, open_tokenizer
 
 __all__ = [
     "DECODER_INPUTS",
+    "ENCODER_FILE",
     "PAST_INPUT",
     "CacheSlot",
+    "CrossInputs",
     "DecoderLayout",
+    "Encoder",
     "Generation",
     "context_in",
     "open_generation",
@@ -46,7 +61,14 @@ __all__ = [
     "recognise",
 ]
 
+log = logging.getLogger(__name__)
+
 PAST_INPUT = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")  # a cache input's name
+# An encoder-decoder's decoder: its own cache (`decoder`) and the cross-attention's (`encoder`).
+CROSS_PAST_INPUT = re.compile(r"^past_key_values\.(\d+)\.(decoder|encoder)\.(key|value)$")
+ENCODER_FILE = "encoder_model.onnx"  # optimum's name for an encoder-decoder's encoder
+ENCODER_STATES = "encoder_hidden_states"  # the decoder's input of the encoder's output
+ENCODER_MASK = "encoder_attention_mask"
 # A decoder's other inputs, as exporters name them (`[generate]` may rename the first three).
 DECODER_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache_branch"})
 
@@ -60,6 +82,7 @@ class CacheSlot:
     dtype: np.dtype[Any]
     shape: tuple[int | None, ...]  # None: the batch axis (0) and the past axis
     past_axis: int
+    fixed: bool = False  # the cross-attention's: made by the first run, then fed unchanged
 
     def empty(self, batch: int) -> np.ndarray[Any, Any]:
         """The cache of a prefill: past length 0."""
@@ -81,6 +104,9 @@ class DecoderLayout:
     cache_branch: str | None  # optimum's merged decoders: `use_cache_branch` (bool [1])
     cache: tuple[CacheSlot, ...]
     int_dtypes: dict[str, np.dtype[Any]]  # input_ids, attention_mask, position_ids
+    # An encoder-decoder's decoder: its `encoder_attention_mask` input, where it has one
+    # (`ENCODER_STATES` is its other input of the encoder's run); None: a decoder alone.
+    cross: CrossInputs | None = None
 
     @property
     def batchable(self) -> bool:
@@ -93,6 +119,47 @@ class DecoderLayout:
             and bool(self.cache)
             and all(slot.past_axis > 0 for slot in self.cache)
         )
+
+
+@dataclass(frozen=True)
+class CrossInputs:
+    """An encoder-decoder's decoder inputs that come from the encoder's run."""
+
+    states: str  # encoder_hidden_states
+    mask: str | None  # encoder_attention_mask
+    mask_dtype: np.dtype[Any] | None
+
+
+class Encoder:
+    """An encoder-decoder's encoder (`encoder_model.onnx`): the prompt's ids (and a mask of
+    ones) in, its last hidden states out, once a request before the decoder's first run."""
+
+    def __init__(self, session: Session) -> None:
+        ins = {spec.name: spec for spec in session.inputs}
+        if "input_ids" not in ins or np.dtype(ins["input_ids"].dtype).kind not in "iu":
+            raise ModelLoadError(f"{ENCODER_FILE}: no integer input_ids")
+        unknown = sorted(set(ins) - {"input_ids", "attention_mask"})
+        if unknown or not session.outputs:
+            raise ModelLoadError(
+                f"{ENCODER_FILE}: inputs {', '.join(sorted(ins))} and no more than "
+                "input_ids and attention_mask are an encoder's"
+            )
+        self.session = session
+        self._ids = np.dtype(ins["input_ids"].dtype)
+        mask = ins.get("attention_mask")
+        self._mask = np.dtype(mask.dtype) if mask is not None else None
+        names = [spec.name for spec in session.outputs]
+        self.output = "last_hidden_state" if "last_hidden_state" in names else names[0]
+
+    def inputs(self, ids: Sequence[int]) -> dict[str, Any]:
+        """The encoder's inputs for one prompt."""
+        made: dict[str, Any] = {"input_ids": np.array([ids], dtype=self._ids)}
+        if self._mask is not None:
+            made["attention_mask"] = np.ones((1, len(ids)), dtype=self._mask)
+        return made
+
+    def close(self) -> None:
+        self.session.close()
 
 
 @dataclass(frozen=True)
@@ -109,11 +176,26 @@ class Generation:
     # provider): never copied to the host. Empty on the CPU, where a host copy is the value.
     device_cache: tuple[str, ...] = ()
     chat: ChatTemplate | None = None  # with a tokenizer: conversations in (`inputs.messages`)
+    encoder: Encoder | None = None  # an encoder-decoder's encoder (its session is owned here)
+    decoder_start: int | None = None  # an encoder-decoder: the decoder's first input token
+    forced_bos: int | None = None  # the first new token, where the model's config forces it
+    forced_eos: int | None = None  # the last new token (at max_new_tokens), where forced
+
+    def close(self) -> None:
+        """Closes the encoder's session (the decoder's is the version's)."""
+        if self.encoder is not None:
+            self.encoder.close()
 
 
-def open_generation(config: GenerateConfig | None, session: Session, folder: Path) -> Generation:
+def open_generation(
+    config: GenerateConfig | None,
+    session: Session,
+    folder: Path,
+    open_encoder: Callable[[Path], Session] | None = None,
+) -> Generation:
     """The version's :class:`Generation`; ModelLoadError (one line) where the signature is not
-    a decoder's or a file in the folder is unreadable."""
+    a decoder's or a file in the folder is unreadable. `open_encoder`: how an encoder-decoder's
+    `encoder_model.onnx` is opened (the version's backend); None where it cannot be."""
     config = config or GenerateConfig()
     layout = recognise(session.inputs, session.outputs, config)
     hf_config = read_json(folder / "config.json")
@@ -129,9 +211,85 @@ def open_generation(config: GenerateConfig | None, session: Session, folder: Pat
     on_device = isinstance(session, DeviceBinding) and session.keeps_on_device
     device_cache = tuple(slot.output for slot in layout.cache) if on_device else ()
     chat = open_chat_template(folder) if tokenizer is not None else None
-    return Generation(
+    unapplied = _unapplied(generation_config)
+    if unapplied:
+        log.warning(
+            "%s: generation_config.json sets %s; the agent decodes greedily unless a "
+            "request's params sample, and does not apply them",
+            folder,
+            ", ".join(unapplied),
+        )
+    generation = Generation(
         layout, eos, context, config.max_new_tokens, tokenizer, vocab, device_cache, chat
     )
+    if layout.cross is None:
+        return generation
+    return _with_encoder(generation, folder, (generation_config, hf_config), open_encoder)
+
+
+def _with_encoder(
+    generation: Generation,
+    folder: Path,
+    configs: tuple[dict[str, Any], dict[str, Any]],
+    open_encoder: Callable[[Path], Session] | None,
+) -> Generation:
+    """An encoder-decoder's `generation`: its encoder opened, its start and forced tokens read
+    from `configs` (generation_config.json, then config.json)."""
+    start = _first_number(configs, "decoder_start_token_id")
+    if start is None:
+        raise ModelLoadError(
+            "an encoder-decoder needs decoder_start_token_id in generation_config.json or "
+            "config.json"
+        )
+    if not (folder / ENCODER_FILE).is_file():
+        raise ModelLoadError(
+            f"the decoder takes {ENCODER_STATES}: its encoder, {ENCODER_FILE}, is not in the "
+            "version folder (copy optimum's export folder, decoder_model_merged.onnx as "
+            "model.onnx)"
+        )
+    if open_encoder is None:
+        raise ModelLoadError('an encoder-decoder runs on ONNX Runtime (backend = "onnxruntime")')
+    session = open_encoder(folder / ENCODER_FILE)
+    try:
+        encoder = Encoder(session)
+    except BaseException:
+        session.close()
+        raise
+    return dataclasses.replace(
+        generation,
+        encoder=encoder,
+        decoder_start=start,
+        forced_bos=_first_number(configs, "forced_bos_token_id"),
+        forced_eos=_first_number(configs, "forced_eos_token_id"),
+    )
+
+
+def _unapplied(generation_config: dict[str, Any]) -> list[str]:
+    """The settings of `generation_config.json` that `generate` would apply by default and the
+    agent does not (beam search, n-gram bans, minimum lengths, sampling by default)."""
+    defaults = {
+        "num_beams": 1,
+        "no_repeat_ngram_size": 0,
+        "min_length": 0,
+        "min_new_tokens": None,
+        "do_sample": False,
+        "repetition_penalty": 1.0,
+    }
+    return [
+        f"{key} = {json.dumps(generation_config[key])}"
+        for key, default in defaults.items()
+        if generation_config.get(key, default) not in (default, None)
+    ]
+
+
+def _first_number(configs: tuple[dict[str, Any], ...], key: str) -> int | None:
+    """`key` of the first of `configs` (generation_config.json, config.json) that gives a
+    whole number for it."""
+    for data in configs:
+        value = whole_number(data.get(key))
+        if value is not None:
+            return value
+    return None
 
 
 def recognise(
@@ -152,15 +310,32 @@ def recognise(
             if dtype.kind not in "iu":
                 raise ModelLoadError(f"generate: input '{name}' is {dtype}, not an integer tensor")
             ints[name] = dtype
-    cache = tuple(_cache_slot(spec, outs) for spec in inputs if PAST_INPUT.match(spec.name))
+    cross = _cross_inputs(ins)
+    names = PAST_INPUT if cross is None else CROSS_PAST_INPUT
+    cache = tuple(_cache_slot(spec, outs) for spec in inputs if names.match(spec.name))
     known = {input_ids, mask, positions, branch, *(slot.input for slot in cache)}
+    if cross is not None:
+        known |= {cross.states, cross.mask}
     unknown = [name for name in ins if name not in known]
     if unknown:
         raise ModelLoadError(
             f"generate: input(s) {', '.join(unknown[:5])} are not a decoder's (input_ids, "
-            "attention_mask, position_ids, past_key_values.N.key/value, use_cache_branch)"
+            "attention_mask, position_ids, past_key_values.N.key/value, use_cache_branch; "
+            "an encoder-decoder's encoder_hidden_states, encoder_attention_mask, "
+            "past_key_values.N.decoder/encoder.key/value)"
         )
-    return DecoderLayout(input_ids, logits, mask, positions, branch, cache, ints)
+    return DecoderLayout(input_ids, logits, mask, positions, branch, cache, ints, cross)
+
+
+def _cross_inputs(ins: dict[str, TensorSpec]) -> CrossInputs | None:
+    """An encoder-decoder's inputs of the encoder's run, where the decoder takes them."""
+    if ENCODER_STATES not in ins:
+        return None
+    mask = ins.get(ENCODER_MASK)
+    mask_dtype = np.dtype(mask.dtype) if mask is not None else None
+    if mask_dtype is not None and mask_dtype.kind not in "iu":
+        raise ModelLoadError(f"generate: input '{ENCODER_MASK}' is {mask_dtype}, not integers")
+    return CrossInputs(ENCODER_STATES, ENCODER_MASK if mask is not None else None, mask_dtype)
 
 
 def _named(specs: dict[str, TensorSpec], override: str | None, default: str, kind: str) -> str:
@@ -179,9 +354,7 @@ def _optional(specs: dict[str, TensorSpec], override: str | None, default: str) 
 
 
 def _cache_slot(spec: TensorSpec, outputs: dict[str, TensorSpec]) -> CacheSlot:
-    match = PAST_INPUT.match(spec.name)
-    assert match is not None
-    output = f"present.{match.group(1)}.{match.group(2)}"
+    output = "present" + spec.name[len("past_key_values") :]  # present.N[.decoder].key
     if output not in outputs:
         raise ModelLoadError(f"generate: input '{spec.name}' has no output '{output}'")
     fixed = tuple(d if isinstance(d, int) else None for d in spec.shape)
@@ -191,7 +364,8 @@ def _cache_slot(spec: TensorSpec, outputs: dict[str, TensorSpec]) -> CacheSlot:
             f"generate: cache input '{spec.name}' {spec.describe()} is not [batch, ..., past, "
             "...] with every other axis fixed"
         )
-    return CacheSlot(spec.name, output, np.dtype(spec.dtype), fixed, past)
+    cross_attention = ".encoder." in spec.name  # an encoder-decoder's: fixed after the first run
+    return CacheSlot(spec.name, output, np.dtype(spec.dtype), fixed, past, cross_attention)
 
 
 def past_axis(dynamic: Sequence[bool]) -> int | None:

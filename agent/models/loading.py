@@ -10,6 +10,7 @@ one stays.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,7 +89,9 @@ def open_version(
     signed = verify_files(version, trust)
     backend = get_backend(version.backend)
     model_file = engine if engine is not None else version.model_file
-    session = backend.load(model_file, record.config.backend_options.apply(options))
+    session_options = record.config.backend_options.apply(options)
+    session = backend.load(model_file, session_options)
+    generation: Generation | None = None
     try:
         problems = check_signature(record.config, session)
         serving = record.serving
@@ -102,9 +105,13 @@ def open_version(
             version.model_file.parent,
         )
         folder = version.model_file.parent
-        generation, text = None, None
+        text = None
         if record.config.stream.mode == "generate":
-            generation = open_generation(record.config.generate, session, folder)
+            # An encoder-decoder's encoder_model.onnx, on ONNX Runtime (a plan is one engine)
+            on_onnxruntime = version.backend == "onnxruntime" and engine is None
+            opener = functools.partial(backend.load, options=session_options)
+            open_encoder = opener if on_onnxruntime else None
+            generation = open_generation(record.config.generate, session, folder, open_encoder)
             if record.config.batching.enabled:
                 _check_generate_batching(generation, version.backend)
         else:
@@ -128,6 +135,8 @@ def open_version(
         )
     except Exception as e:
         session.close()
+        if generation is not None:
+            generation.close()
         if isinstance(e, ModelLoadError):
             raise
         raise ModelLoadError(f"warm-up failed: {e}") from e

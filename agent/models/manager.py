@@ -462,6 +462,6 @@ class ModelManager:
                     record.serving = None
             for item in loaded:
                 try:
-                    item.session.close()
+                    item.close_sessions()
                 except Exception:
                     log.exception("model %s v%d: close failed", item.model, item.version)

@@ -78,6 +78,14 @@ class LoadedVersion:
         processor's."""
         return self.config.preprocess or self.processor_preprocess
 
+    def close_sessions(self) -> None:
+        """Frees the version's sessions: its model's, and an encoder-decoder's encoder."""
+        try:
+            self.session.close()
+        finally:
+            if self.generation is not None:
+                self.generation.close()
+
     @functools.cached_property
     def request_inputs(self) -> tuple[TensorSpec, ...]:
         """What a request's inputs are checked against (`agent.models.signature.request_inputs`:

@@ -84,7 +84,7 @@ class Retirement:
         """Free a version's memory now (never left to the garbage collector). The caller
         marked it `closed` under the lock, so this runs once a version."""
         try:
-            loaded.session.close()
+            loaded.close_sessions()
         except Exception:
             log.exception("model %s v%d: close failed", loaded.model, loaded.version)
         with self._lock:

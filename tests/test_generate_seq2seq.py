@@ -1,0 +1,213 @@
+"""`mode = "generate"` with encoder-decoders exported by optimum (`text2text-generation-with-
+past`: a T5 with relative positions and a BART whose config forces its first new token), as a
+user copies optimum's folder (`encoder_model.onnx`, the merged decoder as `model.onnx`, the
+configs and the tokenizer): greedy tokens equal to Hugging Face's `generate(do_sample=False)`,
+text equal to the tokenizer's decode, finish reasons and usage, token ids in, concurrent
+requests, and the versions that cannot serve refused at load. The fixtures and references come
+from `scripts/make_seq2seq.py`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from agent.client import AgentClient, AgentError
+from agent.demo.broker import EmbeddedBroker
+from agent.models.backends.base import ModelLoadError
+from agent.models.decoder_layout import ENCODER_FILE, open_generation, recognise
+from agent.models.generate_config import GenerateConfig
+from agent.service.agent import Agent
+
+pytest.importorskip("tokenizers")
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "real" / "seq2seq"
+REFERENCE: dict[str, Any] = json.loads((FIXTURES / "reference.json").read_text(encoding="utf-8"))
+N = int(REFERENCE["new_tokens"])
+CASES = [
+    (arch, k) for arch in ("t5", "bart") for k in range(len(REFERENCE["models"][arch]["cases"]))
+]
+GENERATE = '[stream]\nmode = "generate"\n'
+MODELS = {  # name: (fixture, config.toml after GENERATE, files left out)
+    "t5": ("t5", "", ()),
+    "bart": ("bart", "", ()),
+    "bart_short": ("bart", "[generate]\ncontext = 12\n", ()),
+    "bart_batched": ("bart", "[batching]\nmax_batch = 2\n", ()),
+    "t5_alone": ("t5", "", (ENCODER_FILE,)),
+}
+
+
+@pytest.fixture(scope="module")
+def agent_client(
+    broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Agent, AgentClient]]:
+    from tests.conftest import agent_config, serve_agent
+
+    tmp = tmp_path_factory.mktemp("seq2seq")
+    root = tmp / "models"
+    for name, (fixture, extra, left_out) in MODELS.items():
+        shutil.copytree(
+            FIXTURES / fixture, root / name / "1", ignore=shutil.ignore_patterns(*left_out)
+        )
+        (root / name / "config.toml").write_text(GENERATE + extra)
+    yield from serve_agent(broker, agent_config(tmp, broker, root), 20)
+
+
+def generate(client: AgentClient, model: str, inputs: dict[str, Any], **params: Any) -> Any:
+    reply = client.request(model, inputs, params=params or None, timeout=30)
+    return reply, list(reply)
+
+
+def tokens_of(chunks: list[Any]) -> list[int]:
+    return [int(t) for c in chunks for t in c.outputs["tokens"]]
+
+
+def test_the_exports_load_and_the_broken_ones_say_why(
+    agent_client: tuple[Agent, AgentClient],
+) -> None:
+    agent, _ = agent_client
+    versions = {name: m["versions"]["1"] for name, m in agent.models.inventory()["models"].items()}
+    for name in ("t5", "bart", "bart_short"):
+        assert versions[name]["state"] == "ready", (name, versions[name])
+    assert versions["bart_batched"]["state"] == "failed"
+    assert "[batching] of a generate model needs" in versions["bart_batched"]["error"]
+    assert versions["t5_alone"]["state"] == "failed"
+    assert (
+        f"its encoder, {ENCODER_FILE}, is not in the version folder"
+        in (versions["t5_alone"]["error"])
+    )
+
+
+@pytest.mark.parametrize(("arch", "case"), CASES)
+def test_greedy_tokens_and_text_equal_hugging_face(
+    agent_client: tuple[Agent, AgentClient], arch: str, case: int
+) -> None:
+    """The prompt to the encoder (with the tokenizer's `</s>`), the decoder from its start
+    token, BART's forced first token: Hugging Face's tokens, text, finish reason."""
+    _, client = agent_client
+    ref = REFERENCE["models"][arch]["cases"][case]
+    reply, chunks = generate(client, arch, {"prompt": ref["prompt"]}, max_new_tokens=N)
+    assert tokens_of(chunks) == ref["greedy"]
+    assert "".join(c.text for c in chunks) == ref["text"]
+    assert reply.end.finish_reason == ref["finish"]
+    assert reply.end.usage == {
+        "prompt_tokens": len(ref["ids"]),
+        "completion_tokens": len(ref["greedy"]),
+    }
+
+
+def test_the_fixture_ends_both_ways_and_forces_barts_first_token() -> None:
+    """What the references above are worth: each model has a generation ended by eos and one
+    by length, and every BART generation starts with its forced token."""
+    for arch in ("t5", "bart"):
+        finishes = {case["finish"] for case in REFERENCE["models"][arch]["cases"]}
+        assert finishes == {"eos", "length"}, arch
+    bart = REFERENCE["models"]["bart"]
+    assert bart["forced_bos_token_id"] is not None
+    assert {case["greedy"][0] for case in bart["cases"]} == {bart["forced_bos_token_id"]}
+
+
+def test_token_ids_in_and_fewer_new_tokens(agent_client: tuple[Agent, AgentClient]) -> None:
+    _, client = agent_client
+    ref = REFERENCE["models"]["t5"]["cases"][1]
+    ids = np.array([ref["ids"]], dtype=np.int64)
+    reply, chunks = generate(client, "t5", {"input_ids": ids}, max_new_tokens=5)
+    assert tokens_of(chunks) == ref["greedy"][:5]
+    assert reply.end.finish_reason == "length"
+    result = client.request("t5", {"input_ids": ids}, params={"max_new_tokens": 5}, stream=False)
+    assert result.collect()["tokens"].tolist() == ref["greedy"][:5]
+
+
+def test_concurrent_requests_each_get_their_own_tokens(
+    agent_client: tuple[Agent, AgentClient],
+) -> None:
+    """Requests at once (their encoders' states and cross-attention caches their own)."""
+    _, client = agent_client
+    refs = REFERENCE["models"]["bart"]["cases"]
+    got: dict[int, list[int]] = {}
+
+    def ask(k: int) -> None:
+        inputs = {"prompt": refs[k]["prompt"]}
+        got[k] = tokens_of(generate(client, "bart", inputs, max_new_tokens=N)[1])
+
+    threads = [threading.Thread(target=ask, args=(k,), name=f"ask-{k}") for k in range(len(refs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert got == {k: ref["greedy"] for k, ref in enumerate(refs)}
+
+
+def test_a_prompt_longer_than_the_encoder_takes_is_refused(
+    agent_client: tuple[Agent, AgentClient],
+) -> None:
+    _, client = agent_client
+    ref = REFERENCE["models"]["bart"]["cases"][0]
+    with pytest.raises(AgentError, match=r"bad_request.*the encoder takes at most 12"):
+        generate(client, "bart_short", {"prompt": ref["prompt"]})
+    reply, chunks = generate(client, "bart_short", {"input_ids": np.array([[0, 5, 2]])})
+    assert len(tokens_of(chunks)) == 11  # its start token takes one of the 12 positions
+    assert reply.end.finish_reason == "length"
+
+
+class _Signature:
+    """Just the signature of a session: what `recognise` and `open_generation` read."""
+
+    def __init__(self, reference: dict[str, Any]) -> None:
+        from agent.models.backends.base import TensorSpec
+
+        dtypes = {"tensor(int64)": np.int64, "tensor(float)": np.float32, "tensor(bool)": np.bool_}
+        self.inputs, self.outputs = (
+            [TensorSpec(a["name"], np.dtype(dtypes[a["type"]]), tuple(a["shape"])) for a in args]
+            for args in (reference["inputs"], reference["outputs"])
+        )
+
+
+def test_the_decoders_layout() -> None:
+    """The cross-attention's cache is fixed after the first run; the decoder's own grows."""
+    signature = _Signature(REFERENCE["models"]["t5"]["decoder"])
+    layout = recognise(signature.inputs, signature.outputs, GenerateConfig())
+    assert layout.cross is not None and layout.cross.states == "encoder_hidden_states"
+    assert layout.cross.mask == "encoder_attention_mask"
+    fixed = {slot.input for slot in layout.cache if slot.fixed}
+    assert fixed == {f"past_key_values.{n}.encoder.{kv}" for n in (0, 1) for kv in ("key", "value")}
+    assert {s.output for s in layout.cache if not s.fixed} == {
+        f"present.{n}.decoder.{kv}" for n in (0, 1) for kv in ("key", "value")
+    }
+    assert layout.cache_branch == "use_cache_branch" and not layout.batchable
+
+
+def test_an_encoder_decoder_needs_onnx_runtime_and_its_start_token(tmp_path: Path) -> None:
+    signature = _Signature(REFERENCE["models"]["t5"]["decoder"])
+    folder = tmp_path / "t5"
+    shutil.copytree(FIXTURES / "t5", folder)
+    with pytest.raises(ModelLoadError, match="runs on ONNX Runtime"):
+        open_generation(None, signature, folder, None)  # type: ignore[arg-type]
+    for name in ("generation_config.json", "config.json"):
+        data = json.loads((folder / name).read_text())
+        data.pop("decoder_start_token_id", None)
+        (folder / name).write_text(json.dumps(data))
+    with pytest.raises(ModelLoadError, match="needs decoder_start_token_id"):
+        open_generation(None, signature, folder, None)  # type: ignore[arg-type]
+
+
+def test_generation_settings_the_agent_does_not_apply_are_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A summariser's beam search and n-gram ban: the version loads, with a warning."""
+    signature = _Signature(REFERENCE["models"]["bart"]["decoder"])
+    folder = tmp_path / "bart"
+    shutil.copytree(FIXTURES / "bart", folder)
+    settings = json.loads((folder / "generation_config.json").read_text())
+    settings |= {"num_beams": 4, "no_repeat_ngram_size": 3, "length_penalty": 2.0}
+    (folder / "generation_config.json").write_text(json.dumps(settings))
+    with pytest.raises(ModelLoadError, match="runs on ONNX Runtime"):
+        open_generation(None, signature, folder, None)  # type: ignore[arg-type]
+    warned = [r.getMessage() for r in caplog.records if "generation_config.json" in r.getMessage()]
+    assert len(warned) == 1 and "num_beams = 4, no_repeat_ngram_size = 3" in warned[0]
