@@ -211,3 +211,45 @@ def test_generation_settings_the_agent_does_not_apply_are_named(
         open_generation(None, signature, folder, None)  # type: ignore[arg-type]
     warned = [r.getMessage() for r in caplog.records if "generation_config.json" in r.getMessage()]
     assert len(warned) == 1 and "num_beams = 4, no_repeat_ngram_size = 3" in warned[0]
+
+
+@pytest.mark.parametrize("arch", ["t5", "bart"])
+def test_the_caches_stay_bound_on_a_device_session(
+    arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU provider every cache output stays where ONNX Runtime made it (IOBinding): the
+    decoder's own, fed back each step, and the cross-attention's, kept from the first step.
+    The same path, bound on the CPU here: Hugging Face's greedy tokens, every step after the
+    first fed the runtime's own values."""
+    import onnxruntime as ort
+
+    from agent.inference import generate as generate_mode
+    from agent.inference.modes import Member, Run
+    from agent.models.backends.base import BackendOptions
+    from agent.models.backends.onnxruntime import OnnxRuntimeBackend, OnnxSession
+    from agent.models.model_config import StreamConfig
+
+    backend, options = OnnxRuntimeBackend(), BackendOptions(1)
+    session = backend.load(FIXTURES / arch / "model.onnx", options)
+    monkeypatch.setattr(OnnxSession, "keeps_on_device", property(lambda self: True))
+    setup = open_generation(None, session, FIXTURES / arch, lambda f: backend.load(f, options))
+    assert len(setup.device_cache) == 8  # two layers' decoder and encoder keys and values
+    fed: list[set[type]] = []
+    run_keeping = OnnxSession.run_keeping
+
+    def spy(self: OnnxSession, inputs: dict[str, object], keep: object) -> object:
+        fed.append({type(v) for k, v in inputs.items() if k.startswith("past_key_values.")})
+        return run_keeping(self, inputs, keep)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(OnnxSession, "run_keeping", spy)
+    ref = REFERENCE["models"][arch]["cases"][1]
+    prompt = {"prompt": np.array(ref["prompt"], dtype=object)}
+    ask = generate_mode.ask_of(prompt, {"max_new_tokens": N}, setup)
+    run = Run(session, StreamConfig(mode="generate"), [Member({}, 1, generation=ask)])
+    try:
+        pieces = list(generate_mode.generate(run))
+    finally:
+        setup.close()
+        session.close()
+    assert [int(t) for group in pieces for p in group for t in p.outputs["tokens"]] == ref["greedy"]
+    assert fed[0] == {np.ndarray} and all(kinds == {ort.OrtValue} for kinds in fed[1:])
