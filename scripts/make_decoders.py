@@ -85,7 +85,9 @@ Once upon a time there was a tiny model that could only say a few words, but it 
 """
 
 
-def train_tokenizer(path: Path) -> Any:
+def byte_level_bpe(specials: list[str]) -> Any:
+    """A byte-level BPE (`tokenizers.Tokenizer`) of VOCAB tokens trained on CORPUS, the
+    `specials` its first ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -93,11 +95,16 @@ def train_tokenizer(path: Path) -> Any:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB,
-        special_tokens=[EOS],
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(CORPUS.splitlines() * 4, trainer=trainer)
+    return tokenizer
+
+
+def train_tokenizer(path: Path) -> Any:
+    tokenizer = byte_level_bpe([EOS])
     tokenizer.save(str(path))
     return tokenizer
 

@@ -46,12 +46,12 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from make_decoders import CORPUS, VOCAB  # this script's folder
+from make_decoders import byte_level_bpe  # this script's folder
+from make_real_models import _reexec_with_fixed_hash_seed  # optimum's merge: set order
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "real" / "seq2seq"
@@ -120,20 +120,11 @@ os.environ.setdefault("DNNL_MAX_CPU_ISA", "AVX2")
 def build_tokenizer(name: str) -> Any:
     """`name`'s family tokenizer: make_decoders' byte-level BPE on its corpus, with the
     family's special tokens first and its post-processor, as a `PreTrainedTokenizerFast`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
     family = FAMILIES[name]
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=family["specials"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(CORPUS.splitlines() * 4, trainer=trainer)
+    tokenizer = byte_level_bpe(family["specials"])
     used = f"{family['single']} {family['pair']}".split()
     tokenizer.post_processor = processors.TemplateProcessing(
         single=family["single"],
@@ -279,14 +270,6 @@ def make(name: str, out: Path, seed: int) -> dict[str, Any]:
         "decoder": signature(out / name / "model.onnx"),
         "cases": cases,
     }
-
-
-def _reexec_with_fixed_hash_seed() -> None:
-    """optimum's `merge_decoders` names the initializers the two decoders share in set order;
-    fix str hashing so reruns are identical (as scripts/make_real_models.py does)."""
-    if os.environ.get("PYTHONHASHSEED") != "0":
-        env = dict(os.environ, PYTHONHASHSEED="0")
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
 def main() -> None:

@@ -9,8 +9,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from agent.client import AgentClient
 from agent.demo.broker import EmbeddedBroker
+from agent.models.backends.onnxruntime import OnnxSession
 from agent.service.agent import Agent
 
 DECODERS = Path(__file__).resolve().parent / "fixtures" / "real" / "decoders"
@@ -38,3 +41,17 @@ def serve(
     for name, (arch, extra) in models.items():
         write_decoder(root, name, arch, extra, text=not name.endswith("_ids"))
     yield from serve_agent(broker, agent_config(tmp, broker, root), 20)
+
+
+def spy_on_bound_caches(monkeypatch: pytest.MonkeyPatch) -> list[set[type]]:
+    """From now on, each bound run (`OnnxSession.run_keeping`) notes the types of the cache
+    inputs it was fed (`numpy.ndarray`: a host copy; `onnxruntime.OrtValue`: kept bound)."""
+    fed: list[set[type]] = []
+    run_keeping = OnnxSession.run_keeping
+
+    def spy(self: OnnxSession, inputs: dict[str, object], keep: object) -> object:
+        fed.append({type(v) for k, v in inputs.items() if k.startswith("past_key_values.")})
+        return run_keeping(self, inputs, keep)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(OnnxSession, "run_keeping", spy)
+    return fed

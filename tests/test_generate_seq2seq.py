@@ -16,14 +16,20 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 
 from agent.client import AgentClient, AgentError
 from agent.demo.broker import EmbeddedBroker
-from agent.models.backends.base import ModelLoadError
+from agent.inference import generate as generate_mode
+from agent.inference.modes import Member, Run
+from agent.models.backends.base import BackendOptions, ModelLoadError, TensorSpec
+from agent.models.backends.onnxruntime import OnnxRuntimeBackend, OnnxSession
 from agent.models.decoder_layout import ENCODER_FILE, open_generation, recognise
 from agent.models.generate_config import GenerateConfig
+from agent.models.model_config import StreamConfig
 from agent.service.agent import Agent
+from tests.generate_helpers import spy_on_bound_caches
 
 pytest.importorskip("tokenizers")
 
@@ -160,8 +166,6 @@ class _Signature:
     """Just the signature of a session: what `recognise` and `open_generation` read."""
 
     def __init__(self, reference: dict[str, Any]) -> None:
-        from agent.models.backends.base import TensorSpec
-
         dtypes = {"tensor(int64)": np.int64, "tensor(float)": np.float32, "tensor(bool)": np.bool_}
         self.inputs, self.outputs = (
             [TensorSpec(a["name"], np.dtype(dtypes[a["type"]]), tuple(a["shape"])) for a in args]
@@ -221,27 +225,12 @@ def test_the_caches_stay_bound_on_a_device_session(
     decoder's own, fed back each step, and the cross-attention's, kept from the first step.
     The same path, bound on the CPU here: Hugging Face's greedy tokens, every step after the
     first fed the runtime's own values."""
-    import onnxruntime as ort
-
-    from agent.inference import generate as generate_mode
-    from agent.inference.modes import Member, Run
-    from agent.models.backends.base import BackendOptions
-    from agent.models.backends.onnxruntime import OnnxRuntimeBackend, OnnxSession
-    from agent.models.model_config import StreamConfig
-
     backend, options = OnnxRuntimeBackend(), BackendOptions(1)
     session = backend.load(FIXTURES / arch / "model.onnx", options)
     monkeypatch.setattr(OnnxSession, "keeps_on_device", property(lambda self: True))
     setup = open_generation(None, session, FIXTURES / arch, lambda f: backend.load(f, options))
     assert len(setup.device_cache) == 8  # two layers' decoder and encoder keys and values
-    fed: list[set[type]] = []
-    run_keeping = OnnxSession.run_keeping
-
-    def spy(self: OnnxSession, inputs: dict[str, object], keep: object) -> object:
-        fed.append({type(v) for k, v in inputs.items() if k.startswith("past_key_values.")})
-        return run_keeping(self, inputs, keep)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(OnnxSession, "run_keeping", spy)
+    fed = spy_on_bound_caches(monkeypatch)
     ref = REFERENCE["models"][arch]["cases"][1]
     prompt = {"prompt": np.array(ref["prompt"], dtype=object)}
     ask = generate_mode.ask_of(prompt, {"max_new_tokens": N}, setup)

@@ -23,7 +23,7 @@ from agent.models.loading import _check_generate_batching
 from agent.models.model_config import ModelConfigError, StreamConfig, parse_model_config
 from agent.models.tokenizer import open_tokenizer
 from agent.protocol.errors import WireError
-from tests.generate_helpers import DECODERS, REFERENCE
+from tests.generate_helpers import DECODERS, REFERENCE, spy_on_bound_caches
 
 TEXT = "日本語 café 🙂 naïve"
 
@@ -164,14 +164,7 @@ def test_the_cache_stays_bound_on_a_device_session(
     assert len(setup.device_cache) == 8 and all(
         n.startswith("present.") for n in setup.device_cache
     )
-    fed: list[set[type]] = []
-    run_keeping = OnnxSession.run_keeping
-
-    def spy(self: OnnxSession, inputs: dict[str, object], keep: object) -> object:
-        fed.append({type(v) for k, v in inputs.items() if k.startswith("past_key_values.")})
-        return run_keeping(self, inputs, keep)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(OnnxSession, "run_keeping", spy)
+    fed = spy_on_bound_caches(monkeypatch)
     ref = REFERENCE["models"][arch][0]
     (ask,) = _asks(setup, [ref], [24])
     run = Run(session, StreamConfig(mode="generate"), [Member({}, 1, generation=ask)])
