@@ -320,9 +320,9 @@ def test_the_inventory_says_which_versions_take_text(
     agent, _ = text_agent
     inventory = agent.models.inventory()
     versions = {name: model["versions"]["1"] for name, model in inventory["models"].items()}
-    assert versions["bert"]["text_inputs"] == ["prompt"]
+    assert versions["bert"]["text_inputs"] == ["prompt", "pair"]
     assert "text_inputs" not in versions["untokenized"]
-    assert "    text in: prompt" in format_inventory(inventory).splitlines()
+    assert "    text in: prompt, pair" in format_inventory(inventory).splitlines()
 
 
 @pytest.mark.parametrize(("model", "key"), [("mean", "embedding"), ("cls", "cls")])

@@ -327,13 +327,14 @@ def inventory_of(
 
 def text_inputs_of(loaded: LoadedVersion) -> list[str]:
     """The inputs a request may send in place of the signature's: `prompt` (a tokenizer
-    makes the token ids), `messages` (a generate model's chat template lays them out)."""
+    makes the token ids), `pair` (an encoder's second text a row), `messages` (a generate
+    model's chat template lays them out)."""
     generation = loaded.generation
     if generation is not None:
         if generation.tokenizer is None:
             return []
         return ["prompt", "messages"] if generation.chat is not None else ["prompt"]
-    return ["prompt"] if loaded.text is not None else []
+    return ["prompt", "pair"] if loaded.text is not None else []
 
 
 def summarize(inventory: Mapping[str, Any]) -> str:
