@@ -162,6 +162,19 @@ def test_a_prompt_longer_than_the_encoder_takes_is_refused(
     assert reply.end.finish_reason == "length"
 
 
+def test_a_t5_is_bounded_by_its_tokenizers_model_max_length(
+    agent_client: tuple[Agent, AgentClient],
+) -> None:
+    """A T5's config.json names no context (relative positions); its tokenizer_config.json's
+    `model_max_length` bounds the prompt, so a long prompt is refused, not run through an
+    encoder whose attention grows with its square."""
+    _, client = agent_client
+    with pytest.raises(AgentError, match=r"bad_request.*the encoder takes at most 64"):
+        generate(client, "t5", {"input_ids": np.ones((1, 65), np.int64)})
+    with pytest.raises(AgentError, match=r"bad_request.*characters: more than 64 tokens hold"):
+        generate(client, "t5", {"prompt": "x" * 6401})
+
+
 class _Signature:
     """Just the signature of a session: what `recognise` and `open_generation` read."""
 

@@ -22,7 +22,8 @@ the first and the last new token, as `generate` forces them.
 
 The eos ids come from `[generate] eos`, else `generation_config.json`, else `config.json` in the
 version folder; the context length from `[generate] context`, else `config.json`
-(`n_positions`, `max_position_embeddings`, ...), else unbounded. A `tokenizer.json` in the
+(`n_positions`, `max_position_embeddings`, ...), else `tokenizer_config.json`'s
+`model_max_length` (a T5's config names none), else unbounded. A `tokenizer.json` in the
 folder lets requests send text (`agent.models.tokenizer`), and with a chat template beside it
 a conversation (`agent.models.chat_template`).
 """
@@ -204,7 +205,8 @@ def open_generation(
         eos = frozenset(config.eos)
     else:
         eos = _eos_of(generation_config) or _eos_of(hf_config)
-    context = config.context or context_of(hf_config)
+    tokenizer_config = read_json(folder / "tokenizer_config.json")
+    context = config.context or context_of(hf_config) or _model_max_length(tokenizer_config)
     logits = next(spec for spec in session.outputs if spec.name == layout.logits)
     vocab = logits.shape[-1] if logits.shape and isinstance(logits.shape[-1], int) else None
     tokenizer = open_tokenizer(folder)
@@ -262,6 +264,13 @@ def _with_encoder(
         forced_bos=_first_number(configs, "forced_bos_token_id"),
         forced_eos=_first_number(configs, "forced_eos_token_id"),
     )
+
+
+def _model_max_length(tokenizer_config: dict[str, Any]) -> int | None:
+    """The tokenizer's `model_max_length`, where it is a real bound: `transformers` writes a
+    huge number (1e30) for a model it knows none of."""
+    value = whole_number(tokenizer_config.get("model_max_length"))
+    return value if value is not None and 0 < value < 10**9 else None
 
 
 def _unapplied(generation_config: dict[str, Any]) -> list[str]:
