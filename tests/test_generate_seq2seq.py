@@ -9,6 +9,7 @@ from `scripts/make_seq2seq.py`."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 from collections.abc import Iterator
@@ -46,6 +47,7 @@ MODELS = {  # name: (fixture, config.toml after GENERATE, files left out)
     "bart_short": ("bart", "[generate]\ncontext = 12\n", ()),
     "bart_batched": ("bart", "[batching]\nmax_batch = 2\n", ()),
     "t5_alone": ("t5", "", (ENCODER_FILE,)),
+    "t5_torn": ("t5", "", ()),  # its encoder_model.onnx cut short below
 }
 
 
@@ -62,6 +64,8 @@ def agent_client(
             FIXTURES / fixture, root / name / "1", ignore=shutil.ignore_patterns(*left_out)
         )
         (root / name / "config.toml").write_text(GENERATE + extra)
+    torn = root / "t5_torn" / "1" / ENCODER_FILE
+    torn.write_bytes(torn.read_bytes()[:5000])
     yield from serve_agent(broker, agent_config(tmp, broker, root), 20)
 
 
@@ -88,6 +92,9 @@ def test_the_exports_load_and_the_broken_ones_say_why(
         f"its encoder, {ENCODER_FILE}, is not in the version folder"
         in (versions["t5_alone"]["error"])
     )
+    assert versions["t5_torn"]["state"] == "failed"
+    torn = r"cannot load \S+/encoder_model\.onnx: .*INVALID_PROTOBUF"
+    assert re.search(torn, versions["t5_torn"]["error"]), versions["t5_torn"]["error"]
 
 
 @pytest.mark.parametrize(("arch", "case"), CASES)
