@@ -10,9 +10,8 @@ sequence length the signature fixes, with the tokenizer's pad token, on the side
 text for each (a cross-encoder's passage for its query; one `prompt` goes with every `pair`):
 each row is then the two joined by the tokenizer's pair template (`[CLS] A [SEP] B [SEP]`,
 the second text's `token_type_ids` 1), as `tokenizer(text, text_pair)` joins them. The
-model's `attention_mask`,
-`token_type_ids` and `position_ids` inputs, where it has them, are made to match, as the
-tokenizer and the model would make them. A text longer than the model can take (its fixed
+model's `attention_mask`, `token_type_ids` and `position_ids` inputs, where it has them, are
+made to match, as the tokenizer and the model would make them. A text longer than the model can take (its fixed
 sequence length, or `config.json`'s context) is refused, never cut short.
 
 A generate model has its own loop (`agent.models.decoder_layout`) and is not served here.
