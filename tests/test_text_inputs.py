@@ -262,6 +262,46 @@ def test_pairs_are_joined_by_the_pair_template(tmp_path: Path) -> None:
         text.inputs(np.array(["a", "b", "c"]), np.array(["b", "c"]))
 
 
+@pytest.mark.parametrize(
+    ("ids_length", "outputs", "want"),
+    [
+        ("sequence", {"logits": ("batch", 3)}, frozenset()),
+        ("sequence", {"logits": ("batch", "sequence", 5)}, frozenset({"logits"})),
+        ("sequence", {"h": ("batch", "sequence", 8), "p": ("batch", 8)}, frozenset({"h"})),
+        ("sequence", {"logits": ("batch", "Addlogits_dim_1")}, None),  # an axis not known
+        ("sequence", {"x": ("batch", 4, "sequence")}, None),  # the tokens on another axis
+        (6, {"logits": ("batch", 6, 5)}, None),  # a fixed length: every row already 6
+    ],
+)
+def test_which_outputs_carry_the_tokens(ids_length: Any, outputs: Any, want: Any) -> None:
+    """Requests of different lengths may share a run only where every output's axes are
+    known: the token axis (input_ids' own symbol, on axis 1) is cut back, the rest fixed."""
+    from agent.models.text_inputs import token_outputs_of
+
+    (ids,) = specs("input_ids", length=ids_length)
+    found = [TensorSpec(name, np.dtype(np.float32), shape) for name, shape in outputs.items()]
+    assert token_outputs_of(ids, found) == want
+
+
+def test_rows_padded_on_the_right_to_join(tmp_path: Path) -> None:
+    names = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
+    text = open_text_inputs(specs(*names), tokenizer_folder(tmp_path), [])
+    assert text is not None and text.joins_lengths
+    made, _ = text.inputs(np.array("a b"))
+    padded = text.padded({**made, "other": np.ones((1, 2))}, 6)
+    assert padded["input_ids"].tolist() == [[2, 4, 5, 3, 0, 0]]
+    assert padded["attention_mask"].tolist() == [[1, 1, 1, 1, 0, 0]]
+    assert padded["token_type_ids"].tolist() == [[0] * 6]
+    assert padded["position_ids"].tolist() == [list(range(6))]
+    assert padded["other"].shape == (1, 2)  # not a token input: left as it came
+    left = open_text_inputs(
+        specs("input_ids"),
+        tokenizer_folder(tmp_path, tokenizer_config={"padding_side": "left"}),
+        [],
+    )
+    assert left is not None and not left.joins_lengths  # each text's tokens would move
+
+
 def test_a_text_too_long_to_fit_is_refused_before_it_is_cut(tmp_path: Path) -> None:
     """More characters than the model's tokens can hold (100 a token) is refused without
     tokenizing (seconds of a worker for the 4 MB a request may carry); a long unknown word,

@@ -37,6 +37,8 @@ TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 
 AGGREGATIONS = ("none", "first", "average", "max")  # the pipeline's strategies besides "simple"
 ENTITIES = '[[postprocess]]\noutput = "logits"\nop = "entities"\nlabels = "config.json"\n'
+# Requests queued within 0.3 s share a run: texts of different lengths padded to join it.
+BATCHING = "[batching]\nmax_batch = 8\nmax_queue_delay_us = 300000\n"
 POOL = '[[postprocess]]\noutput = "last_hidden_state"\nop = "pool"\n{}'
 MODELS = {  # name: (fixture folder, config.toml, files left out)
     "bert": ("bert_classifier", "", ()),
@@ -55,6 +57,14 @@ MODELS = {  # name: (fixture folder, config.toml, files left out)
     "cls_sliced": ("bert_encoder", '[stream]\nmode = "batch"\n' + POOL.format(""), ()),
     "reranker": ("bert_reranker", '[[postprocess]]\noutput = "logits"\nop = "sigmoid"\n', ()),
     "ner": ("distilbert_tokens", ENTITIES, ()),
+    "bert_batched": ("bert_classifier", BATCHING, ()),
+    "tokens_batched": ("distilbert_tokens", BATCHING, ()),
+    "ner_batched": ("distilbert_tokens", BATCHING + ENTITIES, ()),
+    "mean_batched": (
+        "bert_encoder",
+        BATCHING + POOL.format('method = "mean"\nnormalize = true\n'),
+        (),
+    ),
     "ner_sliced": ("distilbert_tokens", '[stream]\nmode = "batch"\n' + ENTITIES, ()),
     "ner_untokenized": ("distilbert_tokens", ENTITIES, ("tokenizer.json",)),
     **{
@@ -345,3 +355,55 @@ def test_an_encoders_hidden_states_pooled_on_the_box(
     assert (
         'postprocess pool: mode = "whole" only' in versions["cls_sliced"]["versions"]["1"]["error"]
     )
+
+
+def batched_runs(agent: Agent, model: str) -> tuple[int, int]:
+    """(runs, requests in them) of `model`'s batched runs, from the agent's histogram."""
+    sample = agent.metrics.registry.get_sample_value
+    runs = sample("edge_agent_batch_requests_count", {"model": model}) or 0
+    requests = sample("edge_agent_batch_requests_sum", {"model": model}) or 0
+    return int(runs), int(requests)
+
+
+@pytest.mark.parametrize(
+    ("model", "check"),
+    [
+        (
+            "bert_batched",
+            lambda got, k: np.testing.assert_allclose(
+                got["logits"], [BERT["cases"][k]["logits"]], **TOLERANCE
+            ),
+        ),
+        (
+            "tokens_batched",
+            lambda got, k: np.testing.assert_allclose(
+                got["logits"], [TOKENS["cases"][k]["logits"]], **TOLERANCE
+            ),
+        ),
+        (
+            "ner_batched",
+            lambda got, k: same_entities(got["entities"][0], TOKENS["cases"][k]["entities"]),
+        ),
+        (
+            "mean_batched",
+            lambda got, k: np.testing.assert_allclose(
+                got["sentence_embedding"], [EMBEDDER["cases"][k]["embedding"]], **TOLERANCE
+            ),
+        ),
+    ],
+)
+def test_requests_of_different_lengths_share_a_run(
+    text_agent: tuple[Agent, AgentClient], model: str, check: Any
+) -> None:
+    """`[batching]`: one text a request, of 3 to 17 tokens, queued together: padded to the
+    longest they run as one batch, and each answer is the text's alone (its per-token logits
+    and entities cut back to its own tokens, its pooling over its own)."""
+    agent, client = text_agent
+    lengths = {len(case["ids"]) for case in TOKENS["cases"]}
+    assert len(lengths) == len(TEXTS)  # every text a length of its own
+    before = batched_runs(agent, model)
+    replies = [client.request(model, {"prompt": text}, stream=False) for text in TEXTS]
+    for k, reply in enumerate(replies):
+        check(reply.collect(), k)
+    runs, requests = (a - b for a, b in zip(batched_runs(agent, model), before, strict=True))
+    assert requests == len(TEXTS) and runs < len(TEXTS)  # they shared runs

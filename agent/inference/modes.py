@@ -67,6 +67,9 @@ class Member:
     session: str | None = None  # scan: its `params.session`
     final: bool = True  # scan: the recording's last piece (its tail is flushed)
     generation: Any = None  # generate: its `agent.inference.generate.GenerateAsk`
+    # padded to join a run (`agent.inference.texts.pad_to_join`): its own sequence length,
+    # and the outputs whose token axis (1) is cut back to it
+    trim: tuple[int, frozenset[str]] | None = None
 
     @property
     def rows(self) -> int:
@@ -176,9 +179,18 @@ def whole(run: Run) -> Iterator[list[Piece]]:
     if run.joined:
         outputs = run.model(batching.join([m.inputs for m in members]))
         parts = batching.split(outputs, [m.rows for m in members])
+        parts = [_cut_back(m, part) for m, part in zip(members, parts, strict=True)]
     else:
         parts = [run.model(members[0].inputs)]
     yield [Piece(p, 0, _chosen(run, p, part), True) for p, part in zip(active, parts, strict=True)]
+
+
+def _cut_back(member: Member, outputs: Arrays) -> Arrays:
+    """A member padded to join the run: its token outputs cut back to its own length."""
+    if member.trim is None:
+        return outputs
+    width, names = member.trim
+    return {name: v[:, :width] if name in names else v for name, v in outputs.items()}
 
 
 def slices(run: Run) -> Iterator[list[Piece]]:

@@ -118,6 +118,8 @@ class Runner:
                     if member is not None:
                         members.append(member)
                         ready.append((job, queued))
+                if loaded.text is not None and loaded.config.stream.mode == "whole":
+                    texts.pad_to_join(members, [job for job, _ in ready], loaded.text)
                 for group in batching.groups([m.inputs for m in members]):
                     self._run_group(
                         loaded,

@@ -14,12 +14,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agent.inference.job import Job
+from agent.inference.modes import Member
 from agent.models.backends.base import TensorSpec
 from agent.models.manager import LoadedVersion
-from agent.models.text_inputs import PAIR_INPUT, TEXT_INPUT, TextRefused
+from agent.models.text_inputs import PAIR_INPUT, TEXT_INPUT, TextInputs, TextRefused
 from agent.protocol.errors import WireError
 
-__all__ = ["refuse_lone_pair", "refuse_untokenized", "tokenized_inputs"]
+__all__ = ["pad_to_join", "refuse_lone_pair", "refuse_untokenized", "tokenized_inputs"]
 
 
 def tokenized_inputs(job: Job, loaded: LoadedVersion) -> Mapping[str, Any]:
@@ -74,3 +75,20 @@ def refuse_lone_pair(inputs: Mapping[str, Any], request_id: str | None) -> None:
             f"inputs.{PAIR_INPUT} is the second text of inputs.{TEXT_INPUT}: send both",
             request_id,
         )
+
+
+def pad_to_join(members: Sequence[Member], jobs: Sequence[Job], text: TextInputs) -> None:
+    """Members (of a `whole` model with `[batching]`) whose rows were made from texts of
+    different lengths, padded to the longest so that they join one run; each padded member
+    notes its own width, to which its token outputs are cut back (`modes.whole`)."""
+    if not text.joins_lengths or text.token_outputs is None:
+        return
+    made = [m for m, job in zip(members, jobs, strict=True) if job.texts is not None]
+    if len(made) < 2:
+        return
+    widths = [int(m.inputs[text.ids.name].shape[1]) for m in made]
+    width = max(widths)
+    for member, own in zip(made, widths, strict=True):
+        if own < width:
+            member.inputs = text.padded(member.inputs, width)
+            member.trim = (own, text.token_outputs)

@@ -115,7 +115,7 @@ def open_version(
             if record.config.batching.enabled:
                 _check_generate_batching(generation, version.backend)
         else:
-            text = open_text_inputs(session.inputs, folder)
+            text = open_text_inputs(session.inputs, folder, session.outputs)
         mode = record.config.stream.mode
         scan = record.config.scan
         scanned = scan.input if scan is not None else None

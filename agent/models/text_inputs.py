@@ -11,8 +11,13 @@ text for each (a cross-encoder's passage for its query; one `prompt` goes with e
 each row is then the two joined by the tokenizer's pair template (`[CLS] A [SEP] B [SEP]`,
 the second text's `token_type_ids` 1), as `tokenizer(text, text_pair)` joins them. The
 model's `attention_mask`, `token_type_ids` and `position_ids` inputs, where it has them, are
-made to match, as the tokenizer and the model would make them. A text longer than the model can take (its fixed
-sequence length, or `config.json`'s context) is refused, never cut short.
+made to match, as the tokenizer and the model would make them. A text longer than the model
+can take (its fixed sequence length, or `config.json`'s context) is refused, never cut short.
+
+Requests queued together for a model with `[batching]` share a run when their inputs join; rows
+made from texts of different lengths join once padded to the longest (`TextInputs.padded`,
+`agent.inference.texts.pad_to_join`), where the rows are padded on the right and the model's
+outputs say which of them have a token axis to cut back (`token_outputs`).
 
 A generate model has its own loop (`agent.models.decoder_layout`) and is not served here.
 Imports only `backends.base`, `hf_files` and `tokenizer`.
@@ -47,6 +52,7 @@ __all__ = [
     "TextRefused",
     "open_text_inputs",
     "per_text_rows",
+    "token_outputs_of",
 ]
 
 TEXT_INPUT = "prompt"  # the request's input that carries text (as for a generate model)
@@ -86,6 +92,10 @@ class TextInputs:
     pad_left: bool
     fixed: int | None  # the sequence length the signature fixes: every row is padded to it
     longest: int | None  # the most tokens a text may have; None: no bound known
+    # The outputs with the sequence on their axis 1, where every output's other axes are
+    # known (fixed, or the batch): requests of different lengths may then share a run, padded
+    # (`padded`) and their token outputs cut back. None: they may not.
+    token_outputs: frozenset[str] | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -137,6 +147,44 @@ class TextInputs:
             positions = np.broadcast_to(np.arange(width), (len(encoded), width))
             made[self.positions.name] = positions.astype(self.positions.dtype)
         return made, batch
+
+    @property
+    def joins_lengths(self) -> bool:
+        """Whether requests of different lengths may share a run: rows padded on the right
+        (left padding would move each text's tokens), outputs whose token axis is known."""
+        return self.token_outputs is not None and not self.pad_left and self.fixed is None
+
+    def padded(self, made: dict[str, Array], width: int) -> dict[str, Array]:
+        """`made` (this version's token inputs, with others) padded on the right to `width`
+        tokens: the pad token, masked out, of type 0; positions go on counting."""
+        result = dict(made)
+        for spec in (self.ids, self.mask, self.types):
+            if spec is not None and spec.name in made:
+                value = made[spec.name]
+                fill = self.pad_id if spec is self.ids else 0
+                extra = np.full((value.shape[0], width - value.shape[1]), fill, dtype=value.dtype)
+                result[spec.name] = np.concatenate([value, extra], axis=1)
+        if self.positions is not None and self.positions.name in made:
+            rows, dtype = made[self.positions.name].shape[0], made[self.positions.name].dtype
+            positions = np.broadcast_to(np.arange(width, dtype=dtype), (rows, width))
+            result[self.positions.name] = positions
+        return result
+
+
+def token_outputs_of(ids: TensorSpec, outputs: Sequence[TensorSpec]) -> frozenset[str] | None:
+    """The outputs whose axis 1 is `input_ids`' sequence (the same symbolic name), where every
+    other axis after the batch is fixed; None where an output has an axis not known so."""
+    sequence = ids.shape[1] if len(ids.shape) == 2 else None
+    if not isinstance(sequence, str):
+        return None
+    found = set()
+    for spec in outputs:
+        for axis, dim in enumerate(spec.shape[1:], start=1):
+            if axis == 1 and dim == sequence:
+                found.add(spec.name)
+            elif not isinstance(dim, int):
+                return None
+    return frozenset(found)
 
 
 def per_text_rows(
@@ -192,8 +240,11 @@ def _pairs(texts: list[str], value: Any) -> list[str] | None:
     return pairs
 
 
-def open_text_inputs(specs: Sequence[TensorSpec], folder: Path) -> TextInputs | None:
-    """How `folder`'s tokenizer feeds a model of inputs `specs`; None where the folder has no
+def open_text_inputs(
+    specs: Sequence[TensorSpec], folder: Path, outputs: Sequence[TensorSpec] | None = None
+) -> TextInputs | None:
+    """How `folder`'s tokenizer feeds a model of inputs `specs` (and `outputs`, where known:
+    whether requests of different lengths may share a run); None where the folder has no
     `tokenizer.json`, the model takes no integer `input_ids`, it has an input named `prompt`
     of its own, or the `tokenizers` library is not installed (a warning says so);
     ModelLoadError where the files cannot be read."""
@@ -233,6 +284,7 @@ def open_text_inputs(specs: Sequence[TensorSpec], folder: Path) -> TextInputs | 
         tokenizer_config.get("padding_side") == "left",
         fixed,
         min(bounds) if bounds else None,
+        token_outputs_of(ids, outputs) if outputs is not None else None,
     )
 
 
