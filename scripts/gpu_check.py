@@ -434,6 +434,45 @@ class GpuCheck:
         detail = f"{bound} cache outputs kept on the device, {ms:.2f} ms a token"
         return ("PASS" if ok else "FAIL"), detail + ("" if ok else f", tokens {tokens}"), {}
 
+    def ort_seq2seq(self) -> tuple[str, str, dict[str, Any]]:
+        """The encoder-decoder fixtures (T5, BART) on the first GPU provider: the encoder
+        opened beside the decoder, both caches kept on the device, greedy tokens equal to
+        Hugging Face's, ms a token."""
+        from agent.models.backends.onnxruntime import OnnxRuntimeBackend
+
+        if self.ort is None:
+            return "SKIP", "onnxruntime not importable", {}
+        available = self.ort.get_available_providers()
+        if "CUDAExecutionProvider" not in available:
+            return "SKIP", f"no CUDA execution provider ({', '.join(available)})", {}
+        fixtures = Path(__file__).resolve().parent.parent / "tests/fixtures/real/seq2seq"
+        reference = json.loads((fixtures / "reference.json").read_text())
+        backend = OnnxRuntimeBackend()
+        options = BackendOptions(
+            providers=("CUDAExecutionProvider", "CPUExecutionProvider"),
+            extra={"gpu": {"device_id": self.args.device}},
+        )
+        details, ok = [], True
+        for arch in ("t5", "bart"):
+            case = reference["models"][arch]["cases"][0]
+            session = backend.load(fixtures / arch / "model.onnx", options)
+            try:
+                setup, tokens, ms = _greedy_tokens(
+                    session,
+                    fixtures / arch,
+                    case["prompt"],
+                    new_tokens=len(case["greedy"]),
+                    open_encoder=lambda f: backend.load(f, options),
+                )
+                setup.close()
+            finally:
+                session.close()
+            equal, bound = tokens == case["greedy"], len(setup.device_cache)
+            ok = ok and equal and bound > 0
+            said = "equal" if equal else f"{tokens}"
+            details.append(f"{arch} tokens {said}, {bound} cache outputs kept, {ms:.2f} ms a token")
+        return ("PASS" if ok else "FAIL"), "; ".join(details), {}
+
     def trt_generate(self, **tensorrt: Any) -> tuple[str, str, dict[str, Any]]:
         """The generate fixture built into an engine by the agent's builder and run by its
         own TensorRT session: the cache kept in the session's device arrays, greedy tokens
@@ -487,6 +526,7 @@ class GpuCheck:
         r.run("FP16 engine", self.fp16)
         r.run("ONNX Runtime GPU providers", self.ort_gpu)
         r.run("ONNX Runtime generate, cache on the device", self.ort_generate)
+        r.run("ONNX Runtime encoder-decoder generate, caches on the device", self.ort_seq2seq)
         r.run("TensorRT generate, cache in the session's device arrays", self.trt_generate)
         r.run(
             "TensorRT generate, activation memory by run",
@@ -494,16 +534,24 @@ class GpuCheck:
         )
 
 
-def _greedy_tokens(session: Any, folder: Path, prompt: str) -> tuple[Any, list[int], float]:
-    """The generate loop on `session` for the fixture in `folder`: 24 greedy tokens of
-    `prompt`; (the generation setup, the tokens, ms a token)."""
+def _greedy_tokens(
+    session: Any,
+    folder: Path,
+    prompt: str,
+    new_tokens: int = 24,
+    open_encoder: Callable[[Path], Any] | None = None,
+) -> tuple[Any, list[int], float]:
+    """The generate loop on `session` for the fixture in `folder` (an encoder-decoder's
+    encoder opened by `open_encoder`): `new_tokens` greedy tokens of `prompt`; (the
+    generation setup, the tokens, ms a token)."""
     from agent.inference import generate
     from agent.inference.modes import Member, Run
     from agent.models.decoder_layout import open_generation
     from agent.models.model_config import StreamConfig
 
-    setup = open_generation(None, session, folder)
-    ask = generate.ask_of({"prompt": np.array(prompt, dtype=object)}, {"max_new_tokens": 24}, setup)
+    setup = open_generation(None, session, folder, open_encoder)
+    params = {"max_new_tokens": new_tokens}
+    ask = generate.ask_of({"prompt": np.array(prompt, dtype=object)}, params, setup)
     run = Run(session, StreamConfig(mode="generate"), [Member({}, 1, generation=ask)])
     started = time.perf_counter()
     tokens = [int(t) for ps in generate.generate(run) for p in ps for t in p.outputs["tokens"]]
