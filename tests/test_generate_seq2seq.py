@@ -262,3 +262,32 @@ def test_the_caches_stay_bound_on_a_device_session(
         session.close()
     assert [int(t) for group in pieces for p in group for t in p.outputs["tokens"]] == ref["greedy"]
     assert fed[0] == {np.ndarray} and all(kinds == {ort.OrtValue} for kinds in fed[1:])
+
+
+def test_the_encoder_is_warmed_up_at_load(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One run of the encoder at load (a first request then finds it warm); where that run
+    fails, a warning, and the version still serves."""
+    from agent.models.loading import _warm_encoder
+
+    backend, options = OnnxRuntimeBackend(), BackendOptions(1)
+    session = backend.load(FIXTURES / "t5" / "model.onnx", options)
+    setup = open_generation(None, session, FIXTURES / "t5", lambda f: backend.load(f, options))
+    assert setup.encoder is not None
+    runs: list[dict[str, Any]] = []
+    real_run = setup.encoder.session.run
+    monkeypatch.setattr(setup.encoder.session, "run", lambda i: runs.append(i) or real_run(i))
+    try:
+        _warm_encoder(setup, FIXTURES / "t5")
+        assert len(runs) == 1 and runs[0]["input_ids"].tolist() == [[0, 0, 0, 0]]
+
+        def refuse(inputs: dict[str, Any]) -> Any:
+            raise RuntimeError("no such shape")
+
+        monkeypatch.setattr(setup.encoder.session, "run", refuse)
+        _warm_encoder(setup, FIXTURES / "t5")
+    finally:
+        setup.close()
+        session.close()
+    assert "the encoder's warm-up failed, served cold: no such shape" in caplog.text

@@ -159,6 +159,16 @@ class Encoder:
             made["attention_mask"] = np.ones((1, len(ids)), dtype=self._mask)
         return made
 
+    def warm_up(self, token: int) -> str | None:
+        """One run on a few tokens at load, so that the first request does not pay the
+        runtime's first allocations; why it failed, else None (the version still serves: the
+        decoder's warm-up is the one that counts)."""
+        try:
+            self.session.run(self.inputs([token] * 4))
+        except Exception as e:  # the backend's own error types: a guessed input, not the model
+            return str(e)
+        return None
+
     def close(self) -> None:
         self.session.close()
 

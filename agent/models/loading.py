@@ -11,6 +11,7 @@ one stays.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,8 @@ from agent.models.trust import TrustPolicy
 from agent.models.warmup import run_warm_up
 
 __all__ = ["OpenedVersion", "open_version", "verify_files"]
+
+log = logging.getLogger(__name__)
 
 TEXT_OPS = frozenset({"entities", "pool"})  # postprocess ops that read the request's text
 
@@ -133,6 +136,8 @@ def open_version(
             enabled=warmup,
             known=default_arrays(record.config.defaults, session.inputs),
         )
+        if warmup and warmed != "off" and generation is not None:
+            _warm_encoder(generation, folder)
     except Exception as e:
         session.close()
         if generation is not None:
@@ -141,6 +146,17 @@ def open_version(
             raise
         raise ModelLoadError(f"warm-up failed: {e}") from e
     return OpenedVersion(session, warmed, signed, post, generation, text, audio, preprocess)
+
+
+def _warm_encoder(generation: Generation, folder: Path) -> None:
+    """An encoder-decoder's encoder run once at load, as its decoder was (a warning where it
+    could not be)."""
+    encoder, start = generation.encoder, generation.decoder_start
+    if encoder is None or start is None:
+        return
+    failed = encoder.warm_up(start)
+    if failed is not None:
+        log.warning("%s: the encoder's warm-up failed, served cold: %s", folder, failed)
 
 
 def _check_text_op(name: str, text: TextInputs | None, mode: str) -> None:
