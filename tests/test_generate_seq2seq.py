@@ -8,6 +8,7 @@ from `scripts/make_seq2seq.py`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -41,11 +42,14 @@ CASES = [
     (arch, k) for arch in ("t5", "bart") for k in range(len(REFERENCE["models"][arch]["cases"]))
 ]
 GENERATE = '[stream]\nmode = "generate"\n'
+# Requests queued within 0.3 s share runs: their steps in lock-step, a row each.
+BATCHING = "[batching]\nmax_batch = 4\nmax_queue_delay_us = 300000\n"
 MODELS = {  # name: (fixture, config.toml after GENERATE, files left out)
     "t5": ("t5", "", ()),
     "bart": ("bart", "", ()),
     "bart_short": ("bart", "[generate]\ncontext = 12\n", ()),
-    "bart_batched": ("bart", "[batching]\nmax_batch = 2\n", ()),
+    "bart_batched": ("bart", BATCHING, ()),
+    "t5_batched": ("t5", BATCHING, ()),
     "t5_alone": ("t5", "", (ENCODER_FILE,)),
     "t5_torn": ("t5", "", ()),  # its encoder_model.onnx cut short below
 }
@@ -83,10 +87,8 @@ def test_the_exports_load_and_the_broken_ones_say_why(
 ) -> None:
     agent, _ = agent_client
     versions = {name: m["versions"]["1"] for name, m in agent.models.inventory()["models"].items()}
-    for name in ("t5", "bart", "bart_short"):
+    for name in ("t5", "bart", "bart_short", "bart_batched", "t5_batched"):
         assert versions[name]["state"] == "ready", (name, versions[name])
-    assert versions["bart_batched"]["state"] == "failed"
-    assert "[batching] of a generate model needs" in versions["bart_batched"]["error"]
     assert versions["t5_alone"]["state"] == "failed"
     assert (
         f"its encoder, {ENCODER_FILE}, is not in the version folder"
@@ -137,17 +139,31 @@ def test_token_ids_in_and_fewer_new_tokens(agent_client: tuple[Agent, AgentClien
     assert result.collect()["tokens"].tolist() == ref["greedy"][:5]
 
 
+def batched_runs(agent: Agent, model: str) -> tuple[int, int]:
+    """(runs, requests in them) of `model`'s batched runs, from the agent's histogram."""
+    sample = agent.metrics.registry.get_sample_value
+    runs = sample("edge_agent_batch_requests_count", {"model": model}) or 0
+    requests = sample("edge_agent_batch_requests_sum", {"model": model}) or 0
+    return int(runs), int(requests)
+
+
+@pytest.mark.parametrize(
+    ("model", "arch"), [("bart", "bart"), ("bart_batched", "bart"), ("t5_batched", "t5")]
+)
 def test_concurrent_requests_each_get_their_own_tokens(
-    agent_client: tuple[Agent, AgentClient],
+    agent_client: tuple[Agent, AgentClient], model: str, arch: str
 ) -> None:
-    """Requests at once (their encoders' states and cross-attention caches their own)."""
-    _, client = agent_client
-    refs = REFERENCE["models"]["bart"]["cases"]
+    """Requests at once, each its own tokens: a request at a time, or (`[batching]`) in
+    lock-step, a row each, the prompts' encoder states padded to the longest and masked;
+    the rows leave as they end (eos, length)."""
+    agent, client = agent_client
+    refs = REFERENCE["models"][arch]["cases"]
     got: dict[int, list[int]] = {}
+    before = batched_runs(agent, model)
 
     def ask(k: int) -> None:
         inputs = {"prompt": refs[k]["prompt"]}
-        got[k] = tokens_of(generate(client, "bart", inputs, max_new_tokens=N)[1])
+        got[k] = tokens_of(generate(client, model, inputs, max_new_tokens=N)[1])
 
     threads = [threading.Thread(target=ask, args=(k,), name=f"ask-{k}") for k in range(len(refs))]
     for thread in threads:
@@ -155,6 +171,9 @@ def test_concurrent_requests_each_get_their_own_tokens(
     for thread in threads:
         thread.join(60)
     assert got == {k: ref["greedy"] for k, ref in enumerate(refs)}
+    if model.endswith("_batched"):
+        runs, requests = (a - b for a, b in zip(batched_runs(agent, model), before, strict=True))
+        assert requests == len(refs) and runs < len(refs)  # they shared runs
 
 
 def test_a_prompt_longer_than_the_encoder_takes_is_refused(
@@ -204,7 +223,9 @@ def test_the_decoders_layout() -> None:
     assert {s.output for s in layout.cache if not s.fixed} == {
         f"present.{n}.decoder.{kv}" for n in (0, 1) for kv in ("key", "value")
     }
-    assert layout.cache_branch == "use_cache_branch" and not layout.batchable
+    assert layout.cache_branch == "use_cache_branch" and layout.batchable
+    unmasked = dataclasses.replace(layout.cross, mask=None, mask_dtype=None)
+    assert not dataclasses.replace(layout, cross=unmasked).batchable  # padding unmaskable
 
 
 def test_an_encoder_decoder_needs_onnx_runtime_and_its_start_token(tmp_path: Path) -> None:
@@ -291,3 +312,37 @@ def test_the_encoder_is_warmed_up_at_load(
         setup.close()
         session.close()
     assert "the encoder's warm-up failed, served cold: no such shape" in caplog.text
+
+
+@pytest.mark.parametrize(("arch", "bound"), [("t5", False), ("bart", False), ("bart", True)])
+def test_members_of_one_run_step_in_lock_step(
+    arch: str, bound: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four prompts of different lengths in one run: each encoder and first step alone, then
+    one run of the decoder a step for all (the encoders' side padded on the right and
+    masked), rows leaving as they end; every member's greedy tokens equal Hugging Face's.
+    `bound`: the caches kept as the runtime's values (a GPU provider's path, on the CPU)."""
+    if bound:
+        monkeypatch.setattr(OnnxSession, "keeps_on_device", property(lambda self: True))
+    backend, options = OnnxRuntimeBackend(), BackendOptions(1)
+    session = backend.load(FIXTURES / arch / "model.onnx", options)
+    setup = open_generation(None, session, FIXTURES / arch, lambda f: backend.load(f, options))
+    cases = REFERENCE["models"][arch]["cases"]
+    assert setup.layout.batchable and len({len(c["ids"]) for c in cases}) > 1
+    asks = [
+        generate_mode.ask_of({"input_ids": np.array(c["ids"])}, {"max_new_tokens": N}, setup)
+        for c in cases
+    ]
+    run = Run(session, StreamConfig(mode="generate"), [Member({}, 1, generation=a) for a in asks])
+    tokens: dict[int, list[int]] = {k: [] for k in range(len(cases))}
+    try:
+        for pieces in generate_mode.generate(run):
+            for piece in pieces:
+                tokens[piece.member] += [int(t) for t in piece.outputs["tokens"]]
+    finally:
+        setup.close()
+        session.close()
+    assert tokens == {k: case["greedy"] for k, case in enumerate(cases)}
+    longest = max(len(case["greedy"]) for case in cases)
+    # the encoders and first steps alone, then one run a step for all the rows left
+    assert run.runs == 2 * len(cases) + longest - 1

@@ -113,13 +113,14 @@ class DecoderLayout:
     def batchable(self) -> bool:
         """Whether several generations can share runs, a row each
         (`agent.inference.generate_lockstep`): left padding needs the mask and explicit
-        positions, a cache to pad, and every cache tensor a batch axis before its past axis."""
-        return (
-            self.attention_mask is not None
-            and self.position_ids is not None
-            and bool(self.cache)
-            and all(slot.past_axis > 0 for slot in self.cache)
-        )
+        positions, a cache to pad, and every cache tensor a batch axis before its past axis.
+        An encoder-decoder's decoders all start from one token, so their own caches line up
+        as they are; their encoders' outputs are padded on the right and masked, which needs
+        the decoder's `encoder_attention_mask`."""
+        axes = bool(self.cache) and all(slot.past_axis > 0 for slot in self.cache)
+        if self.cross is not None:
+            return axes and self.cross.mask is not None
+        return axes and self.attention_mask is not None and self.position_ids is not None
 
 
 @dataclass(frozen=True)

@@ -184,6 +184,6 @@ def _check_generate_batching(generation: Generation, backend: str | None) -> Non
     if not generation.layout.batchable:
         raise ModelLoadError(
             "[batching] of a generate model needs attention_mask and position_ids inputs "
-            "(rows are left-padded) and a cache (past_key_values.N.*) with a batch axis "
-            "before each cache's past"
+            "(rows are left-padded; an encoder-decoder's: encoder_attention_mask) and a cache "
+            "(past_key_values.N.*) with a batch axis before each cache's past"
         )
