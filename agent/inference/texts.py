@@ -20,7 +20,7 @@ from agent.models.manager import LoadedVersion
 from agent.models.text_inputs import PAIR_INPUT, TEXT_INPUT, TextInputs, TextRefused
 from agent.protocol.errors import WireError
 
-__all__ = ["pad_to_join", "refuse_lone_pair", "refuse_untokenized", "tokenized_inputs"]
+__all__ = ["pad_to_join", "refuse_untaken_text", "tokenized_inputs"]
 
 
 def tokenized_inputs(job: Job, loaded: LoadedVersion) -> Mapping[str, Any]:
@@ -29,10 +29,7 @@ def tokenized_inputs(job: Job, loaded: LoadedVersion) -> Mapping[str, Any]:
     inputs = job.request.inputs
     text = loaded.text
     if text is None or TEXT_INPUT not in inputs:
-        if text is None:
-            refuse_untokenized(inputs, loaded.session.inputs, job.request.id)
-        else:
-            refuse_lone_pair(inputs, job.request.id)
+        refuse_untaken_text(inputs, text is not None, loaded.session.inputs, job.request.id)
         return inputs
     both = [name for name in text.names if name in inputs]
     if both:
@@ -51,11 +48,23 @@ def tokenized_inputs(job: Job, loaded: LoadedVersion) -> Mapping[str, Any]:
     return {**rest, **made}
 
 
-def refuse_untokenized(
-    inputs: Mapping[str, Any], specs: Sequence[TensorSpec], request_id: str | None
+def refuse_untaken_text(
+    inputs: Mapping[str, Any],
+    takes_text: bool,
+    specs: Sequence[TensorSpec],
+    request_id: str | None,
 ) -> None:
-    """`bad_request` for a `prompt` (or `pair`) sent to a version with no tokenizer (unless
-    its model has an input of that name): the reason, rather than the inputs it misses."""
+    """`bad_request`, with the reason rather than the inputs it misses, for text a version
+    cannot take: a `prompt` or `pair` where it has no tokenizer (unless its model has an input
+    of that name), a `pair` without the `prompt` it is the second text of."""
+    if takes_text:
+        if PAIR_INPUT in inputs and TEXT_INPUT not in inputs:
+            raise WireError(
+                "bad_request",
+                f"inputs.{PAIR_INPUT} is the second text of inputs.{TEXT_INPUT}: send both",
+                request_id,
+            )
+        return
     names = {spec.name for spec in specs}
     for name in (TEXT_INPUT, PAIR_INPUT):
         if name in inputs and name not in names:
@@ -67,21 +76,12 @@ def refuse_untokenized(
             )
 
 
-def refuse_lone_pair(inputs: Mapping[str, Any], request_id: str | None) -> None:
-    """`bad_request` for a `pair` without the `prompt` it is the second text of."""
-    if PAIR_INPUT in inputs and TEXT_INPUT not in inputs:
-        raise WireError(
-            "bad_request",
-            f"inputs.{PAIR_INPUT} is the second text of inputs.{TEXT_INPUT}: send both",
-            request_id,
-        )
-
-
 def pad_to_join(members: Sequence[Member], jobs: Sequence[Job], text: TextInputs) -> None:
     """Members (of a `whole` model with `[batching]`) whose rows were made from texts of
     different lengths, padded to the longest so that they join one run; each padded member
     notes its own width, to which its token outputs are cut back (`modes.whole`)."""
-    if not text.joins_lengths or text.token_outputs is None:
+    names = text.token_outputs
+    if names is None or not text.joins_lengths:
         return
     made = [m for m, job in zip(members, jobs, strict=True) if job.texts is not None]
     if len(made) < 2:
@@ -91,4 +91,4 @@ def pad_to_join(members: Sequence[Member], jobs: Sequence[Job], text: TextInputs
     for member, own in zip(made, widths, strict=True):
         if own < width:
             member.inputs = text.padded(member.inputs, width)
-            member.trim = (own, text.token_outputs)
+            member.trim = (own, names)

@@ -143,10 +143,7 @@ class RequestReader:
             return serving, None
         if serving.takes_text and TEXT_INPUT in request.inputs:
             return serving, None  # tokenized and checked on a worker (agent.inference.texts)
-        if not serving.takes_text:
-            texts.refuse_untokenized(request.inputs, serving.inputs, request.id)
-        else:
-            texts.refuse_lone_pair(request.inputs, request.id)
+        texts.refuse_untaken_text(request.inputs, serving.takes_text, serving.inputs, request.id)
         image = serving.image_input
         if image is not None and images.is_image(request.inputs.get(image), serving.inputs, image):
             return serving, None  # decoded and checked on a worker (agent.inference.images)
