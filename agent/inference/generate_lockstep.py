@@ -69,7 +69,7 @@ class LockstepBatch:
             inputs[layout.cache_branch] = rows[0][1][layout.cache_branch]
         for slot in layout.cache:
             inputs[slot.input] = np.concatenate(
-                [_left_padded(_host(i[slot.input]), slot.past_axis, width) for _, i, _ in rows]
+                [_padded(_host(i[slot.input]), slot.past_axis, width) for _, i, _ in rows]
             )
         return cls(layout, [position for position, _, _ in rows], inputs)
 
@@ -163,16 +163,16 @@ def _host(value: Any) -> np.ndarray[Any, Any]:
 def _joined(values: Sequence[Any], axis: int, width: int) -> np.ndarray[Any, Any]:
     """Rows of different lengths along `axis`, each padded with zeros on the right to `width`,
     as one array (zeros: masked out by `encoder_attention_mask`)."""
-    padded = []
-    for value in values:
-        host = _host(value)
-        after = [(0, width - host.shape[axis]) if a == axis else (0, 0) for a in range(host.ndim)]
-        padded.append(np.pad(host, after))
-    return np.concatenate(padded)
+    return np.concatenate([_padded(_host(v), axis, width, left=False) for v in values])
 
 
-def _left_padded(cache: np.ndarray[Any, Any], axis: int, width: int) -> np.ndarray[Any, Any]:
-    """`cache` with zeros before its entries along `axis`, `width` long."""
-    before = [(width - cache.shape[axis], 0) if a == axis else (0, 0) for a in range(cache.ndim)]
-    padded: np.ndarray[Any, Any] = np.pad(cache, before)
+def _padded(
+    cache: np.ndarray[Any, Any], axis: int, width: int, *, left: bool = True
+) -> np.ndarray[Any, Any]:
+    """`cache` with zeros before (`left`) or after its entries along `axis`, `width` long."""
+    missing = width - cache.shape[axis]
+    pad = [
+        ((missing, 0) if left else (0, missing)) if a == axis else (0, 0) for a in range(cache.ndim)
+    ]
+    padded: np.ndarray[Any, Any] = np.pad(cache, pad)
     return padded

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from agent.config import SourceConfig
+from agent.inference.modes import stacked
 from agent.inference.send_hold import SendHold
 from agent.models.backends.base import Array, InferenceError, TensorSpec
 from agent.models.defaults import default_arrays
@@ -188,7 +189,7 @@ class CarriedState:
             results.append(emitted if post is None else post.apply(emitted))
         if plan.per_chunk == 1:
             return results[0]
-        return {name: np.stack([r[name] for r in results]) for name in results[0]}
+        return stacked(results)
 
 
 class PcmSourceRunner(SourceRunner):
