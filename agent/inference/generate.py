@@ -224,7 +224,6 @@ class _Decoding:
         # An encoder-decoder's decoder inputs of its encoder's run, and its cross-attention
         # cache once the first run made it: the same at every run.
         self.cross = _encoded(run, ask)
-        self.kept: Arrays = {}
         self.inputs = {**_prefill_inputs(ask), **self.cross}
         self.pending: list[int] = []  # new tokens not yet in a piece (the last of ask.tokens)
         self.pending_text = ""
@@ -454,10 +453,10 @@ def _next_inputs(state: _Decoding, outputs: Arrays, token: int) -> Arrays:
     if layout.cache_branch is not None:
         nxt[layout.cache_branch] = _USE_CACHE
     for slot in layout.cache:
-        if slot.fixed:  # the first run made it; later runs return a placeholder
-            nxt[slot.input] = state.kept.setdefault(slot.input, outputs[slot.output])
-        else:
+        if not slot.fixed:
             nxt[slot.input] = outputs[slot.output]
+        elif slot.input not in state.cross:  # the first run made it; later ones a placeholder
+            nxt[slot.input] = state.cross[slot.input] = outputs[slot.output]
     return nxt
 
 

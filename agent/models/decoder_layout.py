@@ -44,7 +44,7 @@ import numpy as np
 from agent.models.backends.base import DeviceBinding, ModelLoadError, Session, TensorSpec
 from agent.models.chat_template import ChatTemplate, open_chat_template
 from agent.models.generate_config import GenerateConfig
-from agent.models.hf_files import context_of, read_json, whole_number
+from agent.models.hf_files import context_of, model_max_length, read_json, whole_number
 from agent.models.tokenizer import TextCodec, open_tokenizer
 
 __all__ = [
@@ -216,8 +216,7 @@ def open_generation(
         eos = frozenset(config.eos)
     else:
         eos = _eos_of(generation_config) or _eos_of(hf_config)
-    tokenizer_config = read_json(folder / "tokenizer_config.json")
-    context = config.context or context_of(hf_config) or _model_max_length(tokenizer_config)
+    context = config.context or _context(hf_config, folder)
     logits = next(spec for spec in session.outputs if spec.name == layout.logits)
     vocab = logits.shape[-1] if logits.shape and isinstance(logits.shape[-1], int) else None
     tokenizer = open_tokenizer(folder)
@@ -275,13 +274,6 @@ def _with_encoder(
         forced_bos=_first_number(configs, "forced_bos_token_id"),
         forced_eos=_first_number(configs, "forced_eos_token_id"),
     )
-
-
-def _model_max_length(tokenizer_config: dict[str, Any]) -> int | None:
-    """The tokenizer's `model_max_length`, where it is a real bound: `transformers` writes a
-    huge number (1e30) for a model it knows none of."""
-    value = whole_number(tokenizer_config.get("model_max_length"))
-    return value if value is not None and 0 < value < 10**9 else None
 
 
 def _unapplied(generation_config: dict[str, Any]) -> list[str]:
@@ -396,9 +388,18 @@ def past_axis(dynamic: Sequence[bool]) -> int | None:
 
 
 def context_in(folder: Path) -> int | None:
-    """The context length `config.json` in `folder` gives, if it is there and says one
-    (ModelLoadError where it cannot be read); the TensorRT builder's decoder profile uses it."""
-    return context_of(read_json(folder / "config.json"))
+    """The context length the files in `folder` give, if they say one (ModelLoadError where
+    one cannot be read); the TensorRT builder's decoder profile uses it."""
+    return _context(read_json(folder / "config.json"), folder)
+
+
+def _context(hf_config: dict[str, Any], folder: Path) -> int | None:
+    """`config.json`'s context (`hf_config`), else `tokenizer_config.json`'s
+    `model_max_length` (a T5's config names none), else None: unbounded."""
+    found = context_of(hf_config)
+    if found is None:
+        found = model_max_length(read_json(folder / "tokenizer_config.json"))
+    return found
 
 
 def _eos_of(data: dict[str, Any]) -> frozenset[int]:

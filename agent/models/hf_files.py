@@ -21,6 +21,7 @@ from agent.models.text_file import read_text_limited
 __all__ = [
     "MAX_JSON_BYTES",
     "context_of",
+    "model_max_length",
     "read_json",
     "read_text",
     "special_token",
@@ -73,6 +74,13 @@ def special_token(value: Any) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
+
+
+def model_max_length(tokenizer_config: dict[str, Any]) -> int | None:
+    """A `tokenizer_config.json`'s `model_max_length`, where it is a real bound:
+    `transformers` writes a huge number (1e30) for a model it knows none of."""
+    value = whole_number(tokenizer_config.get("model_max_length"))
+    return value if value is not None and 0 < value < 10**9 else None
 
 
 def context_of(config: dict[str, Any]) -> int | None:
