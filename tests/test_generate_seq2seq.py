@@ -32,6 +32,7 @@ from agent.models.generate_config import GenerateConfig
 from agent.models.model_config import StreamConfig
 from agent.service.agent import Agent
 from tests.generate_helpers import spy_on_bound_caches
+from tests.test_batching import batches_run
 
 pytest.importorskip("tokenizers")
 
@@ -139,14 +140,6 @@ def test_token_ids_in_and_fewer_new_tokens(agent_client: tuple[Agent, AgentClien
     assert result.collect()["tokens"].tolist() == ref["greedy"][:5]
 
 
-def batched_runs(agent: Agent, model: str) -> tuple[int, int]:
-    """(runs, requests in them) of `model`'s batched runs, from the agent's histogram."""
-    sample = agent.metrics.registry.get_sample_value
-    runs = sample("edge_agent_batch_requests_count", {"model": model}) or 0
-    requests = sample("edge_agent_batch_requests_sum", {"model": model}) or 0
-    return int(runs), int(requests)
-
-
 @pytest.mark.parametrize(
     ("model", "arch"), [("bart", "bart"), ("bart_batched", "bart"), ("t5_batched", "t5")]
 )
@@ -159,7 +152,7 @@ def test_concurrent_requests_each_get_their_own_tokens(
     agent, client = agent_client
     refs = REFERENCE["models"][arch]["cases"]
     got: dict[int, list[int]] = {}
-    before = batched_runs(agent, model)
+    before = batches_run(agent, model)
 
     def ask(k: int) -> None:
         inputs = {"prompt": refs[k]["prompt"]}
@@ -172,7 +165,7 @@ def test_concurrent_requests_each_get_their_own_tokens(
         thread.join(60)
     assert got == {k: ref["greedy"] for k, ref in enumerate(refs)}
     if model.endswith("_batched"):
-        runs, requests = (a - b for a, b in zip(batched_runs(agent, model), before, strict=True))
+        runs, requests = (a - b for a, b in zip(batches_run(agent, model), before, strict=True))
         assert requests == len(refs) and runs < len(refs)  # they shared runs
 
 

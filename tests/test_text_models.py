@@ -22,6 +22,7 @@ import pytest
 from agent.client import AgentClient, AgentError
 from agent.demo.broker import EmbeddedBroker
 from agent.service.agent import Agent
+from tests.test_batching import batches_run
 
 pytest.importorskip("tokenizers")
 
@@ -357,14 +358,6 @@ def test_an_encoders_hidden_states_pooled_on_the_box(
     )
 
 
-def batched_runs(agent: Agent, model: str) -> tuple[int, int]:
-    """(runs, requests in them) of `model`'s batched runs, from the agent's histogram."""
-    sample = agent.metrics.registry.get_sample_value
-    runs = sample("edge_agent_batch_requests_count", {"model": model}) or 0
-    requests = sample("edge_agent_batch_requests_sum", {"model": model}) or 0
-    return int(runs), int(requests)
-
-
 @pytest.mark.parametrize(
     ("model", "check"),
     [
@@ -401,9 +394,9 @@ def test_requests_of_different_lengths_share_a_run(
     agent, client = text_agent
     lengths = {len(case["ids"]) for case in TOKENS["cases"]}
     assert len(lengths) == len(TEXTS)  # every text a length of its own
-    before = batched_runs(agent, model)
+    before = batches_run(agent, model)
     replies = [client.request(model, {"prompt": text}, stream=False) for text in TEXTS]
     for k, reply in enumerate(replies):
         check(reply.collect(), k)
-    runs, requests = (a - b for a, b in zip(batched_runs(agent, model), before, strict=True))
+    runs, requests = (a - b for a, b in zip(batches_run(agent, model), before, strict=True))
     assert requests == len(TEXTS) and runs < len(TEXTS)  # they shared runs
