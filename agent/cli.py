@@ -409,7 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME=FILE",
-        help="an input: FILE.npy, the array NAME of FILE.npz, or FILE.jpg|.png (its bytes)",
+        help="an input: FILE.npy, the array NAME of FILE.npz, FILE.jpg|.png (its bytes), or "
+        "FILE.wav (16 kHz PCM: its samples, float32)",
     )
     request.add_argument(
         "--text",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import wave
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ def describe_outputs(outputs: dict[str, Any], width: int = 60) -> str:
 
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+WAV_RATE = 16000  # the rate of the speech models' feature extractors (wav2vec2, Whisper)
 
 
 def parse_inputs(
@@ -31,7 +33,8 @@ def parse_inputs(
 ) -> dict[str, Any]:
     """`NAME=FILE.npy` as the array, `NAME=FILE.npz` as the archive's array called NAME (the
     inputs of a request saved together, or another request's `--save`), `NAME=FILE.jpg|.png`
-    as the file's bytes (an encoded image, for a model with `[preprocess]`); `texts`:
+    as the file's bytes (an encoded image, for a model with `[preprocess]`), `NAME=FILE.wav`
+    as its samples (`read_wav`); `texts`:
     `NAME=TEXT` as a text (`parse_texts`); `messages`: `ROLE=TEXT` a message of the
     conversation (`parse_messages`)."""
     inputs: dict[str, Any] = parse_texts(texts)
@@ -44,10 +47,36 @@ def parse_inputs(
                 with open(path, "rb") as file:
                     inputs[name] = file.read()
                 continue
+            if path.lower().endswith(".wav"):
+                inputs[name] = read_wav(path)
+                continue
             inputs[name] = _array(np.load(path, allow_pickle=False), name, path)
-        except (OSError, ValueError, EOFError) as e:  # EOFError: an empty or cut file
+        except (OSError, ValueError, EOFError, wave.Error) as e:  # EOFError: an empty or cut file
             raise SystemExit(f"error: cannot read {path}: {e or 'no data in the file'}") from None
     return inputs
+
+
+def read_wav(path: str) -> np.ndarray[Any, np.dtype[np.float32]]:
+    """A 16 kHz PCM WAV file's samples as float32 `[n]` in [-1, 1), its channels averaged
+    (as Hugging Face's pipelines mix them down); SystemExit for another rate (the models
+    take 16 kHz: resample it first, `ffmpeg -i IN -ar 16000 -ac 1 OUT.wav`)."""
+    with wave.open(path, "rb") as file:
+        rate, channels, width = file.getframerate(), file.getnchannels(), file.getsampwidth()
+        frames = file.readframes(file.getnframes())
+    if rate != WAV_RATE:
+        raise SystemExit(
+            f"error: {path} is {rate} Hz; speech models take {WAV_RATE} Hz "
+            f"(ffmpeg -i {path} -ar {WAV_RATE} -ac 1 OUT.wav)"
+        )
+    if width not in (1, 2, 4):
+        raise SystemExit(f"error: {path}: {8 * width}-bit samples are not read (8, 16 or 32)")
+    if width == 1:  # 8-bit WAV is unsigned
+        ints = np.frombuffer(frames, dtype=np.uint8).astype(np.float32) - 128.0
+    else:
+        ints = np.frombuffer(frames, dtype=np.dtype(f"<i{width}")).astype(np.float32)
+    scaled = ints.reshape(-1, channels).mean(axis=1) / float(1 << (8 * width - 1))
+    samples: np.ndarray[Any, np.dtype[np.float32]] = scaled.astype(np.float32)
+    return samples
 
 
 def _array(loaded: Any, name: str, path: str) -> Any:

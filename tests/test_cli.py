@@ -181,6 +181,37 @@ def test_request_inputs_from_an_npz_archive_and_clear_errors_for_bad_files(tmp_p
         parse_inputs([f"x={tmp_path / 'missing.npy'}"])
 
 
+def test_request_inputs_from_a_wav_file(tmp_path: Path):
+    """16-bit stereo at 16 kHz: the channels averaged, in [-1, 1); 8-bit is unsigned; another
+    rate is refused with the resampling command."""
+    import wave
+
+    import pytest
+
+    from agent.cli_values import parse_inputs
+
+    def write(path: Path, rate: int, width: int, channels: int, frames: bytes) -> None:
+        with wave.open(str(path), "wb") as file:
+            file.setnchannels(channels)
+            file.setsampwidth(width)
+            file.setframerate(rate)
+            file.writeframes(frames)
+
+    stereo = np.array([[16384, 0], [-32768, -32768], [100, 300]], dtype="<i2")
+    write(tmp_path / "a.wav", 16000, 2, 2, stereo.tobytes())
+    samples = parse_inputs([f"input_values={tmp_path / 'a.wav'}"])["input_values"]
+    assert samples.dtype == np.float32
+    assert samples.tolist() == [0.25, -1.0, 200 / 32768]
+    write(tmp_path / "b.wav", 16000, 1, 1, bytes([128, 255, 0]))
+    assert parse_inputs([f"x={tmp_path / 'b.wav'}"])["x"].tolist() == [0.0, 127 / 128, -1.0]
+    write(tmp_path / "c.wav", 44100, 2, 1, b"\0\0")
+    with pytest.raises(SystemExit, match=r"is 44100 Hz; .*ffmpeg -i \S+c\.wav -ar 16000"):
+        parse_inputs([f"x={tmp_path / 'c.wav'}"])
+    (tmp_path / "d.wav").write_bytes(b"RIFF")
+    with pytest.raises(SystemExit, match=r"cannot read \S+d\.wav"):
+        parse_inputs([f"x={tmp_path / 'd.wav'}"])
+
+
 def test_subscribe_names_a_message_without_a_type_by_its_topic():
     from agent.cli import _summarize_message
 
