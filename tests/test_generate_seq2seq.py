@@ -140,6 +140,14 @@ def test_token_ids_in_and_fewer_new_tokens(agent_client: tuple[Agent, AgentClien
     assert result.collect()["tokens"].tolist() == ref["greedy"][:5]
 
 
+def test_a_text_model_refuses_a_speech_prompts_params(
+    agent_client: tuple[Agent, AgentClient],
+) -> None:
+    _, client = agent_client
+    with pytest.raises(AgentError, match=r"takes no params\.language nor params\.task"):
+        generate(client, "t5", {"prompt": "Hello"}, language="en")
+
+
 @pytest.mark.parametrize(
     ("model", "arch"), [("bart", "bart"), ("bart_batched", "bart"), ("t5_batched", "t5")]
 )

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from agent.inference import modes
+from agent.inference import modes, speech, token_rules
 from agent.inference.generate_lockstep import LockstepBatch
 from agent.inference.job import Cancelled
 from agent.inference.modes import Arrays, Piece, Run
@@ -66,6 +66,10 @@ class GenerateAsk:
     sampler: Sampler
     tokens_per_chunk: int = 1
     text: TextStream | None = None
+    # A speech encoder's input (Whisper's log-mel features): the prompt is then the decoder's,
+    # its language still to detect where `detect_language`.
+    features: np.ndarray[Any, Any] | None = None
+    detect_language: bool = False
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     first_token_at: float | None = None  # monotonic
@@ -79,7 +83,7 @@ class GenerateAsk:
         """What the decoder reads before its first new token: the prompt, or an
         encoder-decoder's start token (its prompt goes to the encoder)."""
         start = self.setup.decoder_start
-        return self.prompt if start is None else [start]
+        return self.prompt if start is None or self.features is not None else [start]
 
     def ending(self) -> dict[str, Any]:
         """The keys of the stream's terminal message."""
@@ -93,9 +97,15 @@ class GenerateAsk:
 def ask_of(inputs: Mapping[str, Any], params: Mapping[str, Any], setup: Generation) -> GenerateAsk:
     """A request's inputs and params checked against a generate version (`bad_request`)."""
     tokenizer = setup.tokenizer
-    prompt = _prompt_ids(inputs, setup)
+    features, detect = None, False
+    if setup.log_mel is not None:
+        features = speech.features_of(inputs, setup.log_mel)
+        prompt, detect = speech.prompt_of(params, setup)
+    else:
+        speech.refuse_prompt_params(params)
+        prompt = _prompt_ids(inputs, setup)
     room = setup.max_new_tokens
-    if setup.context is not None and setup.encoder is not None:
+    if setup.context is not None and setup.encoder is not None and features is None:
         if len(prompt) > setup.context:  # the encoder's positions; the decoder's own
             raise WireError(
                 "bad_request",
@@ -103,13 +113,14 @@ def ask_of(inputs: Mapping[str, Any], params: Mapping[str, Any], setup: Generati
             )
         room = min(room, setup.context - 1)  # the decoder's positions, its start token's first
     elif setup.context is not None:
-        if len(prompt) >= setup.context:
+        length = len(prompt) + detect  # a detected language joins the prompt
+        if length >= setup.context:
             raise WireError(
                 "bad_request",
-                f"the prompt is {len(prompt)} tokens: the model's context is {setup.context}, "
+                f"the prompt is {length} tokens: the model's context is {setup.context}, "
                 "with room for at least one new token",
             )
-        room = min(room, setup.context - len(prompt))
+        room = min(room, setup.context - length)
     asked = params.get("max_new_tokens", room)
     if isinstance(asked, bool) or not isinstance(asked, int) or asked < 1:
         raise WireError("bad_request", "params.max_new_tokens must be a positive integer")
@@ -119,7 +130,9 @@ def ask_of(inputs: Mapping[str, Any], params: Mapping[str, Any], setup: Generati
         raise WireError("bad_request", "params.stop needs a model with a tokenizer.json")
     text = TextStream(tokenizer, stops) if tokenizer is not None else None
     sampler = Sampler(SamplingParams.parse(params))
-    return GenerateAsk(setup, prompt, min(asked, room), sampler, per_chunk, text)
+    ask = GenerateAsk(setup, prompt, min(asked, room), sampler, per_chunk, text)
+    ask.features, ask.detect_language = features, detect
+    return ask
 
 
 def _prompt_ids(inputs: Mapping[str, Any], setup: Generation) -> list[int]:
@@ -224,6 +237,9 @@ class _Decoding:
         # An encoder-decoder's decoder inputs of its encoder's run, and its cross-attention
         # cache once the first run made it: the same at every run.
         self.cross = _encoded(run, ask)
+        if ask.detect_language:
+            first = _sequence_inputs(ask.setup.layout, ask.prompt[:1])
+            speech.detect_language(run, ask, {**first, **self.cross})
         self.inputs = {**_prefill_inputs(ask), **self.cross}
         self.pending: list[int] = []  # new tokens not yet in a piece (the last of ask.tokens)
         self.pending_text = ""
@@ -341,9 +357,11 @@ def _took(
     """The member's next token chosen from its row of logits, noted; its piece where one is
     due (`ask.finish_reason` set where the token ended the generation)."""
     ask = state.ask
-    token = _forced(ask)
+    made = len(ask.tokens)
+    token = token_rules.forced(ask.setup, made, ask.max_new_tokens)
     if token is None:
-        token = ask.sampler.choose(logits)
+        begins = len(ask.decoder_ids) == 1
+        token = ask.sampler.choose(token_rules.allowed(ask.setup, made, begins, logits))
     ask.sampler.see((token,))
     if ask.first_token_at is None:
         ask.first_token_at = time.monotonic()
@@ -355,17 +373,6 @@ def _took(
     if ask.finish_reason is None and len(state.pending) < ask.tokens_per_chunk:
         return token, None
     return token, _piece(position, state)
-
-
-def _forced(ask: GenerateAsk) -> int | None:
-    """The token the model's config forces next (`forced_bos_token_id` first,
-    `forced_eos_token_id` last, as `generate`'s logits processors force them), or None."""
-    setup = ask.setup
-    if not ask.tokens and setup.forced_bos is not None:
-        return setup.forced_bos
-    if len(ask.tokens) == ask.max_new_tokens - 1 and setup.forced_eos is not None:
-        return setup.forced_eos
-    return None
 
 
 def _finished(ask: GenerateAsk, token: int) -> str | None:
@@ -412,10 +419,14 @@ def _encoded(run: Run, ask: GenerateAsk) -> Arrays:
     encoder, cross = ask.setup.encoder, ask.setup.layout.cross
     if encoder is None or cross is None:
         return {}
-    states = run.other(encoder.session, encoder.inputs(ask.prompt))[encoder.output]
+    if ask.features is not None:
+        encoder_inputs = {encoder.input.name: ask.features}
+    else:
+        encoder_inputs = encoder.inputs(ask.prompt)
+    states = run.other(encoder.session, encoder_inputs)[encoder.output]
     made: Arrays = {cross.states: states}
     if cross.mask is not None and cross.mask_dtype is not None:
-        made[cross.mask] = np.ones((1, len(ask.prompt)), dtype=cross.mask_dtype)
+        made[cross.mask] = np.ones((1, states.shape[1]), dtype=cross.mask_dtype)
     return made
 
 

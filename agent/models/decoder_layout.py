@@ -20,6 +20,13 @@ holds the decoder as `model.onnx` (optimum's `decoder_model_merged.onnx`) and th
 starts from `decoder_start_token_id`, and `forced_bos_token_id` / `forced_eos_token_id` force
 the first and the last new token, as `generate` forces them.
 
+A speech recogniser (optimum's `automatic-speech-recognition-with-past`: Whisper) is an
+encoder-decoder whose encoder reads log-mel features (`input_features`): the folder's
+`preprocessor_config.json` gives them (`agent.models.log_mel`), and its
+`generation_config.json` the decoder's prompt of language and task tokens
+(`agent.models.speech_prompt`). Every generate version takes its configs' `suppress_tokens`
+and `begin_suppress_tokens` (`Generation.suppress`), as `generate` does.
+
 The eos ids come from `[generate] eos`, else `generation_config.json`, else `config.json` in the
 version folder; the context length from `[generate] context`, else `config.json`
 (`n_positions`, `max_position_embeddings`, ...), else `tokenizer_config.json`'s
@@ -45,6 +52,8 @@ from agent.models.backends.base import DeviceBinding, ModelLoadError, Session, T
 from agent.models.chat_template import ChatTemplate, open_chat_template
 from agent.models.generate_config import GenerateConfig
 from agent.models.hf_files import context_of, model_max_length, read_json, whole_number
+from agent.models.log_mel import LogMel, open_log_mel
+from agent.models.speech_prompt import SpeechPrompt, speech_prompt_of
 from agent.models.tokenizer import TextCodec, open_tokenizer
 
 __all__ = [
@@ -70,6 +79,7 @@ CROSS_PAST_INPUT = re.compile(r"^past_key_values\.(\d+)\.(decoder|encoder)\.(key
 ENCODER_FILE = "encoder_model.onnx"  # optimum's name for an encoder-decoder's encoder
 ENCODER_STATES = "encoder_hidden_states"  # the decoder's input of the encoder's output
 ENCODER_MASK = "encoder_attention_mask"
+FEATURES = "input_features"  # a speech encoder's input (Whisper's log-mel spectrogram)
 # A decoder's other inputs, as exporters name them (`[generate]` may rename the first three).
 DECODER_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache_branch"})
 
@@ -133,39 +143,46 @@ class CrossInputs:
 
 
 class Encoder:
-    """An encoder-decoder's encoder (`encoder_model.onnx`): the prompt's ids (and a mask of
-    ones) in, its last hidden states out, once a request before the decoder's first run."""
+    """An encoder-decoder's encoder (`encoder_model.onnx`), run once a request before the
+    decoder's first run: the prompt's ids (and a mask of ones) in, or a speech encoder's
+    log-mel features (Whisper's `input_features`); its last hidden states out."""
 
     def __init__(self, session: Session) -> None:
         ins = {spec.name: spec for spec in session.inputs}
-        if "input_ids" not in ins or np.dtype(ins["input_ids"].dtype).kind not in "iu":
-            raise ModelLoadError(f"{ENCODER_FILE}: no integer input_ids")
-        unknown = sorted(set(ins) - {"input_ids", "attention_mask"})
+        self.features = FEATURES in ins  # a speech encoder's
+        taken = {FEATURES} if self.features else {"input_ids", "attention_mask"}
+        first = FEATURES if self.features else "input_ids"
+        kinds = "f" if self.features else "iu"
+        if first not in ins or np.dtype(ins[first].dtype).kind not in kinds:
+            raise ModelLoadError(
+                f"{ENCODER_FILE}: no {'float' if self.features else 'integer'} {first}"
+            )
+        unknown = sorted(set(ins) - taken)
         if unknown or not session.outputs:
             raise ModelLoadError(
                 f"{ENCODER_FILE}: inputs {', '.join(sorted(ins))} and no more than "
-                "input_ids and attention_mask are an encoder's"
+                f"{' and '.join(sorted(taken))} are an encoder's"
             )
         self.session = session
-        self._ids = np.dtype(ins["input_ids"].dtype)
+        self.input = ins[first]
         mask = ins.get("attention_mask")
         self._mask = np.dtype(mask.dtype) if mask is not None else None
         names = [spec.name for spec in session.outputs]
         self.output = "last_hidden_state" if "last_hidden_state" in names else names[0]
 
     def inputs(self, ids: Sequence[int]) -> dict[str, Any]:
-        """The encoder's inputs for one prompt."""
-        made: dict[str, Any] = {"input_ids": np.array([ids], dtype=self._ids)}
+        """A text encoder's inputs for one prompt."""
+        made: dict[str, Any] = {"input_ids": np.array([ids], dtype=self.input.dtype)}
         if self._mask is not None:
             made["attention_mask"] = np.ones((1, len(ids)), dtype=self._mask)
         return made
 
-    def warm_up(self, token: int) -> str | None:
-        """One run on a few tokens at load, so that the first request does not pay the
+    def warm_up(self, inputs: dict[str, Any]) -> str | None:
+        """One run on `inputs` at load, so that the first request does not pay the
         runtime's first allocations; why it failed, else None (the version still serves: the
         decoder's warm-up is the one that counts)."""
         try:
-            self.session.run(self.inputs([token] * 4))
+            self.session.run(inputs)
         except Exception as e:  # the backend's own error types: a guessed input, not the model
             return str(e)
         return None
@@ -192,6 +209,22 @@ class Generation:
     decoder_start: int | None = None  # an encoder-decoder: the decoder's first input token
     forced_bos: int | None = None  # the first new token, where the model's config forces it
     forced_eos: int | None = None  # the last new token (at max_new_tokens), where forced
+    # Tokens never chosen, and those not chosen first (`suppress_tokens`,
+    # `begin_suppress_tokens` of generation_config.json, as `generate` applies them).
+    suppress: tuple[int, ...] = ()
+    begin_suppress: tuple[int, ...] = ()
+    log_mel: LogMel | None = None  # a speech encoder's features (Whisper)
+    speech: SpeechPrompt | None = None  # a Whisper decoder's prompt rules
+
+    def encoder_warm_up_inputs(self) -> dict[str, Any] | None:
+        """What the encoder runs on at load: silence, or a few start tokens."""
+        if self.encoder is None:
+            return None
+        if self.log_mel is not None:
+            return {FEATURES: self.log_mel.features(np.zeros(0, dtype=np.float32))}
+        if self.decoder_start is None:
+            return None
+        return self.encoder.inputs([self.decoder_start] * 4)
 
     def close(self) -> None:
         """Closes the encoder's session (the decoder's is the version's)."""
@@ -234,9 +267,15 @@ def open_generation(
     generation = Generation(
         layout, eos, context, config.max_new_tokens, tokenizer, vocab, device_cache, chat
     )
+    configs = (generation_config, hf_config)
+    generation = dataclasses.replace(
+        generation,
+        suppress=_token_list(configs, "suppress_tokens", vocab),
+        begin_suppress=_token_list(configs, "begin_suppress_tokens", vocab),
+    )
     if layout.cross is None:
         return generation
-    return _with_encoder(generation, folder, (generation_config, hf_config), open_encoder)
+    return _with_encoder(generation, folder, configs, open_encoder)
 
 
 def _with_encoder(
@@ -267,13 +306,36 @@ def _with_encoder(
     except BaseException:
         session.close()
         raise
+    speech = _speech_of(encoder, folder, configs) if encoder.features else {}
     return dataclasses.replace(
         generation,
         encoder=encoder,
         decoder_start=start,
         forced_bos=_first_number(configs, "forced_bos_token_id"),
         forced_eos=_first_number(configs, "forced_eos_token_id"),
+        **speech,
     )
+
+
+def _speech_of(
+    encoder: Encoder, folder: Path, configs: tuple[dict[str, Any], dict[str, Any]]
+) -> dict[str, Any]:
+    """A speech encoder's feature extractor and prompt rules (`Generation.log_mel`,
+    `Generation.speech`); ModelLoadError where the folder's extractor is not one the agent
+    computes, or its sizes are not the encoder's."""
+    log_mel = open_log_mel(folder)
+    if log_mel is None:
+        raise ModelLoadError(
+            f"the encoder takes {FEATURES}: its folder needs the preprocessor_config.json of a "
+            "WhisperFeatureExtractor"
+        )
+    shape = encoder.input.shape
+    if len(shape) != 3 or shape[1:] != (log_mel.mels, log_mel.frames):
+        raise ModelLoadError(
+            f"{ENCODER_FILE}: {FEATURES} {encoder.input.describe()} is not [batch, "
+            f"{log_mel.mels}, {log_mel.frames}] as preprocessor_config.json makes them"
+        )
+    return {"log_mel": log_mel, "speech": speech_prompt_of(configs)}
 
 
 def _unapplied(generation_config: dict[str, Any]) -> list[str]:
@@ -292,6 +354,19 @@ def _unapplied(generation_config: dict[str, Any]) -> list[str]:
         for key, default in defaults.items()
         if generation_config.get(key, default) not in (default, None)
     ]
+
+
+def _token_list(
+    configs: tuple[dict[str, Any], ...], key: str, vocab: int | None
+) -> tuple[int, ...]:
+    """The token ids `key` of the first of `configs` that gives a list (those in the
+    vocabulary: `generate` ignores the others)."""
+    for data in configs:
+        value = data.get(key)
+        if isinstance(value, list):
+            ids = (whole_number(v) for v in value)
+            return tuple(i for i in ids if i is not None and 0 <= i < (vocab or i + 1))
+    return ()
 
 
 def _first_number(configs: tuple[dict[str, Any], ...], key: str) -> int | None:

@@ -30,7 +30,14 @@ __all__ = [
 
 MAX_JSON_BYTES = 1024 * 1024
 # Where configs of the architectures `transformers` knows keep their longest input.
-_CONTEXT_KEYS = ("n_positions", "max_position_embeddings", "n_ctx", "max_sequence_length")
+# The last: a Whisper's decoder (its encoder's positions are its 30 s window's).
+_CONTEXT_KEYS = (
+    "n_positions",
+    "max_position_embeddings",
+    "n_ctx",
+    "max_sequence_length",
+    "max_target_positions",
+)
 
 
 def read_text(path: Path, limit: int) -> str:

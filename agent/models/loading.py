@@ -151,10 +151,10 @@ def open_version(
 def _warm_encoder(generation: Generation, folder: Path) -> None:
     """An encoder-decoder's encoder run once at load, as its decoder was (a warning where it
     could not be)."""
-    encoder, start = generation.encoder, generation.decoder_start
-    if encoder is None or start is None:
+    encoder, inputs = generation.encoder, generation.encoder_warm_up_inputs()
+    if encoder is None or inputs is None:
         return
-    failed = encoder.warm_up(start)
+    failed = encoder.warm_up(inputs)
     if failed is not None:
         log.warning("%s: the encoder's warm-up failed, served cold: %s", folder, failed)
 

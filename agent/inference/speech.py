@@ -1,0 +1,111 @@
+"""A Whisper request of `mode = "generate"`: its recording, its prompt, its language.
+
+A speech recogniser's generate request (`Generation.log_mel`: an encoder of log-mel features
+beside the decoder) sends its recording, `inputs.input_values` (float samples `[n]` or
+`[1, n]` at the feature extractor's rate, at most its window: 30 s), or the features
+themselves, `inputs.input_features` (`[1, mels, frames]`, as `WhisperFeatureExtractor`
+makes them). `params.language` (`"en"` or `"<|en|>"`) and `params.task` (`"transcribe"`,
+`"translate"`) choose the decoder's prompt (`agent.models.speech_prompt`); where neither the
+request nor the config names a language, the model's own likeliest language token after the
+start token is taken, as `WhisperForConditionalGeneration.detect_language` takes it: one
+decoder run before the prefill.
+
+Imports `modes`, the protocol's errors and `agent.models`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from agent.inference.modes import Arrays, Run
+from agent.models.decoder_layout import FEATURES, Generation
+from agent.models.log_mel import LogMel
+from agent.models.speech_prompt import PromptRefused
+from agent.protocol.errors import WireError
+
+if TYPE_CHECKING:
+    from agent.inference.generate import GenerateAsk
+
+__all__ = ["detect_language", "features_of", "prompt_of", "refuse_prompt_params"]
+
+SAMPLES = "input_values"  # what a request names its recording (as wav2vec2's input is named)
+
+
+def features_of(inputs: Mapping[str, Any], log_mel: LogMel) -> np.ndarray[Any, Any]:
+    """The encoder's features of a request's recording, or the features it sent
+    (`bad_request` where they are neither)."""
+    names = sorted(inputs)
+    if names == [FEATURES]:
+        value = inputs[FEATURES]
+        shape = (1, log_mel.mels, log_mel.frames)
+        if not (isinstance(value, np.ndarray) and value.dtype.kind == "f" and value.shape == shape):
+            raise WireError("bad_request", f"inputs.{FEATURES} must be floats {list(shape)}")
+        return _finite(value.astype(np.float32, copy=False), FEATURES)
+    if names != [SAMPLES]:
+        raise WireError(
+            "bad_request",
+            f"a speech request takes inputs.{SAMPLES} (float samples [n] at "
+            f"{log_mel.sample_rate} Hz) or inputs.{FEATURES}, nothing else",
+        )
+    value = inputs[SAMPLES]
+    if isinstance(value, np.ndarray) and value.ndim == 2 and value.shape[0] == 1:
+        value = value[0]
+    if not (isinstance(value, np.ndarray) and value.dtype.kind == "f" and value.ndim == 1):
+        raise WireError("bad_request", f"inputs.{SAMPLES} must be float samples [n] or [1, n]")
+    if not 0 < value.size <= log_mel.samples:
+        seconds = log_mel.samples / log_mel.sample_rate
+        raise WireError(
+            "bad_request",
+            f"inputs.{SAMPLES} holds {value.size} samples: the model reads 1 to "
+            f"{log_mel.samples} ({seconds:g} s at {log_mel.sample_rate} Hz); send a longer "
+            "recording in pieces",
+        )
+    return log_mel.features(_finite(value, SAMPLES))
+
+
+def prompt_of(params: Mapping[str, Any], setup: Generation) -> tuple[list[int], bool]:
+    """The decoder's prompt for `params.language` and `params.task`, and whether its
+    language is still to be detected (then left out of the list: `detect_language` puts it
+    in second place)."""
+    language, task = params.get("language"), params.get("task")
+    for name, value in (("language", language), ("task", task)):
+        if value is not None and not (isinstance(value, str) and 0 < len(value) <= 32):
+            raise WireError("bad_request", f"params.{name} must be a text")
+    if setup.speech is None:
+        refuse_prompt_params(params)
+        assert setup.decoder_start is not None  # an encoder-decoder's (`open_generation`)
+        return [setup.decoder_start], False
+    try:
+        ids = setup.speech.ids(language, task)
+    except PromptRefused as e:
+        raise WireError("bad_request", str(e)) from None
+    detect = setup.speech.detects(ids)
+    return [i for i in ids if i is not None], detect
+
+
+def refuse_prompt_params(params: Mapping[str, Any]) -> None:
+    """`bad_request` for `params.language` or `params.task` sent to a model whose prompt
+    they do not choose."""
+    if "language" in params or "task" in params:
+        raise WireError("bad_request", "the model takes no params.language nor params.task")
+
+
+def detect_language(run: Run, ask: GenerateAsk, first: Arrays) -> None:
+    """The language the model finds likeliest after its start token (`first`: the decoder's
+    inputs for that token alone, with the encoder's), put second in `ask.prompt`."""
+    setup = ask.setup
+    assert setup.speech is not None  # `prompt_of` asked for detection
+    logits = run.model(first, setup.device_cache)[setup.layout.logits]
+    languages = np.array(sorted(setup.speech.languages.values()))
+    row = logits[0, -1]
+    ask.prompt.insert(1, int(languages[np.argmax(row[languages])]))
+    ask.detect_language = False
+
+
+def _finite(value: np.ndarray[Any, Any], name: str) -> np.ndarray[Any, Any]:
+    if not np.isfinite(value).all():
+        raise WireError("bad_request", f"inputs.{name} holds NaN or infinite values")
+    return value

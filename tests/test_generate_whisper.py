@@ -1,0 +1,269 @@
+"""`mode = "generate"` with a Whisper speech recogniser exported by optimum
+(`automatic-speech-recognition-with-past`), as a user copies optimum's folder
+(`encoder_model.onnx` reading log-mel features, the merged decoder as `model.onnx`, the
+configs, the feature extractor's `preprocessor_config.json` and the tokenizer): the agent's
+log-mel features equal `WhisperFeatureExtractor`'s, and its greedy tokens, text and finish equal
+Hugging Face's `generate(do_sample=False)` for a language and task asked, for a task alone,
+and for neither (the language detected, the checkpoint's forced task); the config's suppressed
+tokens are never chosen; bad recordings and unknown languages are refused. The fixture and its
+references come from `scripts/make_whisper.py`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import pytest
+
+from agent.client import AgentClient, AgentError
+from agent.demo.broker import EmbeddedBroker
+from agent.inference import token_rules
+from agent.models.decoder_layout import Generation
+from agent.models.log_mel import open_log_mel
+from agent.models.speech_prompt import SpeechPrompt
+from agent.service.agent import Agent
+
+pytest.importorskip("tokenizers")
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "real" / "whisper"
+REFERENCE: dict[str, Any] = json.loads((FIXTURES / "reference.json").read_text(encoding="utf-8"))
+ARRAYS = dict(np.load(FIXTURES / "reference.npz"))
+N = int(REFERENCE["new_tokens"])
+IDS: dict[str, int] = REFERENCE["ids"]
+GENERATE = '[stream]\nmode = "generate"\n'
+MODELS = {  # name: config.toml after GENERATE, and what is done to the folder
+    "whisper": "",
+    "whisper_eos": "[generate]\neos = [{eos}]\n",  # a token of the reference as the eos
+    "whisper_no_extractor": "",
+    "whisper_other_mels": "",
+}
+
+
+def _eos_case() -> tuple[dict[str, Any], int]:
+    """A reference case and the position of a token that first appears there (past the
+    first), taken as the eos: its generation ends with that token."""
+    case = REFERENCE["cases"][0]
+    tokens = case["tokens"]
+    at = next(k for k in range(1, len(tokens)) if tokens[k] not in tokens[:k])
+    return case, at
+
+
+@pytest.fixture(scope="module")
+def agent_client(
+    broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Agent, AgentClient]]:
+    from tests.conftest import agent_config, serve_agent
+
+    tmp = tmp_path_factory.mktemp("whisper")
+    root = tmp / "models"
+    case, at = _eos_case()
+    for name, extra in MODELS.items():
+        folder = root / name / "1"
+        shutil.copytree(FIXTURES, folder, ignore=shutil.ignore_patterns("reference.*"))
+        config = GENERATE + extra.format(eos=case["tokens"][at])
+        (root / name / "config.toml").write_text(config)
+    (root / "whisper_no_extractor" / "1" / "preprocessor_config.json").unlink()
+    extractor = root / "whisper_other_mels" / "1" / "preprocessor_config.json"
+    settings = json.loads(extractor.read_text())
+    extractor.write_text(json.dumps({**settings, "feature_size": 128}))
+    yield from serve_agent(broker, agent_config(tmp, broker, root), 20)
+
+
+def transcribe(client: AgentClient, model: str, inputs: dict[str, Any], **params: Any) -> Any:
+    reply = client.request(model, inputs, params=params or None, timeout=30)
+    return reply, list(reply)
+
+
+def tokens_of(chunks: list[Any]) -> list[int]:
+    return [int(t) for c in chunks for t in c.outputs["tokens"]]
+
+
+def test_the_features_equal_the_feature_extractors() -> None:
+    """`WhisperFeatureExtractor` ran PyTorch's STFT in float32 for the references; the agent's
+    numpy one (float64, as the extractor's numpy path) differs in the last digits only."""
+    log_mel = open_log_mel(FIXTURES)
+    assert log_mel is not None
+    for clip in ("sweep", "chord", "bursts"):
+        made = log_mel.features(ARRAYS[f"audio_{clip}"])
+        assert made.dtype == np.float32 and made.shape == (1, 80, 3000)
+        np.testing.assert_allclose(made, ARRAYS[f"features_{clip}"], atol=1e-4, rtol=0)
+
+
+def test_the_export_loads_and_the_broken_ones_say_why(
+    agent_client: tuple[Agent, AgentClient],
+) -> None:
+    agent, _ = agent_client
+    models = agent.models.inventory()["models"]
+    versions = {name: m["versions"]["1"] for name, m in models.items()}
+    assert versions["whisper"]["state"] == "ready", versions["whisper"]
+    assert versions["whisper"]["text_inputs"] == ["input_values", "input_features"]
+    assert versions["whisper_no_extractor"]["state"] == "failed"
+    assert (
+        "preprocessor_config.json of a WhisperFeatureExtractor"
+        in (versions["whisper_no_extractor"]["error"])
+    )
+    assert versions["whisper_other_mels"]["state"] == "failed"
+    assert "is not [batch, 128, 3000]" in versions["whisper_other_mels"]["error"]
+
+
+@pytest.mark.parametrize("case", range(len(REFERENCE["cases"])))
+def test_greedy_tokens_and_text_equal_hugging_face(
+    agent_client: tuple[Agent, AgentClient], case: int
+) -> None:
+    """The recording's samples in, the prompt laid out as Whisper's `generate` lays it out
+    (the language asked, or detected; the task asked, or the checkpoint's), its tokens,
+    text and finish out."""
+    _, client = agent_client
+    ref = REFERENCE["cases"][case]
+    params = {"max_new_tokens": N}
+    params.update({k: ref[k] for k in ("language", "task") if ref[k] is not None})
+    samples = ARRAYS[f"audio_{ref['clip']}"]
+    reply, chunks = transcribe(client, "whisper", {"input_values": samples}, **params)
+    assert tokens_of(chunks) == ref["tokens"]
+    assert "".join(c.text for c in chunks) == ref["text"]
+    assert reply.end.finish_reason == ref["finish"]
+    assert reply.end.usage == {"prompt_tokens": len(ref["prompt"]), "completion_tokens": N}
+
+
+def test_the_cases_cover_detection_and_every_prompt_rule() -> None:
+    """The references hold a detected language unlike the one asked elsewhere, a task asked
+    without a language, and a language without a task (transcription added)."""
+    cases = REFERENCE["cases"]
+    detected = {c["prompt"][1] for c in cases if c["language"] is None}
+    asked = {IDS[f"<|{c['language']}|>"] for c in cases if c["language"] is not None}
+    assert detected and detected <= set(IDS[f"<|{code}|>"] for code in ("en", "de", "fr"))
+    translate = [c for c in cases if c["task"] == "translate" and c["language"] is None]
+    assert translate and translate[0]["prompt"][2] == IDS["<|translate|>"]
+    alone = [c for c in cases if c["language"] is not None and c["task"] is None]
+    assert alone and alone[0]["prompt"][2] == IDS["<|transcribe|>"]
+    assert asked - detected, "a language asked that detection would not give"
+
+
+def test_features_in_equal_samples_in(agent_client: tuple[Agent, AgentClient]) -> None:
+    _, client = agent_client
+    ref = REFERENCE["cases"][2]
+    features = ARRAYS[f"features_{ref['clip']}"]
+    params = {"max_new_tokens": N, "language": ref["language"], "task": ref["task"]}
+    _, chunks = transcribe(client, "whisper", {"input_features": features}, **params)
+    assert tokens_of(chunks) == ref["tokens"]
+
+
+def test_concurrent_transcriptions_and_one_result(agent_client: tuple[Agent, AgentClient]) -> None:
+    """Four requests at once (each detecting its language or not) each get their own tokens;
+    `stream: false` gives them in one result with the whole text."""
+    _, client = agent_client
+    refs = REFERENCE["cases"][:4]
+    replies = []
+    for ref in refs:
+        params = {"max_new_tokens": N}
+        params.update({k: ref[k] for k in ("language", "task") if ref[k] is not None})
+        samples = {"input_values": ARRAYS[f"audio_{ref['clip']}"]}
+        replies.append(client.request("whisper", samples, params=params, timeout=30))
+    for ref, reply in zip(refs, replies, strict=True):
+        assert tokens_of(list(reply)) == ref["tokens"]
+    ref = REFERENCE["cases"][1]
+    samples = {"input_values": ARRAYS[f"audio_{ref['clip']}"]}
+    result = client.request("whisper", samples, params={"max_new_tokens": N}, stream=False)
+    assert result.collect()["tokens"].tolist() == ref["tokens"]
+    assert result.text == ref["text"]
+
+
+def test_an_eos_ends_the_transcription(agent_client: tuple[Agent, AgentClient]) -> None:
+    _, client = agent_client
+    case, at = _eos_case()
+    params = {"max_new_tokens": N, "language": case["language"], "task": case["task"]}
+    samples = ARRAYS[f"audio_{case['clip']}"]
+    reply, chunks = transcribe(client, "whisper_eos", {"input_values": samples}, **params)
+    assert tokens_of(chunks) == case["tokens"][: at + 1]
+    assert reply.end.finish_reason == "eos"
+
+
+def test_suppressed_tokens_are_never_chosen(agent_client: tuple[Agent, AgentClient]) -> None:
+    """Samples drawn at a high temperature over the fixture's vocabulary of 395 would pick
+    each of the suppressed tokens now and then; the config's `suppress_tokens` are never
+    chosen, nor its `begin_suppress_tokens` first."""
+    _, client = agent_client
+    suppressed = set(REFERENCE["suppress_tokens"])
+    first = set(REFERENCE["begin_suppress_tokens"])
+    samples = ARRAYS["audio_chord"]
+    seen: set[int] = set()
+    for seed in range(12):
+        params = {"max_new_tokens": 24, "temperature": 50.0, "seed": seed, "language": "en"}
+        _, chunks = transcribe(client, "whisper", {"input_values": samples}, **params)
+        tokens = tokens_of(chunks)
+        assert tokens[0] not in first
+        seen.update(tokens)
+    assert not seen & suppressed
+    assert len(seen) > 100, "the temperature spreads the choices over the vocabulary"
+
+
+@pytest.mark.parametrize(
+    ("inputs", "params", "says"),
+    [
+        ({"input_values": np.zeros(480001, np.float32)}, {}, "holds 480001 samples"),
+        ({"input_values": np.zeros(0, np.float32)}, {}, "holds 0 samples"),
+        ({"input_values": np.full(800, np.nan, np.float32)}, {}, "NaN or infinite"),
+        ({"input_values": np.zeros((2, 800), np.float32)}, {}, "float samples [n] or [1, n]"),
+        ({"input_values": np.zeros(800, np.int16)}, {}, "float samples [n] or [1, n]"),
+        ({"input_features": np.zeros((1, 80, 100), np.float32)}, {}, "[1, 80, 3000]"),
+        ({"prompt": "hello"}, {}, "takes inputs.input_values"),
+        ({"input_values": np.zeros(800, np.float32)}, {"language": "xx"}, "'xx' is not one"),
+        ({"input_values": np.zeros(800, np.float32)}, {"task": "sing"}, "'sing' is not one"),
+        ({"input_values": np.zeros(800, np.float32)}, {"language": 3}, "must be a text"),
+    ],
+)
+def test_bad_recordings_and_prompts_are_refused(
+    agent_client: tuple[Agent, AgentClient], inputs: dict[str, Any], params: Any, says: str
+) -> None:
+    _, client = agent_client
+    with pytest.raises(AgentError) as e:
+        transcribe(client, "whisper", inputs, **params)
+    assert e.value.code == "bad_request"
+    assert says in str(e.value)
+    _, chunks = transcribe(client, "whisper", {"input_values": ARRAYS["audio_sweep"]})
+    assert chunks, "the model still serves"
+
+
+def test_the_prompt_rules_of_an_english_only_checkpoint() -> None:
+    """No languages (a `*.en` checkpoint): the start and no-timestamps tokens alone, and a
+    language asked is refused."""
+    rules = SpeechPrompt(start=5, languages={}, tasks={}, forced=(), no_timestamps=9)
+    assert rules.ids(None, None) == [5, 9]
+    with pytest.raises(ValueError, match="knows no languages"):
+        rules.ids("en", None)
+    multilingual = SpeechPrompt(5, {"en": 6, "de": 7}, {"transcribe": 8, "translate": 4}, (), 9)
+    assert multilingual.ids(None, None) == [5, None, 9]  # detected: no forced task
+    assert multilingual.ids("<|DE|>", "translate") == [5, 7, 4, 9]
+
+
+def test_the_token_rules_count_steps_as_generate_does() -> None:
+    """`begin_suppress_tokens` bar the first new token, or the second where the config
+    forces the first after a one-token start (`generate`'s `begin_index`); `suppress_tokens`
+    every one."""
+    setup = Generation(
+        layout=cast(Any, None),
+        eos=frozenset(),
+        context=None,
+        max_new_tokens=8,
+        tokenizer=None,
+        vocab=6,
+        suppress=(1,),
+        begin_suppress=(2,),
+    )
+    logits = np.arange(6, dtype=np.float32)
+
+    def barred(rules: Generation, made: int, one_token_start: bool) -> list[int]:
+        row = token_rules.allowed(rules, made, one_token_start, logits)
+        return [int(i) for i in np.flatnonzero(np.isinf(row))]
+
+    assert barred(setup, 0, True) == [1, 2] and barred(setup, 1, True) == [1]
+    forcing = dataclasses.replace(setup, forced_bos=5)
+    assert barred(forcing, 0, True) == [1] and barred(forcing, 1, True) == [1, 2]
+    assert barred(forcing, 0, False) == [1, 2]
+    assert token_rules.forced(forcing, 0, 8) == 5 and token_rules.forced(forcing, 1, 8) is None
+    assert not np.isinf(logits).any(), "the row itself is left as it was"
