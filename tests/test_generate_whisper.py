@@ -22,9 +22,16 @@ import pytest
 
 from agent.client import AgentClient, AgentError
 from agent.demo.broker import EmbeddedBroker
+from agent.inference import generate as generate_mode
 from agent.inference import token_rules
-from agent.models.decoder_layout import Generation
+from agent.inference.generate_lockstep import LockstepBatch
+from agent.inference.modes import Member, Run
+from agent.models.backends.base import BackendOptions
+from agent.models.backends.onnxruntime import OnnxRuntimeBackend
+from agent.models.decoder_layout import Generation, open_generation, recognise
+from agent.models.generate_config import GenerateConfig
 from agent.models.log_mel import open_log_mel
+from agent.models.model_config import StreamConfig
 from agent.models.speech_prompt import SpeechPrompt
 from agent.service.agent import Agent
 
@@ -36,8 +43,11 @@ ARRAYS = dict(np.load(FIXTURES / "reference.npz"))
 N = int(REFERENCE["new_tokens"])
 IDS: dict[str, int] = REFERENCE["ids"]
 GENERATE = '[stream]\nmode = "generate"\n'
+# Requests queued within 0.3 s share runs: their steps in lock-step, a row each.
+BATCHING = "[batching]\nmax_batch = 4\nmax_queue_delay_us = 300000\n"
 MODELS = {  # name: config.toml after GENERATE, and what is done to the folder
     "whisper": "",
+    "whisper_batched": BATCHING,
     "whisper_eos": "[generate]\neos = [{eos}]\n",  # a token of the reference as the eos
     "whisper_no_extractor": "",
     "whisper_other_mels": "",
@@ -153,9 +163,13 @@ def test_features_in_equal_samples_in(agent_client: tuple[Agent, AgentClient]) -
     assert tokens_of(chunks) == ref["tokens"]
 
 
-def test_concurrent_transcriptions_and_one_result(agent_client: tuple[Agent, AgentClient]) -> None:
-    """Four requests at once (each detecting its language or not) each get their own tokens;
-    `stream: false` gives them in one result with the whole text."""
+@pytest.mark.parametrize("model", ["whisper", "whisper_batched"])
+def test_concurrent_transcriptions_and_one_result(
+    agent_client: tuple[Agent, AgentClient], model: str
+) -> None:
+    """Four requests at once (each detecting its language or not; in lock-step under
+    `[batching]`) each get their own tokens; `stream: false` gives them in one result with
+    the whole text."""
     _, client = agent_client
     refs = REFERENCE["cases"][:4]
     replies = []
@@ -163,12 +177,12 @@ def test_concurrent_transcriptions_and_one_result(agent_client: tuple[Agent, Age
         params = {"max_new_tokens": N}
         params.update({k: ref[k] for k in ("language", "task") if ref[k] is not None})
         samples = {"input_values": ARRAYS[f"audio_{ref['clip']}"]}
-        replies.append(client.request("whisper", samples, params=params, timeout=30))
+        replies.append(client.request(model, samples, params=params, timeout=30))
     for ref, reply in zip(refs, replies, strict=True):
         assert tokens_of(list(reply)) == ref["tokens"]
     ref = REFERENCE["cases"][1]
     samples = {"input_values": ARRAYS[f"audio_{ref['clip']}"]}
-    result = client.request("whisper", samples, params={"max_new_tokens": N}, stream=False)
+    result = client.request(model, samples, params={"max_new_tokens": N}, stream=False)
     assert result.collect()["tokens"].tolist() == ref["tokens"]
     assert result.text == ref["text"]
 
@@ -267,3 +281,46 @@ def test_the_token_rules_count_steps_as_generate_does() -> None:
     assert barred(forcing, 0, False) == [1, 2]
     assert token_rules.forced(forcing, 0, 8) == 5 and token_rules.forced(forcing, 1, 8) is None
     assert not np.isinf(logits).any(), "the row itself is left as it was"
+
+
+def test_members_of_one_run_step_in_lock_step() -> None:
+    """Four recordings in one run: each encoder, detection and first step alone, then one
+    run of the decoder a step for all, without `encoder_attention_mask` (every encoder
+    output is the window's length); each member's tokens are Hugging Face's."""
+    backend, options = OnnxRuntimeBackend(), BackendOptions(1)
+    session = backend.load(FIXTURES / "model.onnx", options)
+    setup = open_generation(None, session, FIXTURES, lambda f: backend.load(f, options))
+    cases = REFERENCE["cases"][:4]
+    assert setup.layout.cross is not None and setup.layout.cross.mask is None
+    assert setup.batchable and not setup.layout.batchable
+    asks = []
+    for case in cases:
+        params = {k: case[k] for k in ("language", "task") if case[k] is not None}
+        inputs = {"input_values": ARRAYS[f"audio_{case['clip']}"]}
+        asks.append(generate_mode.ask_of(inputs, {"max_new_tokens": N, **params}, setup))
+    run = Run(session, StreamConfig(mode="generate"), [Member({}, 1, generation=a) for a in asks])
+    tokens: dict[int, list[int]] = {k: [] for k in range(len(cases))}
+    try:
+        for pieces in generate_mode.generate(run):
+            for piece in pieces:
+                tokens[piece.member] += [int(t) for t in piece.outputs["tokens"]]
+    finally:
+        setup.close()
+        session.close()
+    assert tokens == {k: case["tokens"] for k, case in enumerate(cases)}
+    detected = sum(case["language"] is None for case in cases)
+    # the encoders, detections and first steps alone, then one run a step for all
+    assert run.runs == 2 * len(cases) + detected + N - 1
+
+
+def test_decoders_with_caches_of_different_lengths_do_not_join() -> None:
+    """A Whisper's prompts differ in length where requests name different parts of it: an
+    encoder-decoder's rows join only with caches of one length; a decoder's always do."""
+    session = OnnxRuntimeBackend().load(FIXTURES / "model.onnx", BackendOptions(1))
+    try:
+        layout = recognise(session.inputs, session.outputs, GenerateConfig())
+    finally:
+        session.close()
+    assert LockstepBatch.joins(layout, [4, 4]) and not LockstepBatch.joins(layout, [3, 4])
+    decoder = dataclasses.replace(layout, cross=None)
+    assert LockstepBatch.joins(decoder, [3, 4])

@@ -257,7 +257,7 @@ class _Decoding:
 
 def generate(run: Run) -> Iterator[list[Piece]]:
     states = {p: _Decoding(_ask(run, p), run) for p in range(len(run.members))}
-    lockstep = len(states) > 1 and _ask(run, 0).setup.layout.batchable
+    lockstep = len(states) > 1 and _ask(run, 0).setup.batchable
     while states:
         pieces = []
         for position in list(states):
@@ -269,8 +269,10 @@ def generate(run: Run) -> Iterator[list[Piece]]:
                 pieces.append(piece)
         if pieces:
             yield pieces
-        if lockstep and len(states) > 1:  # the prefills are done: the rest in lock-step
-            yield from _lockstep(run, states)
+        pasts = [_past(state.ask) for state in states.values()]
+        layout = _ask(run, 0).setup.layout
+        if lockstep and len(states) > 1 and LockstepBatch.joins(layout, pasts):
+            yield from _lockstep(run, states)  # the prefills are done: the rest in lock-step
             return
 
 

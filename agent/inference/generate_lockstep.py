@@ -17,7 +17,10 @@ with left padding:
 An encoder-decoder's members line up differently: each decoder starts from the same start token,
 so after the first step every row's own cache holds one token and they join as they are; what
 differs is the length of each prompt, so the encoders' states, the cross-attention caches and
-`encoder_attention_mask` are padded on the right to the longest prompt, the padding masked.
+`encoder_attention_mask` are padded on the right to the longest prompt, the padding masked. A
+speech recogniser's encoder reads a fixed window: its states are all one length, unpadded
+(Whisper's decoder has no `encoder_attention_mask`); its decoders' prompts may differ in length,
+and members whose caches differ interleave instead (`joins`).
 
 A small decoder's step costs little more for four rows than for one (docs/decisions/0026:
 1.15 and 1.39 times on the CPU for the two fixtures), so concurrent streams gain most of
@@ -47,6 +50,14 @@ class LockstepBatch:
         self.layout = layout
         self.positions = positions
         self.inputs = inputs
+
+    @staticmethod
+    def joins(layout: DecoderLayout, pasts: Sequence[int]) -> bool:
+        """Whether rows whose caches hold `pasts` tokens can share runs: a decoder's are
+        left-padded to the longest; an encoder-decoder's decoders have no padding of their
+        own, so theirs must hold as many (a Whisper's prompts differ in length where one
+        request names a language and another a task alone: those interleave)."""
+        return layout.cross is None or len(set(pasts)) == 1
 
     @classmethod
     def align(cls, layout: DecoderLayout, rows: Sequence[tuple[int, Arrays, int]]) -> LockstepBatch:
@@ -80,15 +91,18 @@ class LockstepBatch:
         """An encoder-decoder's rows: the decoders' caches as they are (one length), the
         encoder's side padded on the right to the longest prompt and masked."""
         cross = layout.cross
-        assert cross is not None and cross.mask is not None
-        if len({past for _, _, past in rows}) != 1:
+        assert cross is not None
+        if not cls.joins(layout, [past for _, _, past in rows]):
             raise ValueError("an encoder-decoder's rows join with caches of one length")
-        width = max(int(i[cross.mask].shape[1]) for _, i, _ in rows)
+        width = max(int(i[cross.states].shape[1]) for _, i, _ in rows)
         inputs: Arrays = {
             layout.input_ids: np.concatenate([_host(i[layout.input_ids]) for _, i, _ in rows]),
             cross.states: _joined([i[cross.states] for _, i, _ in rows], 1, width),
-            cross.mask: _joined([i[cross.mask] for _, i, _ in rows], 1, width),
         }
+        if cross.mask is not None:
+            inputs[cross.mask] = _joined([i[cross.mask] for _, i, _ in rows], 1, width)
+        elif any(i[cross.states].shape[1] != width for _, i, _ in rows):
+            raise ValueError("encoder states of different lengths need encoder_attention_mask")
         if layout.cache_branch is not None:
             inputs[layout.cache_branch] = rows[0][1][layout.cache_branch]
         for slot in layout.cache:

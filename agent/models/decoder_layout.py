@@ -216,6 +216,16 @@ class Generation:
     log_mel: LogMel | None = None  # a speech encoder's features (Whisper)
     speech: SpeechPrompt | None = None  # a Whisper decoder's prompt rules
 
+    @property
+    def batchable(self) -> bool:
+        """Whether requests can step in lock-step (`DecoderLayout.batchable`). A speech
+        recogniser's encoder reads a fixed window, so its outputs are all one length and need
+        no mask: its decoders join without `encoder_attention_mask` (Whisper has none)."""
+        layout = self.layout
+        if self.log_mel is not None:
+            return bool(layout.cache) and all(slot.past_axis > 0 for slot in layout.cache)
+        return layout.batchable
+
     def encoder_warm_up_inputs(self) -> dict[str, Any] | None:
         """What the encoder runs on at load: silence, or a few start tokens."""
         if self.encoder is None:

@@ -174,14 +174,14 @@ def _check_text_op(name: str, text: TextInputs | None, mode: str) -> None:
 
 
 def _check_generate_batching(generation: Generation, backend: str | None) -> None:
-    """`[batching]` of a generate model: its rows are left-padded (`DecoderLayout.batchable`),
+    """`[batching]` of a generate model: its rows are left-padded (`Generation.batchable`),
     and a TensorRT engine's decoder profiles are built for one row."""
     if backend != "onnxruntime":
         raise ModelLoadError(
             f"[batching] of a generate model runs on ONNX Runtime: a {backend} engine's "
             "decoder profiles take one row"
         )
-    if not generation.layout.batchable:
+    if not generation.batchable:
         raise ModelLoadError(
             "[batching] of a generate model needs attention_mask and position_ids inputs "
             "(rows are left-padded; an encoder-decoder's: encoder_attention_mask) and a cache "
