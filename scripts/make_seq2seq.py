@@ -33,7 +33,8 @@ Hugging Face's greedy ``generate(do_sample=False, max_new_tokens=NEW_TOKENS)`` n
 (the decoder's start token dropped), the finish (``eos`` when the last one is the eos, else
 ``length``), ``decode(skip_special_tokens=True)``'s text and the smallest gap between the
 best and second-best logit on that path (forced steps left out; ``gap``: the model's
-smallest).
+smallest); and ``ruled``: the same with the family's ``RULED`` settings given to ``generate``
+(its gaps those of the processed scores).
 
 Everything is seeded; the references are PyTorch's on its AVX2 kernels with two threads, and
 the script runs itself again with ``PYTHONHASHSEED=0`` (optimum's merge names shared weights
@@ -91,6 +92,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
         },
         "seed": 141,
     },
+}
+# Per family, generation_config.json settings that `generate` turns into logits processors,
+# for the `ruled` references: these random models repeat themselves, so an n-gram ban and a
+# penalty change every path; T5's minimum (start token and new tokens) lies past the eos its
+# fourth prompt takes at 8 new tokens.
+RULED: dict[str, dict[str, Any]] = {
+    "t5": {"no_repeat_ngram_size": 2, "min_length": 10},
+    "bart": {"no_repeat_ngram_size": 3, "repetition_penalty": 1.5},
 }
 KEEP = (  # what a fixture folder keeps of optimum's export, renamed
     ("encoder_model.onnx", "encoder_model.onnx"),
@@ -207,6 +216,31 @@ def greedy(model: Any, ids: list[int]) -> tuple[list[int], list[list[float]], fl
     return tokens, [step.tolist() for step in logits], min(gaps)
 
 
+def ruled(model: Any, ids: list[int], settings: dict[str, Any]) -> tuple[list[int], float]:
+    """Hugging Face's greedy new tokens with `settings` given to `generate`, and the smallest
+    gap between the best and second-best processed score along the path (forced steps and
+    steps with one token left in reach left out)."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            output_scores=True,
+            return_dict_in_generate=True,
+            **settings,
+        )
+    tokens = out.sequences[0, 1:].tolist()
+    gaps = []
+    for step in out.scores:
+        top = step[0].topk(2).values
+        if torch.isfinite(top).all():
+            gaps.append(float(top[0] - top[1]))
+    return tokens, min(gaps)
+
+
 def export(model: Any, tokenizer: Any, dst: Path) -> None:
     """`dst` made anew with the KEEP files of optimum's export of `model`."""
     from optimum.exporters.onnx import main_export
@@ -256,6 +290,11 @@ def make(name: str, out: Path, seed: int) -> dict[str, Any]:
         )
         cases[-1]["gap"] = gap
         print(f"{name}: {prompt!r} -> {tokens} {finish} (min gap {gap:.4f})")
+        tokens, gap = ruled(model, ids, RULED[name])
+        finish = "eos" if tokens[-1] == generation.eos_token_id else "length"
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        cases[-1]["ruled"] = {"greedy": tokens, "finish": finish, "text": text, "gap": gap}
+        print(f"  ruled -> {tokens} {finish} (min gap {gap:.4f})")
     return {
         "seed": seed,
         "vocab": len(tokenizer),
@@ -266,6 +305,7 @@ def make(name: str, out: Path, seed: int) -> dict[str, Any]:
         "forced_bos_token_id": generation.forced_bos_token_id,
         "forced_eos_token_id": generation.forced_eos_token_id,
         "gap": min(case["gap"] for case in cases),
+        "ruled": RULED[name],
         "encoder": signature(out / name / "encoder_model.onnx"),
         "decoder": signature(out / name / "model.onnx"),
         "cases": cases,

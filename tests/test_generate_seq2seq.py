@@ -53,6 +53,8 @@ MODELS = {  # name: (fixture, config.toml after GENERATE, files left out)
     "t5_batched": ("t5", BATCHING, ()),
     "t5_alone": ("t5", "", (ENCODER_FILE,)),
     "t5_torn": ("t5", "", ()),  # its encoder_model.onnx cut short below
+    "t5_ruled": ("t5", "", ()),  # generation_config.json with the reference's `ruled` below
+    "bart_ruled": ("bart", "", ()),
 }
 
 
@@ -71,6 +73,10 @@ def agent_client(
         (root / name / "config.toml").write_text(GENERATE + extra)
     torn = root / "t5_torn" / "1" / ENCODER_FILE
     torn.write_bytes(torn.read_bytes()[:5000])
+    for arch in ("t5", "bart"):
+        settings = root / f"{arch}_ruled" / "1" / "generation_config.json"
+        ruled = REFERENCE["models"][arch]["ruled"]
+        settings.write_text(json.dumps({**json.loads(settings.read_text()), **ruled}))
     yield from serve_agent(broker, agent_config(tmp, broker, root), 20)
 
 
@@ -116,6 +122,36 @@ def test_greedy_tokens_and_text_equal_hugging_face(
         "prompt_tokens": len(ref["ids"]),
         "completion_tokens": len(ref["greedy"]),
     }
+
+
+@pytest.mark.parametrize(("arch", "case"), CASES)
+def test_the_configs_ngram_ban_penalty_and_minimum_lengths_as_generate_applies_them(
+    agent_client: tuple[Agent, AgentClient], arch: str, case: int
+) -> None:
+    """generation_config.json's `no_repeat_ngram_size`, `repetition_penalty` and `min_length`
+    (T5's: a 2-gram ban and 10 decoder ids, its start token counted, before an eos; BART's:
+    a 3-gram ban and a penalty of 1.5): Hugging Face's tokens, text and finish under the same
+    settings."""
+    _, client = agent_client
+    ref = REFERENCE["models"][arch]["cases"][case]
+    reply, chunks = generate(client, f"{arch}_ruled", {"prompt": ref["prompt"]}, max_new_tokens=N)
+    assert tokens_of(chunks) == ref["ruled"]["greedy"]
+    assert "".join(c.text for c in chunks) == ref["ruled"]["text"]
+    assert reply.end.finish_reason == ref["ruled"]["finish"]
+
+
+def test_the_ruled_references_differ_where_each_rule_bites() -> None:
+    """Each setting changes a path: the n-gram bans end the repeats, and T5's fourth prompt,
+    which ends by its eos at 8 new tokens alone, runs on past its minimum of 10."""
+    for arch in ("t5", "bart"):
+        cases = REFERENCE["models"][arch]["cases"]
+        assert all(c["ruled"]["greedy"] != c["greedy"] for c in cases[1:])
+        n = REFERENCE["models"][arch]["ruled"]["no_repeat_ngram_size"]
+        for c in cases:
+            grams = [tuple(c["ruled"]["greedy"][k : k + n]) for k in range(N - n + 1)]
+            assert len(set(grams)) == len(grams)
+    t5 = REFERENCE["models"]["t5"]["cases"][3]
+    assert t5["finish"] == "eos" and len(t5["greedy"]) < 10 < len(t5["ruled"]["greedy"])
 
 
 def test_the_fixture_ends_both_ways_and_forces_barts_first_token() -> None:
@@ -246,17 +282,19 @@ def test_an_encoder_decoder_needs_onnx_runtime_and_its_start_token(tmp_path: Pat
 def test_generation_settings_the_agent_does_not_apply_are_named(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A summariser's beam search and n-gram ban: the version loads, with a warning."""
+    """A summariser's beam search and banned words: the version loads, with a warning; its
+    n-gram ban and minimum length are applied, not named."""
     signature = _Signature(REFERENCE["models"]["bart"]["decoder"])
     folder = tmp_path / "bart"
     shutil.copytree(FIXTURES / "bart", folder)
     settings = json.loads((folder / "generation_config.json").read_text())
-    settings |= {"num_beams": 4, "no_repeat_ngram_size": 3, "length_penalty": 2.0}
+    settings |= {"num_beams": 4, "no_repeat_ngram_size": 3, "min_length": 9}
+    settings |= {"bad_words_ids": [[5]], "length_penalty": 2.0}
     (folder / "generation_config.json").write_text(json.dumps(settings))
     with pytest.raises(ModelLoadError, match="runs on ONNX Runtime"):
         open_generation(None, signature, folder, None)  # type: ignore[arg-type]
     warned = [r.getMessage() for r in caplog.records if "generation_config.json" in r.getMessage()]
-    assert len(warned) == 1 and "num_beams = 4, no_repeat_ngram_size = 3" in warned[0]
+    assert len(warned) == 1 and "sets num_beams = 4, bad_words_ids = [[5]];" in warned[0]
 
 
 @pytest.mark.parametrize("arch", ["t5", "bart"])

@@ -15,7 +15,7 @@ import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,12 +23,11 @@ import pytest
 from agent.client import AgentClient, AgentError
 from agent.demo.broker import EmbeddedBroker
 from agent.inference import generate as generate_mode
-from agent.inference import token_rules
 from agent.inference.generate_lockstep import LockstepBatch
 from agent.inference.modes import Member, Run
 from agent.models.backends.base import BackendOptions
 from agent.models.backends.onnxruntime import OnnxRuntimeBackend
-from agent.models.decoder_layout import Generation, open_generation, recognise
+from agent.models.decoder_layout import open_generation, recognise
 from agent.models.generate_config import GenerateConfig
 from agent.models.log_mel import open_log_mel
 from agent.models.model_config import StreamConfig
@@ -253,34 +252,6 @@ def test_the_prompt_rules_of_an_english_only_checkpoint() -> None:
     multilingual = SpeechPrompt(5, {"en": 6, "de": 7}, {"transcribe": 8, "translate": 4}, (), 9)
     assert multilingual.ids(None, None) == [5, None, 9]  # detected: no forced task
     assert multilingual.ids("<|DE|>", "translate") == [5, 7, 4, 9]
-
-
-def test_the_token_rules_count_steps_as_generate_does() -> None:
-    """`begin_suppress_tokens` bar the first new token, or the second where the config
-    forces the first after a one-token start (`generate`'s `begin_index`); `suppress_tokens`
-    every one."""
-    setup = Generation(
-        layout=cast(Any, None),
-        eos=frozenset(),
-        context=None,
-        max_new_tokens=8,
-        tokenizer=None,
-        vocab=6,
-        suppress=(1,),
-        begin_suppress=(2,),
-    )
-    logits = np.arange(6, dtype=np.float32)
-
-    def barred(rules: Generation, made: int, one_token_start: bool) -> list[int]:
-        row = token_rules.allowed(rules, made, one_token_start, logits)
-        return [int(i) for i in np.flatnonzero(np.isinf(row))]
-
-    assert barred(setup, 0, True) == [1, 2] and barred(setup, 1, True) == [1]
-    forcing = dataclasses.replace(setup, forced_bos=5)
-    assert barred(forcing, 0, True) == [1] and barred(forcing, 1, True) == [1, 2]
-    assert barred(forcing, 0, False) == [1, 2]
-    assert token_rules.forced(forcing, 0, 8) == 5 and token_rules.forced(forcing, 1, 8) is None
-    assert not np.isinf(logits).any(), "the row itself is left as it was"
 
 
 def test_members_of_one_run_step_in_lock_step() -> None:

@@ -35,12 +35,13 @@ from typing import Any
 
 import numpy as np
 
-from agent.inference import modes, speech, token_rules
+from agent.inference import modes, speech
 from agent.inference.generate_lockstep import LockstepBatch
 from agent.inference.job import Cancelled
 from agent.inference.modes import Arrays, Piece, Run
 from agent.inference.sampling import Sampler, SamplingParams
 from agent.inference.text_stream import TextStream
+from agent.inference.token_rules import TokenRules
 from agent.models.backends.base import InferenceError
 from agent.models.chat_template import ChatRefused
 from agent.models.decoder_layout import DecoderLayout, Generation
@@ -70,6 +71,7 @@ class GenerateAsk:
     # its language still to detect where `detect_language`.
     features: np.ndarray[Any, Any] | None = None
     detect_language: bool = False
+    rules: TokenRules | None = None  # what the configs impose (made by `ask_of`)
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     first_token_at: float | None = None  # monotonic
@@ -129,9 +131,11 @@ def ask_of(inputs: Mapping[str, Any], params: Mapping[str, Any], setup: Generati
     if stops and tokenizer is None:
         raise WireError("bad_request", "params.stop needs a model with a tokenizer.json")
     text = TextStream(tokenizer, stops) if tokenizer is not None else None
-    sampler = Sampler(SamplingParams.parse(params))
+    settings = setup.token_settings
+    sampler = Sampler(SamplingParams.parse(params, settings.repetition_penalty))
     ask = GenerateAsk(setup, prompt, min(asked, room), sampler, per_chunk, text)
     ask.features, ask.detect_language = features, detect
+    ask.rules = TokenRules(settings, setup.eos, ask.max_new_tokens)
     return ask
 
 
@@ -253,6 +257,7 @@ class _Decoding:
             longest = len(ask.prompt) + ask.max_new_tokens
             self.mask = np.ones((1, longest), dtype=layout.int_dtypes[layout.attention_mask])
         ask.sampler.see(ask.decoder_ids)  # as `generate` sees the decoder's input_ids
+        _rules(ask).start(ask.decoder_ids)
 
 
 def generate(run: Run) -> Iterator[list[Piece]]:
@@ -320,6 +325,11 @@ def _gone(run: Run, position: int, piece: Piece | None) -> bool:
     return position in run.failed or (piece is not None and piece.last)
 
 
+def _rules(ask: GenerateAsk) -> TokenRules:
+    assert ask.rules is not None  # `ask_of` made them
+    return ask.rules
+
+
 def _ask(run: Run, position: int) -> GenerateAsk:
     ask = run.members[position].generation
     assert isinstance(ask, GenerateAsk)  # the runner made it (agent.inference.runner)
@@ -359,12 +369,12 @@ def _took(
     """The member's next token chosen from its row of logits, noted; its piece where one is
     due (`ask.finish_reason` set where the token ended the generation)."""
     ask = state.ask
-    made = len(ask.tokens)
-    token = token_rules.forced(ask.setup, made, ask.max_new_tokens)
+    rules = _rules(ask)
+    token = rules.forced()
     if token is None:
-        begins = len(ask.decoder_ids) == 1
-        token = ask.sampler.choose(token_rules.allowed(ask.setup, made, begins, logits))
+        token = ask.sampler.choose(rules.allowed(logits))
     ask.sampler.see((token,))
+    rules.see(token)
     if ask.first_token_at is None:
         ask.first_token_at = time.monotonic()
     ask.tokens.append(token)

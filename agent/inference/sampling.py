@@ -36,10 +36,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0
 
     @classmethod
-    def parse(cls, params: Mapping[str, Any]) -> SamplingParams:
+    def parse(cls, params: Mapping[str, Any], penalty: float = 1.0) -> SamplingParams:
+        """`params` checked; `penalty`: `repetition_penalty` where they leave it out (the
+        model's `generation_config.json`'s)."""
         temperature = _number(params, "temperature", 0.0, low=0.0, high=100.0)
         top_p = _number(params, "top_p", 1.0, low=0.0, high=1.0, open_low=True)
-        penalty = _number(params, "repetition_penalty", 1.0, low=0.0, high=100.0, open_low=True)
+        penalty = _number(params, "repetition_penalty", penalty, low=0.0, high=100.0, open_low=True)
         top_k = integer_param(params, "top_k", 0, high=MAX_TOP_K)
         seed = params.get("seed")
         if seed is not None:

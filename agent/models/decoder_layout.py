@@ -38,11 +38,10 @@ a conversation (`agent.models.chat_template`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +53,7 @@ from agent.models.generate_config import GenerateConfig
 from agent.models.hf_files import context_of, model_max_length, read_json, whole_number
 from agent.models.log_mel import LogMel, open_log_mel
 from agent.models.speech_prompt import SpeechPrompt, speech_prompt_of
+from agent.models.token_settings import TokenSettings, first_number, token_settings_of, unapplied
 from agent.models.tokenizer import TextCodec, open_tokenizer
 
 __all__ = [
@@ -207,12 +207,8 @@ class Generation:
     chat: ChatTemplate | None = None  # with a tokenizer: conversations in (`inputs.messages`)
     encoder: Encoder | None = None  # an encoder-decoder's encoder (its session is owned here)
     decoder_start: int | None = None  # an encoder-decoder: the decoder's first input token
-    forced_bos: int | None = None  # the first new token, where the model's config forces it
-    forced_eos: int | None = None  # the last new token (at max_new_tokens), where forced
-    # Tokens never chosen, and those not chosen first (`suppress_tokens`,
-    # `begin_suppress_tokens` of generation_config.json, as `generate` applies them).
-    suppress: tuple[int, ...] = ()
-    begin_suppress: tuple[int, ...] = ()
+    # What the configs impose on the tokens: forced, suppressed, n-grams, minimum lengths.
+    token_settings: TokenSettings = field(default_factory=TokenSettings)
     log_mel: LogMel | None = None  # a speech encoder's features (Whisper)
     speech: SpeechPrompt | None = None  # a Whisper decoder's prompt rules
 
@@ -266,22 +262,25 @@ def open_generation(
     on_device = isinstance(session, DeviceBinding) and session.keeps_on_device
     device_cache = tuple(slot.output for slot in layout.cache) if on_device else ()
     chat = open_chat_template(folder) if tokenizer is not None else None
-    unapplied = _unapplied(generation_config)
-    if unapplied:
+    not_applied = unapplied(generation_config)
+    if not_applied:
         log.warning(
             "%s: generation_config.json sets %s; the agent decodes greedily unless a "
             "request's params sample, and does not apply them",
             folder,
-            ", ".join(unapplied),
+            ", ".join(not_applied),
         )
-    generation = Generation(
-        layout, eos, context, config.max_new_tokens, tokenizer, vocab, device_cache, chat
-    )
     configs = (generation_config, hf_config)
-    generation = dataclasses.replace(
-        generation,
-        suppress=_token_list(configs, "suppress_tokens", vocab),
-        begin_suppress=_token_list(configs, "begin_suppress_tokens", vocab),
+    generation = Generation(
+        layout,
+        eos,
+        context,
+        config.max_new_tokens,
+        tokenizer,
+        vocab,
+        device_cache,
+        chat,
+        token_settings=token_settings_of(configs, vocab),
     )
     if layout.cross is None:
         return generation
@@ -294,9 +293,9 @@ def _with_encoder(
     configs: tuple[dict[str, Any], dict[str, Any]],
     open_encoder: Callable[[Path], Session] | None,
 ) -> Generation:
-    """An encoder-decoder's `generation`: its encoder opened, its start and forced tokens read
-    from `configs` (generation_config.json, then config.json)."""
-    start = _first_number(configs, "decoder_start_token_id")
+    """An encoder-decoder's `generation`: its encoder opened, its start token read from
+    `configs` (generation_config.json, then config.json)."""
+    start = first_number(configs, "decoder_start_token_id")
     if start is None:
         raise ModelLoadError(
             "an encoder-decoder needs decoder_start_token_id in generation_config.json or "
@@ -321,8 +320,6 @@ def _with_encoder(
         generation,
         encoder=encoder,
         decoder_start=start,
-        forced_bos=_first_number(configs, "forced_bos_token_id"),
-        forced_eos=_first_number(configs, "forced_eos_token_id"),
         **speech,
     )
 
@@ -346,47 +343,6 @@ def _speech_of(
             f"{log_mel.mels}, {log_mel.frames}] as preprocessor_config.json makes them"
         )
     return {"log_mel": log_mel, "speech": speech_prompt_of(configs)}
-
-
-def _unapplied(generation_config: dict[str, Any]) -> list[str]:
-    """The settings of `generation_config.json` that `generate` would apply by default and the
-    agent does not (beam search, n-gram bans, minimum lengths, sampling by default)."""
-    defaults = {
-        "num_beams": 1,
-        "no_repeat_ngram_size": 0,
-        "min_length": 0,
-        "min_new_tokens": None,
-        "do_sample": False,
-        "repetition_penalty": 1.0,
-    }
-    return [
-        f"{key} = {json.dumps(generation_config[key])}"
-        for key, default in defaults.items()
-        if generation_config.get(key, default) not in (default, None)
-    ]
-
-
-def _token_list(
-    configs: tuple[dict[str, Any], ...], key: str, vocab: int | None
-) -> tuple[int, ...]:
-    """The token ids `key` of the first of `configs` that gives a list (those in the
-    vocabulary: `generate` ignores the others)."""
-    for data in configs:
-        value = data.get(key)
-        if isinstance(value, list):
-            ids = (whole_number(v) for v in value)
-            return tuple(i for i in ids if i is not None and 0 <= i < (vocab or i + 1))
-    return ()
-
-
-def _first_number(configs: tuple[dict[str, Any], ...], key: str) -> int | None:
-    """`key` of the first of `configs` (generation_config.json, config.json) that gives a
-    whole number for it."""
-    for data in configs:
-        value = whole_number(data.get(key))
-        if value is not None:
-            return value
-    return None
 
 
 def recognise(
