@@ -13,6 +13,9 @@ and, with a tokenizer, the piece's `text` (`agent.inference.text_stream`).
 An encoder-decoder (`Generation.encoder`) runs its encoder once on the prompt first; the
 decoder then starts from its start token, takes the encoder's states at every run, and feeds
 the cross-attention's cache of its first run unchanged to the others (`CacheSlot.fixed`).
+A speech recogniser's encoder reads the request's recording as log-mel features, and its
+decoder starts from a prompt of language and task tokens (`agent.inference.speech`). What the
+model's configs force or bar at each token is `agent.inference.token_rules`'.
 
 Members of one run (requests queued together, where the model has `[batching]`) run their
 prefills one by one, then every later step together, a row each
