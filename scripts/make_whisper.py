@@ -27,7 +27,7 @@ one). ``generation_config.json`` is laid out as a multilingual checkpoint's: ``l
 ``reference.npz``: the test clips (float32 samples at 16 kHz: a tone sweep, a chord with noise,
 noise bursts) and ``WhisperFeatureExtractor``'s ``input_features`` of each.
 ``reference.json``: the special ids, the signatures, and per case (a clip with a language and
-a task, or neither: detection) Hugging Face's ``generate(do_sample=False,
+a task, or neither: detection; some after a previous text, ``text_prompt``) Hugging Face's ``generate(do_sample=False,
 max_new_tokens=NEW_TOKENS)``: its prompt (``init_tokens``), the new tokens, the finish, the
 text (``decode(skip_special_tokens=True)``), and the smallest gap between the best and
 second-best allowed logit on that path (suppressed tokens left out).
@@ -69,14 +69,17 @@ SPECIALS = [
     "<|nospeech|>",
     "<|notimestamps|>",
 ]
-# (clip, language, task): None lets generate pick (detection; the forced task)
+# (clip, language, task, prompt): None lets generate pick (detection; the forced task); a
+# prompt is the text of a previous piece, given as `prompt_ids` (`get_prompt_ids`' layout)
 CASES = [
-    ("sweep", "en", "transcribe"),
-    ("sweep", None, None),
-    ("chord", "de", "translate"),
-    ("chord", None, None),
-    ("bursts", "fr", None),
-    ("bursts", None, "translate"),
+    ("sweep", "en", "transcribe", None),
+    ("sweep", None, None, None),
+    ("chord", "de", "translate", None),
+    ("chord", None, None, None),
+    ("bursts", "fr", None, None),
+    ("bursts", None, "translate", None),
+    ("sweep", "en", "transcribe", "The little robot woke up."),
+    ("chord", None, None, " Edge boxes stream tokens "),
 ]
 KEEP = (
     ("encoder_model.onnx", "encoder_model.onnx"),
@@ -216,7 +219,16 @@ def signature(path: Path) -> dict[str, Any]:
     return {"inputs": described(session.get_inputs()), "outputs": described(session.get_outputs())}
 
 
-def greedy(model: Any, features: Any, language: str | None, task: str | None) -> dict[str, Any]:
+def prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    """`WhisperTokenizer.get_prompt_ids`' layout: `<|startofprev|>`, then the text stripped
+    with one leading space, no special tokens added."""
+    pair = tokenizer("<|startofprev|>", " " + text.strip(), add_special_tokens=False)
+    return list(pair["input_ids"])
+
+
+def greedy(
+    model: Any, features: Any, language: str | None, task: str | None, prompt: list[int]
+) -> dict[str, Any]:
     """Hugging Face's greedy generation for one clip: its prompt, new tokens and the smallest
     gap between the two best allowed logits along the path."""
     import torch
@@ -226,6 +238,8 @@ def greedy(model: Any, features: Any, language: str | None, task: str | None) ->
         kwargs["language"] = language
     if task is not None:
         kwargs["task"] = task
+    if prompt:
+        kwargs["prompt_ids"] = torch.tensor(prompt)
     with torch.no_grad():
         tokens = model.generate(torch.from_numpy(features), **kwargs)[0].tolist()
         init = model._retrieve_init_tokens(
@@ -236,6 +250,7 @@ def greedy(model: Any, features: Any, language: str | None, task: str | None) ->
             3000,
             {},
         )[0].tolist()
+    init = prompt + init
     sequence = init + tokens  # generate returns the new tokens alone
     generation = model.generation_config
     with torch.no_grad():
@@ -287,9 +302,10 @@ def main() -> None:
         for name, x in signals.items()
     }
     cases = []
-    for clip, language, task in CASES:
-        case = {"clip": clip, "language": language, "task": task}
-        case.update(greedy(model, features[clip], language, task))
+    for clip, language, task, text in CASES:
+        case = {"clip": clip, "language": language, "task": task, "text_prompt": text}
+        ids = prompt_ids(tokenizer, text) if text is not None else []
+        case.update(greedy(model, features[clip], language, task, ids))
         case["text"] = tokenizer.decode(case["tokens"], skip_special_tokens=True)
         print(
             f"{clip} {language} {task}: {case['prompt']} -> {case['tokens']} "

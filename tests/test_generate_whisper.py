@@ -110,7 +110,7 @@ def test_the_export_loads_and_the_broken_ones_say_why(
     models = agent.models.inventory()["models"]
     versions = {name: m["versions"]["1"] for name, m in models.items()}
     assert versions["whisper"]["state"] == "ready", versions["whisper"]
-    assert versions["whisper"]["text_inputs"] == ["input_values", "input_features"]
+    assert versions["whisper"]["text_inputs"] == ["input_values", "input_features", "prompt"]
     assert versions["whisper_no_extractor"]["state"] == "failed"
     assert (
         "preprocessor_config.json of a WhisperFeatureExtractor"
@@ -125,14 +125,16 @@ def test_greedy_tokens_and_text_equal_hugging_face(
     agent_client: tuple[Agent, AgentClient], case: int
 ) -> None:
     """The recording's samples in, the prompt laid out as Whisper's `generate` lays it out
-    (the language asked, or detected; the task asked, or the checkpoint's), its tokens,
-    text and finish out."""
+    (the language asked, or detected; the task asked, or the checkpoint's; a previous text
+    before it, as `prompt_ids`), its tokens, text and finish out."""
     _, client = agent_client
     ref = REFERENCE["cases"][case]
     params = {"max_new_tokens": N}
     params.update({k: ref[k] for k in ("language", "task") if ref[k] is not None})
-    samples = ARRAYS[f"audio_{ref['clip']}"]
-    reply, chunks = transcribe(client, "whisper", {"input_values": samples}, **params)
+    inputs: dict[str, Any] = {"input_values": ARRAYS[f"audio_{ref['clip']}"]}
+    if ref["text_prompt"] is not None:
+        inputs["prompt"] = ref["text_prompt"]
+    reply, chunks = transcribe(client, "whisper", inputs, **params)
     assert tokens_of(chunks) == ref["tokens"]
     assert "".join(c.text for c in chunks) == ref["text"]
     assert reply.end.finish_reason == ref["finish"]
@@ -143,7 +145,8 @@ def test_the_cases_cover_detection_and_every_prompt_rule() -> None:
     """The references hold a detected language unlike the one asked elsewhere, a task asked
     without a language, and a language without a task (transcription added)."""
     cases = REFERENCE["cases"]
-    detected = {c["prompt"][1] for c in cases if c["language"] is None}
+    sot = IDS["<|startoftranscript|>"]
+    detected = {c["prompt"][c["prompt"].index(sot) + 1] for c in cases if c["language"] is None}
     asked = {IDS[f"<|{c['language']}|>"] for c in cases if c["language"] is not None}
     assert detected and detected <= set(IDS[f"<|{code}|>"] for code in ("en", "de", "fr"))
     translate = [c for c in cases if c["task"] == "translate" and c["language"] is None]
@@ -151,6 +154,12 @@ def test_the_cases_cover_detection_and_every_prompt_rule() -> None:
     alone = [c for c in cases if c["language"] is not None and c["task"] is None]
     assert alone and alone[0]["prompt"][2] == IDS["<|transcribe|>"]
     assert asked - detected, "a language asked that detection would not give"
+    previous = [c for c in cases if c["text_prompt"] is not None]
+    assert {c["language"] is None for c in previous} == {True, False}
+    assert all(c["prompt"][0] == IDS["<|startofprev|>"] for c in previous)
+    for case in previous:  # the previous text changes the transcription
+        plain = next(c for c in cases if c["text_prompt"] is None and c["clip"] == case["clip"])
+        assert case["tokens"] != plain["tokens"]
 
 
 def test_features_in_equal_samples_in(agent_client: tuple[Agent, AgentClient]) -> None:
@@ -225,6 +234,16 @@ def test_suppressed_tokens_are_never_chosen(agent_client: tuple[Agent, AgentClie
         ({"input_values": np.zeros(800, np.int16)}, {}, "float samples [n] or [1, n]"),
         ({"input_features": np.zeros((1, 80, 100), np.float32)}, {}, "[1, 80, 3000]"),
         ({"prompt": "hello"}, {}, "takes inputs.input_values"),
+        (
+            {"input_values": np.zeros(800, np.float32), "prompt": "say <|en|>"},
+            {},
+            "holds a special token's text",
+        ),
+        (
+            {"input_values": np.zeros(800, np.float32), "prompt": "x" * 4097},
+            {},
+            "4096 characters at most",
+        ),
         ({"input_values": np.zeros(800, np.float32)}, {"language": "xx"}, "'xx' is not one"),
         ({"input_values": np.zeros(800, np.float32)}, {"task": "sing"}, "'sing' is not one"),
         ({"input_values": np.zeros(800, np.float32)}, {"language": 3}, "must be a text"),

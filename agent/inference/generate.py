@@ -71,9 +71,9 @@ class GenerateAsk:
     tokens_per_chunk: int = 1
     text: TextStream | None = None
     # A speech encoder's input (Whisper's log-mel features): the prompt is then the decoder's,
-    # its language still to detect where `detect_language`.
+    # its detected language still to go in at `language_at`, where one is to be detected.
     features: np.ndarray[Any, Any] | None = None
-    detect_language: bool = False
+    language_at: int | None = None
     rules: TokenRules | None = None  # what the configs impose (made by `ask_of`)
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -102,10 +102,10 @@ class GenerateAsk:
 def ask_of(inputs: Mapping[str, Any], params: Mapping[str, Any], setup: Generation) -> GenerateAsk:
     """A request's inputs and params checked against a generate version (`bad_request`)."""
     tokenizer = setup.tokenizer
-    features, detect = None, False
+    features, language_at = None, None
     if setup.log_mel is not None:
         features = speech.features_of(inputs, setup.log_mel)
-        prompt, detect = speech.prompt_of(params, setup)
+        prompt, language_at = speech.prompt_of(inputs, params, setup)
     else:
         speech.refuse_prompt_params(params)
         prompt = _prompt_ids(inputs, setup)
@@ -118,7 +118,7 @@ def ask_of(inputs: Mapping[str, Any], params: Mapping[str, Any], setup: Generati
             )
         room = min(room, setup.context - 1)  # the decoder's positions, its start token's first
     elif setup.context is not None:
-        length = len(prompt) + detect  # a detected language joins the prompt
+        length = len(prompt) + (language_at is not None)  # a detected language joins it
         if length >= setup.context:
             raise WireError(
                 "bad_request",
@@ -137,7 +137,7 @@ def ask_of(inputs: Mapping[str, Any], params: Mapping[str, Any], setup: Generati
     settings = setup.token_settings
     sampler = Sampler(SamplingParams.parse(params, settings.repetition_penalty))
     ask = GenerateAsk(setup, prompt, min(asked, room), sampler, per_chunk, text)
-    ask.features, ask.detect_language = features, detect
+    ask.features, ask.language_at = features, language_at
     ask.rules = TokenRules(settings, setup.eos, ask.max_new_tokens)
     return ask
 
@@ -244,8 +244,8 @@ class _Decoding:
         # An encoder-decoder's decoder inputs of its encoder's run, and its cross-attention
         # cache once the first run made it: the same at every run.
         self.cross = _encoded(run, ask)
-        if ask.detect_language:
-            first = _sequence_inputs(ask.setup.layout, ask.prompt[:1])
+        if ask.language_at is not None and ask.setup.speech is not None:
+            first = _sequence_inputs(ask.setup.layout, [ask.setup.speech.start])
             speech.detect_language(run, ask, {**first, **self.cross})
         self.inputs = {**_prefill_inputs(ask), **self.cross}
         self.pending: list[int] = []  # new tokens not yet in a piece (the last of ask.tokens)

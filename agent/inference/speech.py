@@ -8,7 +8,10 @@ makes them). `params.language` (`"en"` or `"<|en|>"`) and `params.task` (`"trans
 `"translate"`) choose the decoder's prompt (`agent.models.speech_prompt`); where neither the
 request nor the config names a language, the model's own likeliest language token after the
 start token is taken, as `WhisperForConditionalGeneration.detect_language` takes it: one
-decoder run before the prefill.
+decoder run before the prefill. `inputs.prompt` (a text: the transcript of the previous piece
+of a long recording, or words to expect) goes before that prompt, as `generate`'s `prompt_ids`
+made by `WhisperProcessor.get_prompt_ids`: `<|startofprev|>`, then the text stripped with one
+leading space.
 
 Imports `modes`, the protocol's errors and `agent.models`.
 """
@@ -32,12 +35,15 @@ if TYPE_CHECKING:
 __all__ = ["detect_language", "features_of", "prompt_of", "refuse_prompt_params"]
 
 SAMPLES = "input_values"  # what a request names its recording (as wav2vec2's input is named)
+PREVIOUS_TEXT = "prompt"  # the text the decoder reads before its prompt of special tokens
+PREVIOUS_TOKEN = "<|startofprev|>"
+MAX_PREVIOUS_CHARS = 4096
 
 
 def features_of(inputs: Mapping[str, Any], log_mel: LogMel) -> np.ndarray[Any, Any]:
     """The encoder's features of a request's recording, or the features it sent
     (`bad_request` where they are neither)."""
-    names = sorted(inputs)
+    names = sorted(set(inputs) - {PREVIOUS_TEXT})
     if names == [FEATURES]:
         value = inputs[FEATURES]
         shape = (1, log_mel.mels, log_mel.frames)
@@ -48,7 +54,8 @@ def features_of(inputs: Mapping[str, Any], log_mel: LogMel) -> np.ndarray[Any, A
         raise WireError(
             "bad_request",
             f"a speech request takes inputs.{SAMPLES} (float samples [n] at "
-            f"{log_mel.sample_rate} Hz) or inputs.{FEATURES}, nothing else",
+            f"{log_mel.sample_rate} Hz) or inputs.{FEATURES}, and inputs.{PREVIOUS_TEXT} (the "
+            "previous text), nothing else",
         )
     value = inputs[SAMPLES]
     if isinstance(value, np.ndarray) and value.ndim == 2 and value.shape[0] == 1:
@@ -66,24 +73,55 @@ def features_of(inputs: Mapping[str, Any], log_mel: LogMel) -> np.ndarray[Any, A
     return log_mel.features(_finite(value, SAMPLES))
 
 
-def prompt_of(params: Mapping[str, Any], setup: Generation) -> tuple[list[int], bool]:
-    """The decoder's prompt for `params.language` and `params.task`, and whether its
-    language is still to be detected (then left out of the list: `detect_language` puts it
-    in second place)."""
+def prompt_of(
+    inputs: Mapping[str, Any], params: Mapping[str, Any], setup: Generation
+) -> tuple[list[int], int | None]:
+    """The decoder's prompt for `inputs.prompt`, `params.language` and `params.task`, and
+    where its detected language goes, if one is to be detected (then left out of the list:
+    `detect_language` puts it in)."""
     language, task = params.get("language"), params.get("task")
     for name, value in (("language", language), ("task", task)):
         if value is not None and not (isinstance(value, str) and 0 < len(value) <= 32):
             raise WireError("bad_request", f"params.{name} must be a text")
+    previous = _previous_ids(inputs, setup)
     if setup.speech is None:
         refuse_prompt_params(params)
         assert setup.decoder_start is not None  # an encoder-decoder's (`open_generation`)
-        return [setup.decoder_start], False
+        return [*previous, setup.decoder_start], None
     try:
         ids = setup.speech.ids(language, task)
     except PromptRefused as e:
         raise WireError("bad_request", str(e)) from None
-    detect = setup.speech.detects(ids)
-    return [i for i in ids if i is not None], detect
+    language_at = len(previous) + 1 if setup.speech.detects(ids) else None
+    return [*previous, *(i for i in ids if i is not None)], language_at
+
+
+def _previous_ids(inputs: Mapping[str, Any], setup: Generation) -> list[int]:
+    """`inputs.prompt`'s ids as `get_prompt_ids` makes them (none without one)."""
+    if PREVIOUS_TEXT not in inputs:
+        return []
+    value = inputs[PREVIOUS_TEXT]
+    if not (isinstance(value, np.ndarray) and value.size == 1 and value.dtype.kind in "OU"):
+        raise WireError("bad_request", f"inputs.{PREVIOUS_TEXT} must be one text")
+    text = value.reshape(()).item()
+    if not isinstance(text, str) or len(text) > MAX_PREVIOUS_CHARS:
+        raise WireError(
+            "bad_request",
+            f"inputs.{PREVIOUS_TEXT} must be a text of {MAX_PREVIOUS_CHARS} characters at most",
+        )
+    tokenizer = setup.tokenizer
+    start = tokenizer.token_id(PREVIOUS_TOKEN) if tokenizer is not None else None
+    if tokenizer is None or start is None:
+        raise WireError(
+            "bad_request",
+            f"inputs.{PREVIOUS_TEXT} needs a tokenizer.json with a {PREVIOUS_TOKEN} token",
+        )
+    ids = tokenizer.encode(" " + text.strip(), special=False)
+    if set(ids) & tokenizer.special_ids():
+        raise WireError(
+            "bad_request", f"inputs.{PREVIOUS_TEXT} holds a special token's text (<|...|>)"
+        )
+    return [start, *ids]
 
 
 def refuse_prompt_params(params: Mapping[str, Any]) -> None:
@@ -95,14 +133,14 @@ def refuse_prompt_params(params: Mapping[str, Any]) -> None:
 
 def detect_language(run: Run, ask: GenerateAsk, first: Arrays) -> None:
     """The language the model finds likeliest after its start token (`first`: the decoder's
-    inputs for that token alone, with the encoder's), put second in `ask.prompt`."""
+    inputs for that token alone, with the encoder's), put in `ask.prompt` where it goes."""
     setup = ask.setup
-    assert setup.speech is not None  # `prompt_of` asked for detection
+    assert setup.speech is not None and ask.language_at is not None  # `prompt_of` asked
     logits = run.model(first, setup.device_cache)[setup.layout.logits]
     languages = np.array(sorted(setup.speech.languages.values()))
     row = logits[0, -1]
-    ask.prompt.insert(1, int(languages[np.argmax(row[languages])]))
-    ask.detect_language = False
+    ask.prompt.insert(ask.language_at, int(languages[np.argmax(row[languages])]))
+    ask.language_at = None
 
 
 def _finite(value: np.ndarray[Any, Any], name: str) -> np.ndarray[Any, Any]:

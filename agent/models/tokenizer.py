@@ -108,6 +108,11 @@ class TextCodec:
         found = self._tokenizer.token_to_id(token)
         return int(found) if found is not None else None
 
+    def special_ids(self) -> frozenset[int]:
+        """The ids of the tokenizer's special added tokens (`<|endoftext|>`, `[CLS]`, ...)."""
+        added = self._tokenizer.get_added_tokens_decoder()
+        return frozenset(int(i) for i, token in added.items() if token.special)
+
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
 
