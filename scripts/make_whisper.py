@@ -27,10 +27,11 @@ one). ``generation_config.json`` is laid out as a multilingual checkpoint's: ``l
 ``reference.npz``: the test clips (float32 samples at 16 kHz: a tone sweep, a chord with noise,
 noise bursts) and ``WhisperFeatureExtractor``'s ``input_features`` of each.
 ``reference.json``: the special ids, the signatures, and per case (a clip with a language and
-a task, or neither: detection; some after a previous text, ``text_prompt``) Hugging Face's ``generate(do_sample=False,
-max_new_tokens=NEW_TOKENS)``: its prompt (``init_tokens``), the new tokens, the finish, the
-text (``decode(skip_special_tokens=True)``), and the smallest gap between the best and
-second-best allowed logit on that path (suppressed tokens left out).
+a task, or neither: detection; some after a previous text, ``text_prompt``) Hugging Face's
+``generate(do_sample=False, max_new_tokens=NEW_TOKENS)``: its prompt (the previous text's ids
+and ``init_tokens``), the new tokens, the finish, the text
+(``decode(skip_special_tokens=True)``), and the smallest gap between the best and second-best
+allowed logit on that path (suppressed tokens left out).
 
 Everything is seeded; the references are PyTorch's on its AVX2 kernels with two threads, and
 the script runs itself again with ``PYTHONHASHSEED=0`` (optimum's merge names shared weights

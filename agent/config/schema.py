@@ -266,6 +266,10 @@ SOURCE_KEYS_BY_KIND = {
     "sample_rate": ("pcm",),
     "channels": ("pcm",),
     "windows_per_chunk": ("pcm",),
+    "window": ("pcm",),
+    "hop": ("pcm",),
+    "params": ("pcm",),
+    "previous_text": ("pcm",),
 }
 SOURCE_KIND_DEFAULTS: dict[str, dict[str, Any]] = {
     "video": {"backend": "auto", "loop": False},
@@ -318,6 +322,13 @@ class SourceConfig(_Section):
     sample_rate: int | None = Field(default=None, ge=1, le=1_000_000)  # pcm: required
     channels: int | None = Field(default=None, ge=1, le=64)  # pcm: 1 (channels feed the batch)
     windows_per_chunk: int | None = Field(default=None, ge=1, le=4096)  # pcm: the model's [scan]
+    # pcm into a speech recogniser (a generate model reading a recording, as Whisper): the
+    # samples a window takes and advances (default: the window), every window's generate
+    # params, and whether a window reads the text of the one before (default: true)
+    window: int | None = Field(default=None, ge=1)
+    hop: int | None = Field(default=None, ge=1)
+    params: dict[str, str | int | float] | None = None
+    previous_text: bool | None = None
     seq_reserve: int = Field(default=1000, ge=1, le=1_000_000)  # see docs/protocol.md
     retry_min_s: float = Field(default=1.0, gt=0)
     retry_max_s: float = Field(default=30.0, gt=0)

@@ -6,8 +6,9 @@ package, one module a kind: `synthetic`, `video`, `folder`, `pipe`, `pcm`, and `
 source's chunk messages), `seq` (the persisted `seq`), `counters` (a source's counters and
 how it bears failing frames and records), `runner` (a source's thread, frame slot, ticket
 and the worker's side of a frame), `pcm` (the runner of a pcm source: a scan model's
-windows with the state carried through them), `manager` (every source of an agent; the
-Prometheus collector).
+windows with the state carried through them), `transcribe` (a pcm source through a speech
+recogniser: a generate run a window), `manager` (every source of an agent; the Prometheus
+collector).
 
 Each `[[sources]]` entry of the configuration becomes a :class:`SourceRunner` with one named
 thread (`source-NAME`) that reads frames or records and hands them to the same scheduler as

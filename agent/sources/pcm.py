@@ -33,6 +33,7 @@ from agent.sources.base import Reader, SourceError
 from agent.sources.frames import Frame
 from agent.sources.readers.pcm import PcmReader, PcmRecord, WindowPlan
 from agent.sources.runner import SourceRunner
+from agent.sources.transcribe import Transcriber, speech_window_plan
 
 # `[defaults]` inputs that hold a sample rate: the source's `sample_rate` must match them.
 SAMPLE_RATE_NAMES = frozenset({"sr", "sample_rate", "sampling_rate", "samplerate", "rate"})
@@ -42,11 +43,20 @@ def window_plan(config: SourceConfig, loaded: LoadedVersion) -> WindowPlan:
     """How the source feeds `loaded`; SourceError naming what does not fit (checked at every
     opening, so a hot-swapped model with another `[scan]` is picked up at the next one)."""
     model = loaded.config
+    if model.stream.mode == "generate":
+        return speech_window_plan(config, loaded)
+    speech_keys = [k for k in ("window", "hop", "params", "previous_text") if getattr(config, k)]
+    if speech_keys:
+        raise SourceError(
+            f"{', '.join(speech_keys)}: for a speech recogniser; a scan model's windows are "
+            "its [scan]"
+        )
     scan = model.scan
     if model.stream.mode != "scan" or scan is None:
         raise SourceError(
             f"model '{config.model}' is not a scan model: a pcm source needs [stream] "
-            'mode = "scan" and a [scan] section in its config.toml'
+            'mode = "scan" and a [scan] section in its config.toml, or a speech recogniser '
+            '(mode = "generate")'
         )
     specs = {spec.name: spec for spec in loaded.session.inputs}
     spec = specs.get(scan.input)
@@ -198,6 +208,7 @@ class PcmSourceRunner(SourceRunner):
     def __init__(self, config: SourceConfig, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         self._carried = CarriedState(config)
+        self._transcriber = Transcriber(config)
 
     def _open_reader(self, specs: Sequence[TensorSpec]) -> Reader:
         try:
@@ -230,18 +241,25 @@ class PcmSourceRunner(SourceRunner):
                     return
                 result = self._run_chunk(frame, record, lease.loaded, chunk)
                 if result is not None:
-                    self._publish(frame, *result, hold, chunk=chunk)
+                    outputs, version, seconds, more = result
+                    self._publish(frame, outputs, version, seconds, hold, chunk=chunk, more=more)
 
     def _run_chunk(
         self, frame: Frame, record: PcmRecord, loaded: LoadedVersion, chunk: int
-    ) -> tuple[dict[str, Array], int, float] | None:
+    ) -> tuple[dict[str, Array], int, float, dict[str, Any] | None] | None:
+        """The chunk's outputs, version, seconds and (a transcription's) more keys of its
+        message; None where it failed (counted)."""
         started = time.perf_counter()
+        more = None
         try:
-            outputs = self._carried.run(loaded, record, chunk)
+            if loaded.generation is not None:
+                outputs, more = self._transcriber.run(loaded, record, chunk)
+            else:
+                outputs = self._carried.run(loaded, record, chunk)
         except WireError as e:
             self._errors.frame_failed(frame, e.message, bad_input=True)
             return None
         except Exception as e:
             self._errors.model_failed(frame, e, frame.index + chunk)
             return None
-        return outputs, loaded.version, time.perf_counter() - started
+        return outputs, loaded.version, time.perf_counter() - started, more

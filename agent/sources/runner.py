@@ -8,7 +8,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 from prometheus_client import Histogram
@@ -406,15 +406,16 @@ class SourceRunner:
         infer_s: float,
         hold: SendHold,
         chunk: int = 0,
+        more: Mapping[str, Any] | None = None,
     ) -> None:
         """Queue the result of the frame's `chunk` (of its record's `count`) on the stream
-        (published now, or with the next one's where this one ran fast: `hold`)."""
+        (published now, or with the next one's where this one ran fast: `hold`); `more`:
+        keys the message carries besides (a transcription's `text`)."""
         extra: dict[str, Any] = {"frame_ts": frame.captured_ns}
         if frame.record.file is not None:
             extra["file"] = frame.record.file
-        more = frame.record.chunk_extra(chunk)
-        if more:
-            extra.update(more)
+        extra.update(frame.record.chunk_extra(chunk) or {})
+        extra.update(more or {})
         self.stream.version = version
         try:
             messages = self.stream.frame(outputs, frame.index + chunk, extra)

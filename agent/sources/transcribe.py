@@ -1,0 +1,105 @@
+"""A pcm source through a speech recogniser: live audio transcribed one window at a time.
+
+A generate model whose encoder reads log-mel features (Whisper: `Generation.log_mel`) takes a
+pcm source too. The source's `window` samples (at most the feature extractor's 30 s) are cut
+`hop` apart (default: the window, so no sample is heard twice), the last, partial window at the
+source's end padded with silence (`tail = "pad"`); each runs as a generate request of its own
+(`agent.inference.generate`, with the source's `params`: `language`, `task`,
+`max_new_tokens`, ...), and is published as one message on `ROOT/stream/NAME`:
+`outputs: {tokens}`, `text`, `finish_reason` and the window's `offset`.
+
+With `previous_text` (the default) each window reads the text of the one before as its prompt
+(`inputs.prompt`: Whisper's `prompt_ids`, as openai-whisper's `condition_on_previous_text`
+feeds it), so words cut by a window's edge are heard in context; it starts empty at each
+opening of the source and when a new version serves. One worker at a time runs a source's
+windows (its ticket), so the text needs no lock.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from agent.config import SourceConfig
+from agent.inference.generate import GenerateAsk, ask_of, generate
+from agent.inference.modes import Member, Run
+from agent.models.backends.base import Array
+from agent.models.manager import LoadedVersion
+from agent.protocol.errors import WireError
+from agent.sources.base import SourceError
+from agent.sources.readers.pcm import PcmRecord, WindowPlan
+
+__all__ = ["Transcriber", "speech_window_plan"]
+
+SAMPLES = "input_values"
+MAX_PREVIOUS_CHARS = 1000  # the end of the previous window's text read as the prompt
+
+
+def speech_window_plan(config: SourceConfig, loaded: LoadedVersion) -> WindowPlan:
+    """How the source feeds a speech recogniser; SourceError naming what does not fit."""
+    generation = loaded.generation
+    name = f"model '{config.model}'"
+    if generation is None or generation.log_mel is None:
+        raise SourceError(
+            f"{name} is a generate model that reads no recording: a pcm source feeds scan "
+            "models and speech recognisers (an encoder of input_features, as Whisper's)"
+        )
+    log_mel = generation.log_mel
+    if config.window is None or not config.window <= log_mel.samples:
+        raise SourceError(
+            f"{name} transcribes windows of the source's window = N samples, 1 to "
+            f"{log_mel.samples} ({log_mel.samples / log_mel.sample_rate:g} s)"
+        )
+    if config.channels != 1 or config.windows_per_chunk not in (None, 1):
+        raise SourceError(f"{name} transcribes mono windows, one a message")
+    if config.sample_rate != log_mel.sample_rate:
+        raise SourceError(
+            f"sample_rate = {config.sample_rate} does not match {name} (its "
+            f"preprocessor_config.json: sampling_rate {log_mel.sample_rate}): record at "
+            f"{log_mel.sample_rate} Hz or resample in the command"
+        )
+    try:  # the params every window will be asked with, checked once
+        ask_of({SAMPLES: np.zeros(config.window, np.float32)}, config.params or {}, generation)
+    except WireError as e:
+        raise SourceError(f"params: {e.message}") from None
+    window = config.window
+    return WindowPlan(SAMPLES, window, config.hop or window, 0, "pad", 1, mono_rank1=True)
+
+
+class Transcriber:
+    """A pcm source's windows through a speech recogniser, the previous window's text kept."""
+
+    def __init__(self, config: SourceConfig) -> None:
+        self.config = config
+        self.previous = ""
+        self.version: int | None = None
+
+    def run(
+        self, loaded: LoadedVersion, record: PcmRecord, chunk: int = 0
+    ) -> tuple[dict[str, Array], dict[str, Any]]:
+        """The chunk's window transcribed: its outputs, and the message's `text` and
+        `finish_reason`. WireError where the window is refused (bad samples)."""
+        generation = loaded.generation
+        assert generation is not None  # `speech_window_plan` checked it at the opening
+        if (record.fresh and chunk == 0) or loaded.version != self.version:
+            self.previous, self.version = "", loaded.version
+        inputs: dict[str, Any] = {SAMPLES: record.windows(chunk)[0]}
+        if self.config.previous_text is not False and self.previous:
+            inputs["prompt"] = np.array(self.previous[-MAX_PREVIOUS_CHARS:], dtype=object)
+        ask = ask_of(inputs, self.config.params or {}, generation)
+        _transcribed(loaded, ask)
+        tokenizer = generation.tokenizer
+        text = tokenizer.decode(ask.tokens) if tokenizer is not None else None
+        self.previous = text.strip() if text is not None else ""
+        extra: dict[str, Any] = {"finish_reason": ask.finish_reason}
+        if text is not None:
+            extra["text"] = text
+        return {"tokens": np.array(ask.tokens, dtype=np.int64)}, extra
+
+
+def _transcribed(loaded: LoadedVersion, ask: GenerateAsk) -> None:
+    """`ask` generated to its end (its tokens and finish reason filled in)."""
+    run = Run(loaded.session, loaded.config.stream, [Member({}, 1, generation=ask)])
+    for _ in generate(run):
+        pass
