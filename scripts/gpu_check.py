@@ -473,6 +473,51 @@ class GpuCheck:
             details.append(f"{arch} tokens {said}, {bound} cache outputs kept, {ms:.2f} ms a token")
         return ("PASS" if ok else "FAIL"), "; ".join(details), {}
 
+    def ort_whisper(self) -> tuple[str, str, dict[str, Any]]:
+        """The Whisper fixture on the first GPU provider: features computed on the host, the
+        encoder and the decoder on the device, greedy tokens equal to Hugging Face's for a
+        language asked and for one detected, ms a token."""
+        from agent.models.backends.onnxruntime import OnnxRuntimeBackend
+
+        if self.ort is None:
+            return "SKIP", "onnxruntime not importable", {}
+        available = self.ort.get_available_providers()
+        if "CUDAExecutionProvider" not in available:
+            return "SKIP", f"no CUDA execution provider ({', '.join(available)})", {}
+        fixtures = Path(__file__).resolve().parent.parent / "tests/fixtures/real/whisper"
+        reference = json.loads((fixtures / "reference.json").read_text())
+        audio = dict(np.load(fixtures / "reference.npz"))
+        backend = OnnxRuntimeBackend()
+        options = BackendOptions(
+            providers=("CUDAExecutionProvider", "CPUExecutionProvider"),
+            extra={"gpu": {"device_id": self.args.device}},
+        )
+        details, ok = [], True
+        for case in reference["cases"][:2]:  # a language asked; one detected
+            asked = {k: case[k] for k in ("language", "task") if case[k] is not None}
+            session = backend.load(fixtures / "model.onnx", options)
+            try:
+                setup, tokens, ms = _greedy_tokens(
+                    session,
+                    fixtures,
+                    "",
+                    new_tokens=len(case["tokens"]),
+                    open_encoder=lambda f: backend.load(f, options),
+                    inputs={"input_values": audio[f"audio_{case['clip']}"]},
+                    params=asked,
+                )
+                setup.close()
+            finally:
+                session.close()
+            equal, bound = tokens == case["tokens"], len(setup.device_cache)
+            ok = ok and equal and bound > 0
+            said = "equal" if equal else f"{tokens}"
+            details.append(
+                f"{case['clip']} {asked or 'detected'}: tokens {said}, {bound} cache outputs "
+                f"kept, {ms:.2f} ms a token (the encoder's run included)"
+            )
+        return ("PASS" if ok else "FAIL"), "; ".join(details), {}
+
     def trt_generate(self, **tensorrt: Any) -> tuple[str, str, dict[str, Any]]:
         """The generate fixture built into an engine by the agent's builder and run by its
         own TensorRT session: the cache kept in the session's device arrays, greedy tokens
@@ -527,6 +572,7 @@ class GpuCheck:
         r.run("ONNX Runtime GPU providers", self.ort_gpu)
         r.run("ONNX Runtime generate, cache on the device", self.ort_generate)
         r.run("ONNX Runtime encoder-decoder generate, caches on the device", self.ort_seq2seq)
+        r.run("ONNX Runtime Whisper transcription, caches on the device", self.ort_whisper)
         r.run("TensorRT generate, cache in the session's device arrays", self.trt_generate)
         r.run(
             "TensorRT generate, activation memory by run",
@@ -540,18 +586,22 @@ def _greedy_tokens(
     prompt: str,
     new_tokens: int = 24,
     open_encoder: Callable[[Path], Any] | None = None,
+    inputs: dict[str, Any] | None = None,
+    params: dict[str, Any] | None = None,
 ) -> tuple[Any, list[int], float]:
     """The generate loop on `session` for the fixture in `folder` (an encoder-decoder's
-    encoder opened by `open_encoder`): `new_tokens` greedy tokens of `prompt`; (the
-    generation setup, the tokens, ms a token)."""
+    encoder opened by `open_encoder`): `new_tokens` greedy tokens of `prompt` (or of
+    `inputs`, a recording's, with `params`); (the generation setup, the tokens, ms a
+    token)."""
     from agent.inference import generate
     from agent.inference.modes import Member, Run
     from agent.models.decoder_layout import open_generation
     from agent.models.model_config import StreamConfig
 
     setup = open_generation(None, session, folder, open_encoder)
-    params = {"max_new_tokens": new_tokens}
-    ask = generate.ask_of({"prompt": np.array(prompt, dtype=object)}, params, setup)
+    asked = {"max_new_tokens": new_tokens, **(params or {})}
+    given = inputs if inputs is not None else {"prompt": np.array(prompt, dtype=object)}
+    ask = generate.ask_of(given, asked, setup)
     run = Run(session, StreamConfig(mode="generate"), [Member({}, 1, generation=ask)])
     started = time.perf_counter()
     tokens = [int(t) for ps in generate.generate(run) for p in ps for t in p.outputs["tokens"]]
