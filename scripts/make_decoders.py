@@ -47,7 +47,9 @@ already there; it needs only onnx, onnxruntime and sympy (the optimizer's shape 
 ``reference.json`` with the tokenizer already there. ``--chat-only`` rewrites ``chat/`` and
 the ``chat`` entries, after checking that the seeded Llama-like model it builds again gives
 the logits of ``llama/model.onnx``; ``--int8-only`` rewrites ``gpt2_int8/`` and the ``int8``
-entries from the ``gpt2/`` already there (onnx and onnxruntime only).
+entries from the ``gpt2/`` already there (onnx and onnxruntime only); ``--beams-only`` adds
+to each ``gpt2`` and ``llama`` case ``beam``: ``generate(num_beams=3)``'s tokens and finish,
+from the seeded models built again (checked against their greedy references first).
 """
 
 from __future__ import annotations
@@ -155,6 +157,35 @@ def greedy(model: Any, ids: list[int]) -> tuple[list[int], float]:
     tokens = out.sequences[0, len(ids) :].tolist()
     gaps = [float((s[0].topk(2).values[0] - s[0].topk(2).values[1]).item()) for s in out.scores]
     return tokens, min(gaps)
+
+
+BEAMS = {"num_beams": 3}
+
+
+def make_beams(out: Path) -> None:
+    """The ``beam`` entries of ``gpt2`` and ``llama`` (see the module docstring)."""
+    import torch
+
+    reference = json.loads((out / "reference.json").read_text(encoding="utf-8"))
+    vocab, eos = reference["vocab"], reference["eos"]
+    for name in ("gpt2", "llama"):
+        model = build(name, vocab, eos)
+        for case in reference["models"][name]:
+            if greedy(model, case["ids"])[0] != case["greedy"]:
+                raise SystemExit(f"{name}: the model built again is not the exported one")
+            with torch.no_grad():
+                out_ids = model.generate(
+                    torch.tensor([case["ids"]]),
+                    attention_mask=torch.ones(1, len(case["ids"]), dtype=torch.long),
+                    do_sample=False,
+                    max_new_tokens=NEW_TOKENS,
+                    **BEAMS,
+                )
+            tokens = out_ids[0, len(case["ids"]) :].tolist()
+            finish = "eos" if tokens and tokens[-1] == eos else "length"
+            case["beam"] = {"tokens": tokens, "finish": finish}
+            print(f"{name}: {case['prompt']!r} beams -> {tokens} {finish}")
+    write_reference(out, reference)
 
 
 def export(model: Any, dst: Path, task: str = "text-generation-with-past") -> None:
@@ -377,8 +408,12 @@ def main() -> None:
     parser.add_argument("--small-only", action="store_true")
     parser.add_argument("--chat-only", action="store_true")
     parser.add_argument("--int8-only", action="store_true")
+    parser.add_argument("--beams-only", action="store_true")
     args = parser.parse_args()
     out: Path = args.out
+    if args.beams_only:
+        make_beams(out)
+        return
     if args.int8_only:
         reference = json.loads((out / "reference.json").read_text(encoding="utf-8"))
         reference["int8"] = make_int8(out)

@@ -33,8 +33,9 @@ Hugging Face's greedy ``generate(do_sample=False, max_new_tokens=NEW_TOKENS)`` n
 (the decoder's start token dropped), the finish (``eos`` when the last one is the eos, else
 ``length``), ``decode(skip_special_tokens=True)``'s text and the smallest gap between the
 best and second-best logit on that path (forced steps left out; ``gap``: the model's
-smallest); and ``ruled``: the same with the family's ``RULED`` settings given to ``generate``
-(its gaps those of the processed scores).
+smallest); ``ruled``: the same with the family's ``RULED`` settings given to ``generate``
+(its gaps those of the processed scores); ``beam``: the same with ``BEAMS``, beam search;
+``tuned_beam``: with the family's ``TUNED_BEAMS`` (length penalty, early stopping, rules).
 
 Everything is seeded; the references are PyTorch's on its AVX2 kernels with two threads, and
 the script runs itself again with ``PYTHONHASHSEED=0`` (optimum's merge names shared weights
@@ -100,6 +101,18 @@ FAMILIES: dict[str, dict[str, Any]] = {
 RULED: dict[str, dict[str, Any]] = {
     "t5": {"no_repeat_ngram_size": 2, "min_length": 10},
     "bart": {"no_repeat_ngram_size": 3, "repetition_penalty": 1.5},
+}
+BEAMS = {"num_beams": 4}  # the `beam` references: generate's beam search
+# the `tuned_beam` references: a summariser's search settings, with the family's rules
+TUNED_BEAMS: dict[str, dict[str, Any]] = {
+    "t5": {"num_beams": 4, "length_penalty": 0.6, "early_stopping": "never"},
+    "bart": {
+        "num_beams": 3,
+        "length_penalty": 2.0,
+        "early_stopping": True,
+        "no_repeat_ngram_size": 3,
+        "repetition_penalty": 1.5,
+    },
 }
 KEEP = (  # what a fixture folder keeps of optimum's export, renamed
     ("encoder_model.onnx", "encoder_model.onnx"),
@@ -295,6 +308,16 @@ def make(name: str, out: Path, seed: int) -> dict[str, Any]:
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         cases[-1]["ruled"] = {"greedy": tokens, "finish": finish, "text": text, "gap": gap}
         print(f"  ruled -> {tokens} {finish} (min gap {gap:.4f})")
+        tokens, _ = ruled(model, ids, BEAMS)
+        finish = "eos" if tokens[-1] == generation.eos_token_id else "length"
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        cases[-1]["beam"] = {"greedy": tokens, "finish": finish, "text": text}
+        print(f"  beam -> {tokens} {finish}")
+        tokens, _ = ruled(model, ids, TUNED_BEAMS[name])
+        finish = "eos" if tokens[-1] == generation.eos_token_id else "length"
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        cases[-1]["tuned_beam"] = {"greedy": tokens, "finish": finish, "text": text}
+        print(f"  tuned beam -> {tokens} {finish}")
     return {
         "seed": seed,
         "vocab": len(tokenizer),
@@ -306,6 +329,8 @@ def make(name: str, out: Path, seed: int) -> dict[str, Any]:
         "forced_eos_token_id": generation.forced_eos_token_id,
         "gap": min(case["gap"] for case in cases),
         "ruled": RULED[name],
+        "beam": BEAMS,
+        "tuned_beam": TUNED_BEAMS[name],
         "encoder": signature(out / name / "encoder_model.onnx"),
         "decoder": signature(out / name / "model.onnx"),
         "cases": cases,

@@ -88,6 +88,20 @@ def test_greedy_tokens_and_text_equal_hugging_face(
     assert reply.end.timing["ttft_ms"] <= reply.end.timing["total_ms"]
 
 
+@pytest.mark.parametrize(("arch", "case"), CASES)
+def test_beam_search_equals_hugging_face(
+    agent_client: tuple[Agent, AgentClient], arch: str, case: int
+) -> None:
+    """`params.num_beams = 3`: `generate(num_beams=3)`'s tokens and finish (the prompt's
+    prefill run once, then three rows a step, their caches gathered as the beams move)."""
+    _, client = agent_client
+    ref = REFERENCE["models"][arch][case]
+    inputs = {"prompt": ref["prompt"]}
+    reply, chunks = generate(client, arch, inputs, max_new_tokens=N, num_beams=3)
+    assert tokens_of(chunks) == ref["beam"]["tokens"]
+    assert reply.end.finish_reason == ref["beam"]["finish"]
+
+
 @pytest.mark.parametrize("case", range(3))
 def test_an_export_fused_by_onnx_runtimes_optimizer_streams_the_same_tokens(
     agent_client: tuple[Agent, AgentClient], case: int

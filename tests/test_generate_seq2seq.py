@@ -55,6 +55,9 @@ MODELS = {  # name: (fixture, config.toml after GENERATE, files left out)
     "t5_torn": ("t5", "", ()),  # its encoder_model.onnx cut short below
     "t5_ruled": ("t5", "", ()),  # generation_config.json with the reference's `ruled` below
     "bart_ruled": ("bart", "", ()),
+    "bart_beams": ("bart", "", ()),  # generation_config.json's num_beams = 4 below
+    "t5_tuned": ("t5", "", ()),  # generation_config.json with the reference's `tuned_beam`
+    "bart_tuned": ("bart", "", ()),
 }
 
 
@@ -73,10 +76,13 @@ def agent_client(
         (root / name / "config.toml").write_text(GENERATE + extra)
     torn = root / "t5_torn" / "1" / ENCODER_FILE
     torn.write_bytes(torn.read_bytes()[:5000])
+    beams = root / "bart_beams" / "1" / "generation_config.json"
+    beams.write_text(json.dumps({**json.loads(beams.read_text()), "num_beams": 4}))
     for arch in ("t5", "bart"):
-        settings = root / f"{arch}_ruled" / "1" / "generation_config.json"
-        ruled = REFERENCE["models"][arch]["ruled"]
-        settings.write_text(json.dumps({**json.loads(settings.read_text()), **ruled}))
+        for kind, key in (("ruled", "ruled"), ("tuned", "tuned_beam")):
+            settings = root / f"{arch}_{kind}" / "1" / "generation_config.json"
+            given = REFERENCE["models"][arch][key]
+            settings.write_text(json.dumps({**json.loads(settings.read_text()), **given}))
     yield from serve_agent(broker, agent_config(tmp, broker, root), 20)
 
 
@@ -138,6 +144,58 @@ def test_the_configs_ngram_ban_penalty_and_minimum_lengths_as_generate_applies_t
     assert tokens_of(chunks) == ref["ruled"]["greedy"]
     assert "".join(c.text for c in chunks) == ref["ruled"]["text"]
     assert reply.end.finish_reason == ref["ruled"]["finish"]
+
+
+@pytest.mark.parametrize(("arch", "case"), CASES)
+def test_beam_search_equals_hugging_face_and_streams_what_the_beams_agree_on(
+    agent_client: tuple[Agent, AgentClient], arch: str, case: int
+) -> None:
+    """`params.num_beams = 4`: `generate(num_beams=4)`'s tokens, text and finish; the chunks
+    before the last carry tokens every beam had settled, so together they are the answer."""
+    _, client = agent_client
+    ref = REFERENCE["models"][arch]["cases"][case]
+    inputs = {"prompt": ref["prompt"]}
+    reply, chunks = generate(client, arch, inputs, max_new_tokens=N, num_beams=4)
+    assert tokens_of(chunks) == ref["beam"]["greedy"]
+    assert "".join(c.text for c in chunks) == ref["beam"]["text"]
+    assert reply.end.finish_reason == ref["beam"]["finish"]
+    assert reply.end.usage["completion_tokens"] == len(ref["beam"]["greedy"])
+
+
+@pytest.mark.parametrize(("arch", "case"), CASES)
+def test_a_summarisers_search_settings_as_generate_applies_them(
+    agent_client: tuple[Agent, AgentClient], arch: str, case: int
+) -> None:
+    """generation_config.json's `num_beams`, `length_penalty` and `early_stopping` (T5: 4
+    beams, 0.6, "never"; BART: 3 beams, 2.0, true, with a 3-gram ban and a penalty of 1.5
+    on each beam): Hugging Face's answer, the request asking nothing."""
+    _, client = agent_client
+    ref = REFERENCE["models"][arch]["cases"][case]
+    reply, chunks = generate(client, f"{arch}_tuned", {"prompt": ref["prompt"]}, max_new_tokens=N)
+    assert tokens_of(chunks) == ref["tuned_beam"]["greedy"]
+    assert reply.end.finish_reason == ref["tuned_beam"]["finish"]
+
+
+def test_beams_settle_before_the_end_and_follow_the_models_config(
+    agent_client: tuple[Agent, AgentClient],
+) -> None:
+    """BART's beams agree on their first tokens long before the search ends: those come in
+    chunks of their own. A config's `num_beams` is the default; a request that samples
+    samples; beams with sampling or stop strings are refused."""
+    _, client = agent_client
+    ref = REFERENCE["models"]["bart"]["cases"][1]
+    inputs = {"prompt": ref["prompt"]}
+    _, chunks = generate(client, "bart", inputs, max_new_tokens=N, num_beams=4)
+    assert len(chunks) > 2 and len(tokens_of(chunks[:1])) < len(ref["beam"]["greedy"])
+    _, by_config = generate(client, "bart_beams", inputs, max_new_tokens=N)
+    assert tokens_of(by_config) == ref["beam"]["greedy"] != ref["greedy"]
+    _, greedy = generate(client, "bart_beams", inputs, max_new_tokens=N, num_beams=1)
+    assert tokens_of(greedy) == ref["greedy"]
+    _, sampled = generate(client, "bart_beams", inputs, max_new_tokens=4, temperature=1.0)
+    assert len(tokens_of(sampled)) == 4
+    for refused in ({"temperature": 1.0}, {"stop": ["x"]}):
+        with pytest.raises(AgentError, match=r"params\.num_beams > 1 is a greedy search"):
+            generate(client, "bart", inputs, num_beams=2, **refused)
 
 
 def test_the_ruled_references_differ_where_each_rule_bites() -> None:
@@ -213,6 +271,29 @@ def test_concurrent_requests_each_get_their_own_tokens(
         assert requests == len(refs) and runs < len(refs)  # they shared runs
 
 
+def test_beam_searches_share_a_batched_run_with_greedy_requests(
+    agent_client: tuple[Agent, AgentClient],
+) -> None:
+    """Under `[batching]`, two beam searches queued with two greedy requests: the beams run
+    as rows of their own runs, the greedy ones interleave with them; each answer its own."""
+    _, client = agent_client
+    refs = REFERENCE["models"]["bart"]["cases"]
+    got: dict[int, list[int]] = {}
+
+    def ask(k: int) -> None:
+        params = {"num_beams": 4} if k % 2 else {}
+        inputs = {"prompt": refs[k]["prompt"]}
+        got[k] = tokens_of(generate(client, "bart_batched", inputs, max_new_tokens=N, **params)[1])
+
+    threads = [threading.Thread(target=ask, args=(k,), name=f"ask-{k}") for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    want = {k: ref["beam"]["greedy"] if k % 2 else ref["greedy"] for k, ref in enumerate(refs)}
+    assert got == want
+
+
 def test_a_prompt_longer_than_the_encoder_takes_is_refused(
     agent_client: tuple[Agent, AgentClient],
 ) -> None:
@@ -282,19 +363,19 @@ def test_an_encoder_decoder_needs_onnx_runtime_and_its_start_token(tmp_path: Pat
 def test_generation_settings_the_agent_does_not_apply_are_named(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A summariser's beam search and banned words: the version loads, with a warning; its
-    n-gram ban and minimum length are applied, not named."""
+    """A summariser's banned words and sampling by default: the version loads, with a
+    warning; its beam search, n-gram ban and minimum length are applied, not named."""
     signature = _Signature(REFERENCE["models"]["bart"]["decoder"])
     folder = tmp_path / "bart"
     shutil.copytree(FIXTURES / "bart", folder)
     settings = json.loads((folder / "generation_config.json").read_text())
     settings |= {"num_beams": 4, "no_repeat_ngram_size": 3, "min_length": 9}
-    settings |= {"bad_words_ids": [[5]], "length_penalty": 2.0}
+    settings |= {"bad_words_ids": [[5]], "length_penalty": 2.0, "do_sample": True}
     (folder / "generation_config.json").write_text(json.dumps(settings))
     with pytest.raises(ModelLoadError, match="runs on ONNX Runtime"):
         open_generation(None, signature, folder, None)  # type: ignore[arg-type]
     warned = [r.getMessage() for r in caplog.records if "generation_config.json" in r.getMessage()]
-    assert len(warned) == 1 and "sets num_beams = 4, bad_words_ids = [[5]];" in warned[0]
+    assert len(warned) == 1 and "sets do_sample = true, bad_words_ids = [[5]];" in warned[0]
 
 
 @pytest.mark.parametrize("arch", ["t5", "bart"])

@@ -235,6 +235,37 @@ def test_a_member_cancelled_mid_lock_step_leaves_and_the_others_go_on() -> None:
     assert tokens[0] == cases[0]["greedy"] and asks[0].finish_reason == "length"
 
 
+def test_a_beam_search_cancelled_ends_with_the_tokens_it_had_settled() -> None:
+    """`ROOT/cancel` of a beam search: its last piece carries nothing new, its tokens are the
+    ones its beams had settled (a prefix of the answer); the agent stopping takes another out
+    without a piece."""
+    session = _session("gpt2")
+    setup = open_generation(None, session, DECODERS / "gpt2")
+    cases = REFERENCE["models"]["gpt2"][:2]
+    asks = [
+        generate.ask_of(
+            {"input_ids": np.array(case["ids"])}, {"max_new_tokens": 24, "num_beams": 3}, setup
+        )
+        for case in cases
+    ]
+    members = [Member({}, 1, generation=a) for a in asks]
+    run = Run(session, StreamConfig(mode="generate"), members)
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+    last: dict[int, bool] = {}
+    for pieces in generate.generate(run):  # a yield where beams settled a token
+        for piece in pieces:
+            tokens[piece.member] += [int(t) for t in piece.outputs["tokens"]]
+            last[piece.member] = piece.last
+        if run.runs >= 12 and not members[0].cancelled.is_set():
+            members[0].cancelled.set(by_request=True)
+            members[1].cancelled.set()
+    assert asks[0].finish_reason == "cancelled" and last[0]
+    beam = cases[0]["beam"]["tokens"]
+    assert 0 < len(tokens[0]) < len(beam) and tokens[0] == beam[: len(tokens[0])]
+    assert tokens[0] == asks[0].tokens
+    assert 1 in run.failed and not last.get(1, False)
+
+
 def test_generate_batching_needs_onnxruntime_and_a_batchable_layout() -> None:
     """What a version with `[batching]` is refused for at load: a TensorRT engine (its
     decoder profiles take one row), a layout that cannot be left-padded (no positions, no

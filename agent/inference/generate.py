@@ -1,8 +1,9 @@
 """`mode = "generate"`: token streaming from an exported decoder (the strategy of the runner).
 
-A request is checked into a :class:`GenerateAsk` (prompt ids, limits, sampling, stop strings)
-by :func:`ask_of`; the strategy :func:`generate` (registered in
-`agent.inference.modes.STRATEGIES`) then runs each member as Hugging Face's `generate` does:
+A request is checked into a `GenerateAsk` (prompt ids, limits, sampling, stop strings) by
+`ask_of` (`agent.inference.generate_ask`, re-exported here); the strategy :func:`generate`
+(registered in `agent.inference.modes.STRATEGIES`) then runs each member as Hugging Face's
+`generate` does:
 a prefill of the whole prompt with an empty past (past length 0), then one run per new token
 with the past taken from `present.*`, the attention mask and positions grown by one. The token
 is chosen outside the graph (`agent.inference.sampling`); the generation ends at an eos token
@@ -20,7 +21,9 @@ model's configs force or bar at each token is `agent.inference.token_rules`'.
 Members of one run (requests queued together, where the model has `[batching]`) run their
 prefills one by one, then every later step together, a row each
 (`agent.inference.generate_lockstep`); a layout without the mask or explicit positions, which
-left padding needs, has them interleave, a run each in turn. On the CPU the cache stays what
+left padding needs, has them interleave, a run each in turn. A beam search
+(`agent.inference.beam`) runs its beams as the rows of its own runs, never in lock-step with
+others. On the CPU the cache stays what
 the session returns (numpy, fed back as it is, without a copy; ONNX Runtime's `OrtValue`s
 through `run_with_ort_values` measured slower there, the wrapping of each small input costing
 more than it saves); on a GPU provider it stays on the device (`Generation.device_cache`).
@@ -32,203 +35,24 @@ is.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from agent.inference import modes, speech
+from agent.inference.beam import BeamDecoding
+from agent.inference.generate_ask import GenerateAsk, ask_of
 from agent.inference.generate_lockstep import LockstepBatch
 from agent.inference.job import Cancelled
 from agent.inference.modes import Arrays, Piece, Run
-from agent.inference.sampling import Sampler, SamplingParams
-from agent.inference.text_stream import TextStream
 from agent.inference.token_rules import TokenRules
 from agent.models.backends.base import InferenceError
-from agent.models.chat_template import ChatRefused
-from agent.models.decoder_layout import DecoderLayout, Generation
-from agent.models.tokenizer import too_long
-from agent.protocol.errors import WireError
+from agent.models.decoder_layout import DecoderLayout
 
 __all__ = ["GenerateAsk", "ask_of", "generate"]
 
-MAX_STOPS = 16
-MAX_MESSAGES = 256  # rows of a conversation (`inputs.messages`)
-MAX_STOP_CHARS = 256
-MAX_TOKENS_PER_CHUNK = 4096
 _USE_CACHE = np.ones((1,), dtype=np.bool_)  # `use_cache_branch` after the prefill
-
-
-@dataclass
-class GenerateAsk:
-    """One request's generation: what it asked, and (filled by the strategy) how it went."""
-
-    setup: Generation
-    prompt: list[int]
-    max_new_tokens: int
-    sampler: Sampler
-    tokens_per_chunk: int = 1
-    text: TextStream | None = None
-    # A speech encoder's input (Whisper's log-mel features): the prompt is then the decoder's,
-    # its detected language still to go in at `language_at`, where one is to be detected.
-    features: np.ndarray[Any, Any] | None = None
-    language_at: int | None = None
-    rules: TokenRules | None = None  # what the configs impose (made by `ask_of`)
-    tokens: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    first_token_at: float | None = None  # monotonic
-
-    @property
-    def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": len(self.prompt), "completion_tokens": len(self.tokens)}
-
-    @property
-    def decoder_ids(self) -> list[int]:
-        """What the decoder reads before its first new token: the prompt, or an
-        encoder-decoder's start token (its prompt goes to the encoder)."""
-        start = self.setup.decoder_start
-        return self.prompt if start is None or self.features is not None else [start]
-
-    def ending(self) -> dict[str, Any]:
-        """The keys of the stream's terminal message."""
-        return {"finish_reason": self.finish_reason, "usage": self.usage}
-
-    def outputs(self) -> Arrays:
-        """`stream: false`: the result's outputs, every new token in one tensor."""
-        return {"tokens": np.array(self.tokens, dtype=np.int64)}
-
-
-def ask_of(inputs: Mapping[str, Any], params: Mapping[str, Any], setup: Generation) -> GenerateAsk:
-    """A request's inputs and params checked against a generate version (`bad_request`)."""
-    tokenizer = setup.tokenizer
-    features, language_at = None, None
-    if setup.log_mel is not None:
-        features = speech.features_of(inputs, setup.log_mel)
-        prompt, language_at = speech.prompt_of(inputs, params, setup)
-    else:
-        speech.refuse_prompt_params(params)
-        prompt = _prompt_ids(inputs, setup)
-    room = setup.max_new_tokens
-    if setup.context is not None and setup.encoder is not None and features is None:
-        if len(prompt) > setup.context:  # the encoder's positions; the decoder's own
-            raise WireError(
-                "bad_request",
-                f"the prompt is {len(prompt)} tokens: the encoder takes at most {setup.context}",
-            )
-        room = min(room, setup.context - 1)  # the decoder's positions, its start token's first
-    elif setup.context is not None:
-        length = len(prompt) + (language_at is not None)  # a detected language joins it
-        if length >= setup.context:
-            raise WireError(
-                "bad_request",
-                f"the prompt is {length} tokens: the model's context is {setup.context}, "
-                "with room for at least one new token",
-            )
-        room = min(room, setup.context - length)
-    asked = params.get("max_new_tokens", room)
-    if isinstance(asked, bool) or not isinstance(asked, int) or asked < 1:
-        raise WireError("bad_request", "params.max_new_tokens must be a positive integer")
-    per_chunk = modes.integer_param(params, "tokens_per_chunk", 1, low=1, high=MAX_TOKENS_PER_CHUNK)
-    stops = _stops(params)
-    if stops and tokenizer is None:
-        raise WireError("bad_request", "params.stop needs a model with a tokenizer.json")
-    text = TextStream(tokenizer, stops) if tokenizer is not None else None
-    settings = setup.token_settings
-    sampler = Sampler(SamplingParams.parse(params, settings.repetition_penalty))
-    ask = GenerateAsk(setup, prompt, min(asked, room), sampler, per_chunk, text)
-    ask.features, ask.language_at = features, language_at
-    ask.rules = TokenRules(settings, setup.eos, ask.max_new_tokens)
-    return ask
-
-
-def _prompt_ids(inputs: Mapping[str, Any], setup: Generation) -> list[int]:
-    names = sorted(inputs)
-    if names == ["prompt"]:
-        if setup.tokenizer is None:
-            raise WireError("bad_request", "inputs.prompt needs a model with a tokenizer.json")
-        value = inputs["prompt"]
-        if not (isinstance(value, np.ndarray) and value.size == 1 and value.dtype.kind in "OU"):
-            raise WireError("bad_request", "inputs.prompt must be one text")
-        text = value.reshape(()).item()
-        if not isinstance(text, str):
-            raise WireError("bad_request", "inputs.prompt must be one text")
-        _refuse_long(text, setup, "inputs.prompt")
-        ids = setup.tokenizer.encode(text)
-    elif names == ["messages"]:
-        ids = _chat_ids(inputs["messages"], setup)
-    elif names == ["input_ids"]:
-        value = inputs["input_ids"]
-        if not (isinstance(value, np.ndarray) and value.dtype.kind in "iu"):
-            raise WireError("bad_request", "inputs.input_ids must be an integer tensor")
-        if value.ndim == 2 and value.shape[0] == 1:
-            value = value[0]
-        if value.ndim != 1:
-            raise WireError("bad_request", "inputs.input_ids must be [T] or [1, T]")
-        ids = [int(t) for t in value]
-    else:
-        takes = "inputs.input_ids"
-        if setup.tokenizer is not None:
-            takes = "inputs.prompt (text) or " + takes
-        if setup.chat is not None:
-            takes = "inputs.messages (a conversation), " + takes
-        raise WireError("bad_request", f"a generate request takes {takes}, nothing else")
-    if not ids:
-        raise WireError("bad_request", "the prompt is empty")
-    vocab = setup.vocab
-    if vocab is not None and not all(0 <= t < vocab for t in ids):
-        raise WireError("bad_request", f"input_ids must be token ids from 0 to {vocab - 1}")
-    return ids
-
-
-def _chat_ids(value: Any, setup: Generation) -> list[int]:
-    """The prompt of a conversation, `inputs.messages`: a string tensor of (role, content)
-    rows, laid out by the model's chat template and tokenized without added special tokens."""
-    chat, tokenizer = setup.chat, setup.tokenizer
-    if chat is None or tokenizer is None:
-        raise WireError(
-            "bad_request",
-            "inputs.messages needs a model with a chat template (chat_template.jinja, or "
-            "tokenizer_config.json's chat_template) beside its tokenizer.json",
-        )
-    shape_ok = isinstance(value, np.ndarray) and value.ndim == 2 and value.shape[1] == 2
-    if not (shape_ok and value.dtype.kind in "OU" and 1 <= value.shape[0] <= MAX_MESSAGES):
-        raise WireError(
-            "bad_request",
-            f"inputs.messages must be a string tensor [n, 2] of (role, content) rows, "
-            f"1 to {MAX_MESSAGES}",
-        )
-    rows = value.tolist()
-    if not all(isinstance(text, str) for row in rows for text in row):
-        raise WireError("bad_request", "inputs.messages must hold texts")
-    try:
-        prompt = chat.render([{"role": role, "content": content} for role, content in rows])
-    except ChatRefused as e:
-        raise WireError("bad_request", str(e)) from None
-    _refuse_long(prompt, setup, "the conversation laid out")
-    return tokenizer.encode(prompt, special=False)
-
-
-def _refuse_long(text: str, setup: Generation, what: str) -> None:
-    """`bad_request` for a text that cannot fit the context, before it is tokenized."""
-    problem = too_long(text, setup.context)
-    if problem is not None:
-        raise WireError("bad_request", f"{what} {problem}")
-
-
-def _stops(params: Mapping[str, Any]) -> list[str]:
-    stops = params.get("stop", [])
-    if (
-        not isinstance(stops, list)
-        or len(stops) > MAX_STOPS
-        or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)
-    ):
-        raise WireError(
-            "bad_request",
-            f"params.stop must be an array of at most {MAX_STOPS} texts of 1 to "
-            f"{MAX_STOP_CHARS} characters",
-        )
-    return list(stops)
 
 
 # -- the strategy -----------------------------------------------------------------------------
@@ -239,14 +63,11 @@ class _Decoding:
     the step inputs made once (the mask a view of one row of ones as long as the generation
     can grow; the new token and its position written in place before each run)."""
 
-    def __init__(self, ask: GenerateAsk, run: Run) -> None:
+    def __init__(self, ask: GenerateAsk, cross: Arrays) -> None:
         self.ask = ask
         # An encoder-decoder's decoder inputs of its encoder's run, and its cross-attention
         # cache once the first run made it: the same at every run.
-        self.cross = _encoded(run, ask)
-        if ask.language_at is not None and ask.setup.speech is not None:
-            first = _sequence_inputs(ask.setup.layout, [ask.setup.speech.start])
-            speech.detect_language(run, ask, {**first, **self.cross})
+        self.cross = cross
         self.inputs = {**_prefill_inputs(ask), **self.cross}
         self.pending: list[int] = []  # new tokens not yet in a piece (the last of ask.tokens)
         self.pending_text = ""
@@ -263,9 +84,22 @@ class _Decoding:
         _rules(ask).start(ask.decoder_ids)
 
 
+def _decoding(run: Run, ask: GenerateAsk) -> _Decoding | BeamDecoding:
+    """A member's loop state, its encoder run (an encoder-decoder's) and its language
+    detected (a Whisper's, where none was asked)."""
+    cross = _encoded(run, ask)
+    if ask.language_at is not None and ask.setup.speech is not None:
+        first = _sequence_inputs(ask.setup.layout, [ask.setup.speech.start])
+        speech.detect_language(run, ask, {**first, **cross})
+    if ask.beams > 1:
+        return BeamDecoding(ask, _prefill_inputs(ask), cross)
+    return _Decoding(ask, cross)
+
+
 def generate(run: Run) -> Iterator[list[Piece]]:
-    states = {p: _Decoding(_ask(run, p), run) for p in range(len(run.members))}
-    lockstep = len(states) > 1 and _ask(run, 0).setup.batchable
+    states = {p: _decoding(run, _ask(run, p)) for p in range(len(run.members))}
+    plain = all(isinstance(state, _Decoding) for state in states.values())
+    lockstep = len(states) > 1 and plain and _ask(run, 0).setup.batchable
     while states:
         pieces = []
         for position in list(states):
@@ -280,7 +114,8 @@ def generate(run: Run) -> Iterator[list[Piece]]:
         pasts = [_past(state.ask) for state in states.values()]
         layout = _ask(run, 0).setup.layout
         if lockstep and len(states) > 1 and LockstepBatch.joins(layout, pasts):
-            yield from _lockstep(run, states)  # the prefills are done: the rest in lock-step
+            plains = {p: s for p, s in states.items() if isinstance(s, _Decoding)}
+            yield from _lockstep(run, plains)  # the prefills are done: the rest in lock-step
             return
 
 
@@ -339,8 +174,10 @@ def _ask(run: Run, position: int) -> GenerateAsk:
     return ask
 
 
-def _advance(run: Run, position: int, state: _Decoding) -> Piece | None:
-    """One new token of one member; its piece where one is due."""
+def _advance(run: Run, position: int, state: _Decoding | BeamDecoding) -> Piece | None:
+    """One new token of one member (one step of its search); its piece where one is due."""
+    if isinstance(state, BeamDecoding):
+        return _advance_beams(run, position, state)
     leaving, piece = _leaving(run, position, state)
     if leaving:
         return piece
@@ -349,6 +186,18 @@ def _advance(run: Run, position: int, state: _Decoding) -> Piece | None:
     if state.ask.finish_reason is None:
         state.inputs = _next_inputs(state, outputs, token)
     return piece
+
+
+def _advance_beams(run: Run, position: int, state: BeamDecoding) -> Piece | None:
+    member = run.members[position]
+    if position in run.failed:
+        return None
+    if member.cancelled.is_set():
+        if not member.cancelled.by_request:
+            run.failed[position] = Cancelled()
+            return None
+        return state.cancel(position)
+    return state.advance(run, position)
 
 
 def _leaving(run: Run, position: int, state: _Decoding) -> tuple[bool, Piece | None]:

@@ -30,7 +30,7 @@ from agent.models.speech_prompt import PromptRefused
 from agent.protocol.errors import WireError
 
 if TYPE_CHECKING:
-    from agent.inference.generate import GenerateAsk
+    from agent.inference.generate_ask import GenerateAsk
 
 __all__ = ["detect_language", "features_of", "prompt_of", "refuse_prompt_params"]
 

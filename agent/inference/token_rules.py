@@ -35,14 +35,7 @@ class TokenRules:
         self._start_length = 0  # the decoder's first ids
         self._ngrams: dict[tuple[int, ...], set[int]] = {}  # (n-1 ids) -> the ids after them
         self._tail: list[int] = []  # the last n-1 ids
-        # Nothing to bar at any step (most decoders): the logits pass as they are.
-        self._bars_nothing = not (
-            settings.suppress
-            or settings.begin_suppress
-            or settings.min_length
-            or settings.min_new_tokens
-            or settings.no_repeat_ngram
-        )
+        self._bars_nothing = settings.bars_nothing
 
     def start(self, decoder_ids: Sequence[int]) -> None:
         """The ids the decoder reads before its first new token (a prompt, a start token)."""

@@ -6,8 +6,10 @@ processors; the agent applies the same ones (`agent.inference.token_rules`):
 `suppress_tokens` and `begin_suppress_tokens` (never chosen; not chosen first),
 `no_repeat_ngram_size` (no n-gram of the decoder's ids twice), `min_length` and
 `min_new_tokens` (no eos before them), and `repetition_penalty` (the default of the request's
-`params.repetition_penalty`). What it does not apply (beam search, sampling by default, banned
-word lists, the encoder's n-grams) is named in a warning at load (`unapplied`).
+`params.repetition_penalty`); and the search: `num_beams` (beam search where above 1, the
+default of `params.num_beams`), with its `length_penalty` and `early_stopping`
+(`agent.inference.beam`). What it does not apply (sampling by default, banned word lists, the
+encoder's n-grams) is named in a warning at load (`unapplied`).
 
 Imports only `backends.base` and `hf_files`.
 """
@@ -25,6 +27,7 @@ __all__ = ["TokenSettings", "first_number", "token_settings_of", "unapplied"]
 
 Configs = tuple[dict[str, Any], ...]  # generation_config.json, config.json: the first that says
 MAX_PENALTY = 100.0  # as params.repetition_penalty's bound
+MAX_BEAMS = 16  # as params.num_beams' bound
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,20 @@ class TokenSettings:
     min_length: int = 0  # the decoder's ids (its prompt or start) and new tokens, before an eos
     min_new_tokens: int = 0
     repetition_penalty: float = 1.0
+    num_beams: int = 1  # above 1: beam search, unless a request samples
+    length_penalty: float = 1.0  # a finished beam's score: log-probability / length ** this
+    early_stopping: bool | str = False  # True, False or "never", as `generate` reads it
+
+    @property
+    def bars_nothing(self) -> bool:
+        """Whether no token is ever barred (most decoders): logits pass as they are."""
+        return not (
+            self.suppress
+            or self.begin_suppress
+            or self.min_length
+            or self.min_new_tokens
+            or self.no_repeat_ngram
+        )
 
 
 def token_settings_of(configs: Configs, vocab: int | None) -> TokenSettings:
@@ -53,15 +70,19 @@ def token_settings_of(configs: Configs, vocab: int | None) -> TokenSettings:
         min_length=_count(generation, "min_length"),
         min_new_tokens=_count(generation, "min_new_tokens"),
         repetition_penalty=_penalty(generation),
+        num_beams=max(1, min(_count(generation, "num_beams"), MAX_BEAMS)),
+        length_penalty=_float(generation, "length_penalty", 1.0),
+        early_stopping=_early_stopping(generation),
     )
 
 
 def unapplied(generation_config: dict[str, Any]) -> list[str]:
     """The settings of `generation_config.json` that `generate` would apply by default and the
-    agent does not (beam search, sampling by default, banned words, the encoder's n-grams)."""
+    agent does not (sampling by default, several answers, banned words, the encoder's n-grams)."""
     defaults: dict[str, Any] = {
-        "num_beams": 1,
         "do_sample": False,
+        "num_return_sequences": 1,
+        "num_beam_groups": 1,
         "bad_words_ids": None,
         "encoder_no_repeat_ngram_size": 0,
     }
@@ -100,6 +121,26 @@ def _count(generation_config: dict[str, Any], key: str) -> int:
     if number is None or number < 0:
         raise ModelLoadError(f"generation_config.json: {key} = {value!r} is not a count")
     return number
+
+
+def _float(generation_config: dict[str, Any], key: str, default: float) -> float:
+    value = generation_config.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ModelLoadError(f"generation_config.json: {key} = {value!r} is not a number")
+    return float(value)
+
+
+def _early_stopping(generation_config: dict[str, Any]) -> bool | str:
+    value = generation_config.get("early_stopping", False)
+    if value is None:
+        return False
+    if isinstance(value, bool):
+        return value
+    if value != "never":
+        raise ModelLoadError(f"generation_config.json: early_stopping = {value!r}")
+    return "never"
 
 
 def _penalty(generation_config: dict[str, Any]) -> float:
