@@ -15,7 +15,8 @@ An encoder-decoder (`Generation.encoder`) runs its encoder once on the prompt fi
 decoder then starts from its start token, takes the encoder's states at every run, and feeds
 the cross-attention's cache of its first run unchanged to the others (`CacheSlot.fixed`).
 A speech recogniser's encoder reads the request's recording as log-mel features, and its
-decoder starts from a prompt of language and task tokens (`agent.inference.speech`). What the
+decoder starts from a prompt of language and task tokens (`agent.inference.speech`); an image
+encoder reads the request's picture as pixel values (`agent.inference.pictures`). What the
 model's configs force or bar at each token is `agent.inference.token_rules`'.
 
 Members of one run (requests queued together, where the model has `[batching]`) run their
@@ -283,8 +284,8 @@ def _encoded(run: Run, ask: GenerateAsk) -> Arrays:
     encoder, cross = ask.setup.encoder, ask.setup.layout.cross
     if encoder is None or cross is None:
         return {}
-    if ask.features is not None:
-        encoder_inputs = {encoder.input.name: ask.features}
+    if ask.encoder_input is not None:
+        encoder_inputs = {encoder.input.name: ask.encoder_input}
     else:
         encoder_inputs = encoder.inputs(ask.prompt)
     states = run.other(encoder.session, encoder_inputs)[encoder.output]

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from agent.inference import modes, speech
+from agent.inference import modes, pictures, speech
 from agent.inference.modes import Arrays
 from agent.inference.sampling import Sampler, SamplingParams
 from agent.inference.text_stream import TextStream
@@ -46,9 +46,10 @@ class GenerateAsk:
     sampler: Sampler
     tokens_per_chunk: int = 1
     text: TextStream | None = None
-    # A speech encoder's input (Whisper's log-mel features): the prompt is then the decoder's,
-    # its detected language still to go in at `language_at`, where one is to be detected.
-    features: np.ndarray[Any, Any] | None = None
+    # A speech or image encoder's input (log-mel features, pixel values): the prompt is then
+    # the decoder's, its detected language still to go in at `language_at`, where a
+    # Whisper's is to be detected.
+    encoder_input: np.ndarray[Any, Any] | None = None
     language_at: int | None = None
     rules: TokenRules | None = None  # what the configs impose (made by `ask_of`)
     beams: int = 1  # above 1: beam search (`agent.inference.beam`)
@@ -65,7 +66,7 @@ class GenerateAsk:
         """What the decoder reads before its first new token: the prompt, or an
         encoder-decoder's start token (its prompt goes to the encoder)."""
         start = self.setup.decoder_start
-        return self.prompt if start is None or self.features is not None else [start]
+        return self.prompt if start is None or self.encoder_input is not None else [start]
 
     def ending(self) -> dict[str, Any]:
         """The keys of the stream's terminal message."""
@@ -79,15 +80,19 @@ class GenerateAsk:
 def ask_of(inputs: Mapping[str, Any], params: Mapping[str, Any], setup: Generation) -> GenerateAsk:
     """A request's inputs and params checked against a generate version (`bad_request`)."""
     tokenizer = setup.tokenizer
-    features, language_at = None, None
+    encoder_input, language_at = None, None
     if setup.log_mel is not None:
-        features = speech.features_of(inputs, setup.log_mel)
+        encoder_input = speech.features_of(inputs, setup.log_mel)
         prompt, language_at = speech.prompt_of(inputs, params, setup)
+    elif setup.image is not None and setup.decoder_start is not None:
+        speech.refuse_prompt_params(params)
+        encoder_input = pictures.pixels_of(inputs, setup.image)
+        prompt = [setup.decoder_start]
     else:
         speech.refuse_prompt_params(params)
         prompt = _prompt_ids(inputs, setup)
     room = setup.max_new_tokens
-    if setup.context is not None and setup.encoder is not None and features is None:
+    if setup.context is not None and setup.encoder is not None and encoder_input is None:
         if len(prompt) > setup.context:  # the encoder's positions; the decoder's own
             raise WireError(
                 "bad_request",
@@ -114,7 +119,7 @@ def ask_of(inputs: Mapping[str, Any], params: Mapping[str, Any], setup: Generati
     settings = setup.token_settings
     sampler = Sampler(SamplingParams.parse(params, settings.repetition_penalty))
     ask = GenerateAsk(setup, prompt, min(asked, room), sampler, per_chunk, text)
-    ask.features, ask.language_at = features, language_at
+    ask.encoder_input, ask.language_at = encoder_input, language_at
     ask.rules = TokenRules(settings, setup.eos, ask.max_new_tokens)
     ask.beams = _beams(params, setup, sampler.params.temperature > 0, bool(stops))
     return ask

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from agent.inference.modes import Arrays, Run
-from agent.models.decoder_layout import FEATURES, Generation
+from agent.models.decoder_layout import Generation
+from agent.models.encoders import FEATURES
 from agent.models.log_mel import LogMel
 from agent.models.speech_prompt import PromptRefused
 from agent.protocol.errors import WireError

@@ -16,16 +16,11 @@ from its decoder's signature too: `encoder_hidden_states` and `encoder_attention
 cache of `past_key_values.N.decoder.*` (grown by each run) and `past_key_values.N.encoder.*`
 (the cross-attention's, made by the first run and fed unchanged after it). Its version folder
 holds the decoder as `model.onnx` (optimum's `decoder_model_merged.onnx`) and the encoder as
-`encoder_model.onnx` beside it, opened on the same backend (:class:`Encoder`); the decoder
-starts from `decoder_start_token_id`, and `forced_bos_token_id` / `forced_eos_token_id` force
-the first and the last new token, as `generate` forces them.
-
-A speech recogniser (optimum's `automatic-speech-recognition-with-past`: Whisper) is an
-encoder-decoder whose encoder reads log-mel features (`input_features`): the folder's
-`preprocessor_config.json` gives them (`agent.models.log_mel`), and its
-`generation_config.json` the decoder's prompt of language and task tokens
-(`agent.models.speech_prompt`). Every generate version takes its configs' `suppress_tokens`
-and `begin_suppress_tokens` (`Generation.suppress`), as `generate` does.
+`encoder_model.onnx` beside it, opened on the same backend (`agent.models.encoders`, which
+says what the encoder reads: text, a Whisper's recording, an image-to-text model's picture);
+the decoder starts from `decoder_start_token_id`. What the configs impose on the tokens
+(forced, suppressed, n-grams, minimum lengths, beams) is `Generation.token_settings`
+(`agent.models.token_settings`).
 
 The eos ids come from `[generate] eos`, else `generation_config.json`, else `config.json` in the
 version folder; the context length from `[generate] context`, else `config.json`
@@ -49,10 +44,12 @@ import numpy as np
 
 from agent.models.backends.base import DeviceBinding, ModelLoadError, Session, TensorSpec
 from agent.models.chat_template import ChatTemplate, open_chat_template
+from agent.models.encoders import ENCODER_FILE, FEATURES, Encoder, encoder_reads
 from agent.models.generate_config import GenerateConfig
 from agent.models.hf_files import context_of, model_max_length, read_json, whole_number
-from agent.models.log_mel import LogMel, open_log_mel
-from agent.models.speech_prompt import SpeechPrompt, speech_prompt_of
+from agent.models.log_mel import LogMel
+from agent.models.preprocess import PreprocessConfig, preprocess_image
+from agent.models.speech_prompt import SpeechPrompt
 from agent.models.token_settings import TokenSettings, first_number, token_settings_of, unapplied
 from agent.models.tokenizer import TextCodec, open_tokenizer
 
@@ -76,10 +73,8 @@ log = logging.getLogger(__name__)
 PAST_INPUT = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")  # a cache input's name
 # An encoder-decoder's decoder: its own cache (`decoder`) and the cross-attention's (`encoder`).
 CROSS_PAST_INPUT = re.compile(r"^past_key_values\.(\d+)\.(decoder|encoder)\.(key|value)$")
-ENCODER_FILE = "encoder_model.onnx"  # optimum's name for an encoder-decoder's encoder
 ENCODER_STATES = "encoder_hidden_states"  # the decoder's input of the encoder's output
 ENCODER_MASK = "encoder_attention_mask"
-FEATURES = "input_features"  # a speech encoder's input (Whisper's log-mel spectrogram)
 # A decoder's other inputs, as exporters name them (`[generate]` may rename the first three).
 DECODER_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache_branch"})
 
@@ -142,55 +137,6 @@ class CrossInputs:
     mask_dtype: np.dtype[Any] | None
 
 
-class Encoder:
-    """An encoder-decoder's encoder (`encoder_model.onnx`), run once a request before the
-    decoder's first run: the prompt's ids (and a mask of ones) in, or a speech encoder's
-    log-mel features (Whisper's `input_features`); its last hidden states out."""
-
-    def __init__(self, session: Session) -> None:
-        ins = {spec.name: spec for spec in session.inputs}
-        self.features = FEATURES in ins  # a speech encoder's
-        taken = {FEATURES} if self.features else {"input_ids", "attention_mask"}
-        first = FEATURES if self.features else "input_ids"
-        kinds = "f" if self.features else "iu"
-        if first not in ins or np.dtype(ins[first].dtype).kind not in kinds:
-            raise ModelLoadError(
-                f"{ENCODER_FILE}: no {'float' if self.features else 'integer'} {first}"
-            )
-        unknown = sorted(set(ins) - taken)
-        if unknown or not session.outputs:
-            raise ModelLoadError(
-                f"{ENCODER_FILE}: inputs {', '.join(sorted(ins))} and no more than "
-                f"{' and '.join(sorted(taken))} are an encoder's"
-            )
-        self.session = session
-        self.input = ins[first]
-        mask = ins.get("attention_mask")
-        self._mask = np.dtype(mask.dtype) if mask is not None else None
-        names = [spec.name for spec in session.outputs]
-        self.output = "last_hidden_state" if "last_hidden_state" in names else names[0]
-
-    def inputs(self, ids: Sequence[int]) -> dict[str, Any]:
-        """A text encoder's inputs for one prompt."""
-        made: dict[str, Any] = {"input_ids": np.array([ids], dtype=self.input.dtype)}
-        if self._mask is not None:
-            made["attention_mask"] = np.ones((1, len(ids)), dtype=self._mask)
-        return made
-
-    def warm_up(self, inputs: dict[str, Any]) -> str | None:
-        """One run on `inputs` at load, so that the first request does not pay the
-        runtime's first allocations; why it failed, else None (the version still serves: the
-        decoder's warm-up is the one that counts)."""
-        try:
-            self.session.run(inputs)
-        except Exception as e:  # the backend's own error types: a guessed input, not the model
-            return str(e)
-        return None
-
-    def close(self) -> None:
-        self.session.close()
-
-
 @dataclass(frozen=True)
 class Generation:
     """A generate version's layout, stopping rules and tokenizer."""
@@ -211,6 +157,7 @@ class Generation:
     token_settings: TokenSettings = field(default_factory=TokenSettings)
     log_mel: LogMel | None = None  # a speech encoder's features (Whisper)
     speech: SpeechPrompt | None = None  # a Whisper decoder's prompt rules
+    image: PreprocessConfig | None = None  # an image encoder's preprocessing (TrOCR, captioners)
 
     @property
     def batchable(self) -> bool:
@@ -218,7 +165,7 @@ class Generation:
         recogniser's encoder reads a fixed window, so its outputs are all one length and need
         no mask: its decoders join without `encoder_attention_mask` (Whisper has none)."""
         layout = self.layout
-        if self.log_mel is not None:
+        if self.log_mel is not None or self.image is not None:
             return bool(layout.cache) and all(slot.past_axis > 0 for slot in layout.cache)
         return layout.batchable
 
@@ -228,6 +175,9 @@ class Generation:
             return None
         if self.log_mel is not None:
             return {FEATURES: self.log_mel.features(np.zeros(0, dtype=np.float32))}
+        if self.image is not None:
+            blank = np.zeros((32, 32, 3), dtype=np.uint8)
+            return {self.encoder.input.name: preprocess_image(blank, self.image)[0]}
         if self.decoder_start is None:
             return None
         return self.encoder.inputs([self.decoder_start] * 4)
@@ -315,34 +265,9 @@ def _with_encoder(
     except BaseException:
         session.close()
         raise
-    speech = _speech_of(encoder, folder, configs) if encoder.features else {}
     return dataclasses.replace(
-        generation,
-        encoder=encoder,
-        decoder_start=start,
-        **speech,
+        generation, encoder=encoder, decoder_start=start, **encoder_reads(encoder, folder, configs)
     )
-
-
-def _speech_of(
-    encoder: Encoder, folder: Path, configs: tuple[dict[str, Any], dict[str, Any]]
-) -> dict[str, Any]:
-    """A speech encoder's feature extractor and prompt rules (`Generation.log_mel`,
-    `Generation.speech`); ModelLoadError where the folder's extractor is not one the agent
-    computes, or its sizes are not the encoder's."""
-    log_mel = open_log_mel(folder)
-    if log_mel is None:
-        raise ModelLoadError(
-            f"the encoder takes {FEATURES}: its folder needs the preprocessor_config.json of a "
-            "WhisperFeatureExtractor"
-        )
-    shape = encoder.input.shape
-    if len(shape) != 3 or shape[1:] != (log_mel.mels, log_mel.frames):
-        raise ModelLoadError(
-            f"{ENCODER_FILE}: {FEATURES} {encoder.input.describe()} is not [batch, "
-            f"{log_mel.mels}, {log_mel.frames}] as preprocessor_config.json makes them"
-        )
-    return {"log_mel": log_mel, "speech": speech_prompt_of(configs)}
 
 
 def recognise(

@@ -329,11 +329,14 @@ def text_inputs_of(loaded: LoadedVersion) -> list[str]:
     """The inputs a request may send in place of the signature's: `prompt` (a tokenizer
     makes the token ids), `pair` (an encoder's second text a row), `messages` (a generate
     model's chat template lays them out), a speech recogniser's recording (`input_values`) or
-    log-mel features (`input_features`) and previous text (`prompt`)."""
+    log-mel features (`input_features`) and previous text (`prompt`), an image-to-text
+    model's picture (`pixel_values`)."""
     generation = loaded.generation
     if generation is not None:
         if generation.log_mel is not None:  # a speech recogniser: a recording (or its features)
             return ["input_values", "input_features", "prompt"]
+        if generation.image is not None:  # image to text: a picture
+            return ["pixel_values"]
         if generation.tokenizer is None:
             return []
         return ["prompt", "messages"] if generation.chat is not None else ["prompt"]
