@@ -3,13 +3,13 @@
 A request is checked into a `GenerateAsk` (prompt ids, limits, sampling, stop strings) by
 `ask_of` (`agent.inference.generate_ask`, re-exported here); the strategy :func:`generate`
 (registered in `agent.inference.modes.STRATEGIES`) then runs each member as Hugging Face's
-`generate` does:
-a prefill of the whole prompt with an empty past (past length 0), then one run per new token
-with the past taken from `present.*`, the attention mask and positions grown by one. The token
-is chosen outside the graph (`agent.inference.sampling`); the generation ends at an eos token
-(`eos`), at `max_new_tokens` (`length`), at a stop string (`stop`) or when `ROOT/cancel` asked
-(`cancelled`). Every `tokens_per_chunk` tokens are one piece, `outputs: {tokens: int64 [k]}`
-and, with a tokenizer, the piece's `text` (`agent.inference.text_stream`).
+`generate` does: a prefill of the whole prompt with an empty past (past length 0), then one
+run per new token with the past taken from `present.*`, the attention mask and positions grown
+by one. The token is chosen outside the graph (`agent.inference.sampling`); the generation
+ends at an eos token (`eos`), at `max_new_tokens` (`length`), at a stop string (`stop`) or when
+`ROOT/cancel` asked (`cancelled`). Every `tokens_per_chunk` tokens are one piece,
+`outputs: {tokens: int64 [k]}` and, with a tokenizer, the piece's `text`
+(`agent.inference.text_stream`).
 
 An encoder-decoder (`Generation.encoder`) runs its encoder once on the prompt first; the
 decoder then starts from its start token, takes the encoder's states at every run, and feeds
@@ -24,13 +24,12 @@ prefills one by one, then every later step together, a row each
 (`agent.inference.generate_lockstep`); a layout without the mask or explicit positions, which
 left padding needs, has them interleave, a run each in turn. A beam search
 (`agent.inference.beam`) runs its beams as the rows of its own runs, never in lock-step with
-others. On the CPU the cache stays what
-the session returns (numpy, fed back as it is, without a copy; ONNX Runtime's `OrtValue`s
-through `run_with_ort_values` measured slower there, the wrapping of each small input costing
-more than it saves); on a GPU provider it stays on the device (`Generation.device_cache`).
-A step allocates nothing of its own but the token list: the mask is a view, the token and its
-position are written into arrays made once, greedy takes the arg max of the logits row as it
-is.
+others. On the CPU the cache stays what the session returns (numpy, fed back as it is,
+without a copy; ONNX Runtime's `OrtValue`s through `run_with_ort_values` measured slower
+there, the wrapping of each small input costing more than it saves); on a GPU provider it
+stays on the device (`Generation.device_cache`). A step allocates nothing of its own but the
+token list: the mask is a view, the token and its position are written into arrays made once,
+greedy takes the arg max of the logits row as it is.
 """
 
 from __future__ import annotations
