@@ -31,7 +31,8 @@ a task, or neither: detection; some after a previous text, ``text_prompt``) Hugg
 ``generate(do_sample=False, max_new_tokens=NEW_TOKENS)``: its prompt (the previous text's ids
 and ``init_tokens``), the new tokens, the finish, the text
 (``decode(skip_special_tokens=True)``), and the smallest gap between the best and second-best
-allowed logit on that path (suppressed tokens left out).
+allowed logit on that path (suppressed tokens left out); and ``generate(num_beams=3)``'s new
+tokens (``beam``).
 
 Everything is seeded; the references are PyTorch's on its AVX2 kernels with two threads, and
 the script runs itself again with ``PYTHONHASHSEED=0`` (optimum's merge names shared weights
@@ -269,7 +270,9 @@ def greedy(
         assert int(row.argmax()) == token, (step, token, int(row.argmax()))
         gaps.append(float(top[0] - top[1]))
     finish = "eos" if tokens and tokens[-1] == generation.eos_token_id else "length"
-    return {"prompt": init, "tokens": tokens, "finish": finish, "gap": min(gaps)}
+    with torch.no_grad():
+        beams = model.generate(torch.from_numpy(features), num_beams=3, **kwargs)[0].tolist()
+    return {"prompt": init, "tokens": tokens, "finish": finish, "gap": min(gaps), "beam": beams}
 
 
 def _config_for(model: Any, language: str | None, task: str | None) -> Any:

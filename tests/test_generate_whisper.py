@@ -141,6 +141,23 @@ def test_greedy_tokens_and_text_equal_hugging_face(
     assert reply.end.usage == {"prompt_tokens": len(ref["prompt"]), "completion_tokens": N}
 
 
+@pytest.mark.parametrize("case", range(len(REFERENCE["cases"])))
+def test_beam_search_equals_hugging_face(
+    agent_client: tuple[Agent, AgentClient], case: int
+) -> None:
+    """`params.num_beams = 3`: `generate(num_beams=3)`'s tokens, the prompt laid out (and the
+    language detected) as for greedy, the suppressed tokens barred on every beam."""
+    _, client = agent_client
+    ref = REFERENCE["cases"][case]
+    params = {"max_new_tokens": N, "num_beams": 3}
+    params.update({k: ref[k] for k in ("language", "task") if ref[k] is not None})
+    inputs: dict[str, Any] = {"input_values": ARRAYS[f"audio_{ref['clip']}"]}
+    if ref["text_prompt"] is not None:
+        inputs["prompt"] = ref["text_prompt"]
+    _, chunks = transcribe(client, "whisper", inputs, **params)
+    assert tokens_of(chunks) == ref["beam"]
+
+
 def test_the_cases_cover_detection_and_every_prompt_rule() -> None:
     """The references hold a detected language unlike the one asked elsewhere, a task asked
     without a language, and a language without a task (transcription added)."""
