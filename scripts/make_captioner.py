@@ -33,14 +33,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from make_decoders import byte_level_bpe  # this script's folder
 from make_real_models import _reexec_with_fixed_hash_seed  # optimum's merge: set order
+from optimum_export import export_kept, pin_environment
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "real" / "trocr"
@@ -51,21 +49,7 @@ STD = 1.0  # the decoder's init_std and the encoder's initializer_range: 0.02 gi
 THREADS = 2
 SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]
 IMAGES = ("stripes", "checker", "blobs", "gradient")
-KEEP = (
-    ("encoder_model.onnx", "encoder_model.onnx"),
-    ("decoder_model_merged.onnx", "model.onnx"),
-    ("config.json", "config.json"),
-    ("generation_config.json", "generation_config.json"),
-    ("preprocessor_config.json", "preprocessor_config.json"),
-    ("tokenizer.json", "tokenizer.json"),
-    ("tokenizer_config.json", "tokenizer_config.json"),
-    ("special_tokens_map.json", "special_tokens_map.json"),
-)
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
-os.environ.setdefault("DNNL_MAX_CPU_ISA", "AVX2")
+pin_environment()
 
 
 def images() -> dict[str, Any]:
@@ -182,19 +166,14 @@ def beams(model: Any, pixels: Any) -> list[int]:
 
 
 def export(model: Any, tokenizer: Any, dst: Path) -> None:
-    from optimum.exporters.onnx import main_export
+    """`dst` made anew with the files of optimum's export of `model`."""
 
-    with tempfile.TemporaryDirectory(prefix="trocr-export-") as tmp:
-        src, onnx_dir = Path(tmp) / "hf", Path(tmp) / "onnx"
+    def save(src: Path) -> None:
         model.save_pretrained(src)
         tokenizer.save_pretrained(src)
         processor().save_pretrained(src)
-        main_export(str(src), output=str(onnx_dir), task="image-to-text-with-past", device="cpu")
-        if dst.exists():
-            shutil.rmtree(dst)
-        dst.mkdir(parents=True)
-        for name, kept in KEEP:
-            shutil.copy(onnx_dir / name, dst / kept)
+
+    export_kept(save, "image-to-text-with-past", dst)
 
 
 def main() -> None:

@@ -46,14 +46,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from make_decoders import byte_level_bpe  # this script's folder
 from make_real_models import _reexec_with_fixed_hash_seed  # optimum's merge: set order
+from optimum_export import ENCODER_DECODER_FILES, export_kept, pin_environment, signature
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "real" / "seq2seq"
@@ -114,14 +112,8 @@ TUNED_BEAMS: dict[str, dict[str, Any]] = {
         "repetition_penalty": 1.5,
     },
 }
-KEEP = (  # what a fixture folder keeps of optimum's export, renamed
-    ("encoder_model.onnx", "encoder_model.onnx"),
-    ("decoder_model_merged.onnx", "model.onnx"),
-    ("config.json", "config.json"),
-    ("generation_config.json", "generation_config.json"),
-    ("tokenizer.json", "tokenizer.json"),
-    ("tokenizer_config.json", "tokenizer_config.json"),
-    ("special_tokens_map.json", "special_tokens_map.json"),
+KEEP = tuple(  # no processor: text in
+    (name, kept) for name, kept in ENCODER_DECODER_FILES if name != "preprocessor_config.json"
 )
 # The weights' scale. At T5's own (1) the decoder's output is mostly its input token's
 # embedding (tied to the output's): the seeds tried repeat one token. For BART, 0.2 and 0.5
@@ -131,12 +123,7 @@ T5_FACTOR = 4.0  # T5Config.initializer_factor
 BART_STD = 1.0  # BartConfig.init_std
 THREADS = 2  # PyTorch's results with one thread differ in their last digits
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# Before torch loads: its own and oneDNN's AVX2 kernels (AVX-512 kernels move the logits'
-# last digits, and with them the files' bytes).
-os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
-os.environ.setdefault("DNNL_MAX_CPU_ISA", "AVX2")
+pin_environment()
 
 
 def build_tokenizer(name: str) -> Any:
@@ -256,32 +243,12 @@ def ruled(model: Any, ids: list[int], settings: dict[str, Any]) -> tuple[list[in
 
 def export(model: Any, tokenizer: Any, dst: Path) -> None:
     """`dst` made anew with the KEEP files of optimum's export of `model`."""
-    from optimum.exporters.onnx import main_export
 
-    with tempfile.TemporaryDirectory(prefix="seq2seq-export-") as tmp:
-        src, onnx_dir = Path(tmp) / "hf", Path(tmp) / "onnx"
+    def save(src: Path) -> None:
         model.save_pretrained(src)
         tokenizer.save_pretrained(src)
-        main_export(
-            str(src), output=str(onnx_dir), task="text2text-generation-with-past", device="cpu"
-        )
-        if dst.exists():
-            shutil.rmtree(dst)
-        dst.mkdir(parents=True)
-        for name, kept in KEEP:
-            shutil.copy(onnx_dir / name, dst / kept)
 
-
-def signature(path: Path) -> dict[str, Any]:
-    """The inputs and outputs of the ONNX file `path` as ONNX Runtime reads them."""
-    import onnxruntime as ort
-
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-
-    def described(values: Any) -> list[dict[str, Any]]:
-        return [{"name": v.name, "type": v.type, "shape": v.shape} for v in values]
-
-    return {"inputs": described(session.get_inputs()), "outputs": described(session.get_outputs())}
+    export_kept(save, "text2text-generation-with-past", dst, KEEP)
 
 
 def make(name: str, out: Path, seed: int) -> dict[str, Any]:

@@ -43,14 +43,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from make_decoders import byte_level_bpe  # this script's folder
 from make_real_models import _reexec_with_fixed_hash_seed  # optimum's merge: set order
+from optimum_export import export_kept, pin_environment, signature
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "real" / "whisper"
@@ -83,21 +81,7 @@ CASES = [
     ("sweep", "en", "transcribe", "The little robot woke up."),
     ("chord", None, None, " Edge boxes stream tokens "),
 ]
-KEEP = (
-    ("encoder_model.onnx", "encoder_model.onnx"),
-    ("decoder_model_merged.onnx", "model.onnx"),
-    ("config.json", "config.json"),
-    ("generation_config.json", "generation_config.json"),
-    ("preprocessor_config.json", "preprocessor_config.json"),
-    ("tokenizer.json", "tokenizer.json"),
-    ("tokenizer_config.json", "tokenizer_config.json"),
-    ("special_tokens_map.json", "special_tokens_map.json"),
-)
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
-os.environ.setdefault("DNNL_MAX_CPU_ISA", "AVX2")
+pin_environment()
 
 
 def clips() -> dict[str, Any]:
@@ -189,36 +173,14 @@ def build(tokenizer: Any) -> Any:
 
 
 def export(model: Any, tokenizer: Any, extractor: Any, dst: Path) -> None:
-    """`dst` made anew with the KEEP files of optimum's export of `model`."""
-    from optimum.exporters.onnx import main_export
+    """`dst` made anew with the files of optimum's export of `model`."""
 
-    with tempfile.TemporaryDirectory(prefix="whisper-export-") as tmp:
-        src, onnx_dir = Path(tmp) / "hf", Path(tmp) / "onnx"
+    def save(src: Path) -> None:
         model.save_pretrained(src)
         tokenizer.save_pretrained(src)
         extractor.save_pretrained(src)
-        main_export(
-            str(src),
-            output=str(onnx_dir),
-            task="automatic-speech-recognition-with-past",
-            device="cpu",
-        )
-        if dst.exists():
-            shutil.rmtree(dst)
-        dst.mkdir(parents=True)
-        for name, kept in KEEP:
-            shutil.copy(onnx_dir / name, dst / kept)
 
-
-def signature(path: Path) -> dict[str, Any]:
-    import onnxruntime as ort
-
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-
-    def described(values: Any) -> list[dict[str, Any]]:
-        return [{"name": v.name, "type": v.type, "shape": v.shape} for v in values]
-
-    return {"inputs": described(session.get_inputs()), "outputs": described(session.get_outputs())}
+    export_kept(save, "automatic-speech-recognition-with-past", dst)
 
 
 def prompt_ids(tokenizer: Any, text: str) -> list[int]:

@@ -22,6 +22,17 @@ EOS = int(REFERENCE["eos"])
 GENERATE = '[stream]\nmode = "generate"\n'
 
 
+def streamed(client: AgentClient, model: str, inputs: dict[str, Any], **params: Any) -> Any:
+    """A generate request's reply and its chunks, read to the end (30 s at most)."""
+    reply = client.request(model, inputs, params=params or None, timeout=30)
+    return reply, list(reply)
+
+
+def tokens_of(chunks: list[Any]) -> list[int]:
+    """The tokens of a stream's chunks, in order."""
+    return [int(t) for c in chunks for t in c.outputs["tokens"]]
+
+
 def write_decoder(root: Path, name: str, arch: str, extra: str = "", *, text: bool = True) -> None:
     """`root/name/1/` holding the `arch` fixture (without its tokenizer where `text` is off)."""
     folder = root / name / "1"

@@ -31,7 +31,7 @@ from agent.models.decoder_layout import ENCODER_FILE, open_generation, recognise
 from agent.models.generate_config import GenerateConfig
 from agent.models.model_config import StreamConfig
 from agent.service.agent import Agent
-from tests.generate_helpers import spy_on_bound_caches
+from tests.generate_helpers import spy_on_bound_caches, streamed, tokens_of
 from tests.test_batching import batches_run
 
 pytest.importorskip("tokenizers")
@@ -86,15 +86,6 @@ def agent_client(
     yield from serve_agent(broker, agent_config(tmp, broker, root), 20)
 
 
-def generate(client: AgentClient, model: str, inputs: dict[str, Any], **params: Any) -> Any:
-    reply = client.request(model, inputs, params=params or None, timeout=30)
-    return reply, list(reply)
-
-
-def tokens_of(chunks: list[Any]) -> list[int]:
-    return [int(t) for c in chunks for t in c.outputs["tokens"]]
-
-
 def test_the_exports_load_and_the_broken_ones_say_why(
     agent_client: tuple[Agent, AgentClient],
 ) -> None:
@@ -120,7 +111,7 @@ def test_greedy_tokens_and_text_equal_hugging_face(
     token, BART's forced first token: Hugging Face's tokens, text, finish reason."""
     _, client = agent_client
     ref = REFERENCE["models"][arch]["cases"][case]
-    reply, chunks = generate(client, arch, {"prompt": ref["prompt"]}, max_new_tokens=N)
+    reply, chunks = streamed(client, arch, {"prompt": ref["prompt"]}, max_new_tokens=N)
     assert tokens_of(chunks) == ref["greedy"]
     assert "".join(c.text for c in chunks) == ref["text"]
     assert reply.end.finish_reason == ref["finish"]
@@ -140,7 +131,7 @@ def test_the_configs_ngram_ban_penalty_and_minimum_lengths_as_generate_applies_t
     settings."""
     _, client = agent_client
     ref = REFERENCE["models"][arch]["cases"][case]
-    reply, chunks = generate(client, f"{arch}_ruled", {"prompt": ref["prompt"]}, max_new_tokens=N)
+    reply, chunks = streamed(client, f"{arch}_ruled", {"prompt": ref["prompt"]}, max_new_tokens=N)
     assert tokens_of(chunks) == ref["ruled"]["greedy"]
     assert "".join(c.text for c in chunks) == ref["ruled"]["text"]
     assert reply.end.finish_reason == ref["ruled"]["finish"]
@@ -155,7 +146,7 @@ def test_beam_search_equals_hugging_face_and_streams_what_the_beams_agree_on(
     _, client = agent_client
     ref = REFERENCE["models"][arch]["cases"][case]
     inputs = {"prompt": ref["prompt"]}
-    reply, chunks = generate(client, arch, inputs, max_new_tokens=N, num_beams=4)
+    reply, chunks = streamed(client, arch, inputs, max_new_tokens=N, num_beams=4)
     assert tokens_of(chunks) == ref["beam"]["greedy"]
     assert "".join(c.text for c in chunks) == ref["beam"]["text"]
     assert reply.end.finish_reason == ref["beam"]["finish"]
@@ -171,7 +162,7 @@ def test_a_summarisers_search_settings_as_generate_applies_them(
     on each beam): Hugging Face's answer, the request asking nothing."""
     _, client = agent_client
     ref = REFERENCE["models"][arch]["cases"][case]
-    reply, chunks = generate(client, f"{arch}_tuned", {"prompt": ref["prompt"]}, max_new_tokens=N)
+    reply, chunks = streamed(client, f"{arch}_tuned", {"prompt": ref["prompt"]}, max_new_tokens=N)
     assert tokens_of(chunks) == ref["tuned_beam"]["greedy"]
     assert reply.end.finish_reason == ref["tuned_beam"]["finish"]
 
@@ -185,17 +176,17 @@ def test_beams_settle_before_the_end_and_follow_the_models_config(
     _, client = agent_client
     ref = REFERENCE["models"]["bart"]["cases"][1]
     inputs = {"prompt": ref["prompt"]}
-    _, chunks = generate(client, "bart", inputs, max_new_tokens=N, num_beams=4)
+    _, chunks = streamed(client, "bart", inputs, max_new_tokens=N, num_beams=4)
     assert len(chunks) > 2 and len(tokens_of(chunks[:1])) < len(ref["beam"]["greedy"])
-    _, by_config = generate(client, "bart_beams", inputs, max_new_tokens=N)
+    _, by_config = streamed(client, "bart_beams", inputs, max_new_tokens=N)
     assert tokens_of(by_config) == ref["beam"]["greedy"] != ref["greedy"]
-    _, greedy = generate(client, "bart_beams", inputs, max_new_tokens=N, num_beams=1)
+    _, greedy = streamed(client, "bart_beams", inputs, max_new_tokens=N, num_beams=1)
     assert tokens_of(greedy) == ref["greedy"]
-    _, sampled = generate(client, "bart_beams", inputs, max_new_tokens=4, temperature=1.0)
+    _, sampled = streamed(client, "bart_beams", inputs, max_new_tokens=4, temperature=1.0)
     assert len(tokens_of(sampled)) == 4
     for refused in ({"temperature": 1.0}, {"stop": ["x"]}):
         with pytest.raises(AgentError, match=r"params\.num_beams > 1 is a greedy search"):
-            generate(client, "bart", inputs, num_beams=2, **refused)
+            streamed(client, "bart", inputs, num_beams=2, **refused)
 
 
 def test_the_ruled_references_differ_where_each_rule_bites() -> None:
@@ -227,7 +218,7 @@ def test_token_ids_in_and_fewer_new_tokens(agent_client: tuple[Agent, AgentClien
     _, client = agent_client
     ref = REFERENCE["models"]["t5"]["cases"][1]
     ids = np.array([ref["ids"]], dtype=np.int64)
-    reply, chunks = generate(client, "t5", {"input_ids": ids}, max_new_tokens=5)
+    reply, chunks = streamed(client, "t5", {"input_ids": ids}, max_new_tokens=5)
     assert tokens_of(chunks) == ref["greedy"][:5]
     assert reply.end.finish_reason == "length"
     result = client.request("t5", {"input_ids": ids}, params={"max_new_tokens": 5}, stream=False)
@@ -239,7 +230,7 @@ def test_a_text_model_refuses_a_speech_prompts_params(
 ) -> None:
     _, client = agent_client
     with pytest.raises(AgentError, match=r"takes no params\.language nor params\.task"):
-        generate(client, "t5", {"prompt": "Hello"}, language="en")
+        streamed(client, "t5", {"prompt": "Hello"}, language="en")
 
 
 @pytest.mark.parametrize(
@@ -258,7 +249,7 @@ def test_concurrent_requests_each_get_their_own_tokens(
 
     def ask(k: int) -> None:
         inputs = {"prompt": refs[k]["prompt"]}
-        got[k] = tokens_of(generate(client, model, inputs, max_new_tokens=N)[1])
+        got[k] = tokens_of(streamed(client, model, inputs, max_new_tokens=N)[1])
 
     threads = [threading.Thread(target=ask, args=(k,), name=f"ask-{k}") for k in range(len(refs))]
     for thread in threads:
@@ -283,7 +274,7 @@ def test_beam_searches_share_a_batched_run_with_greedy_requests(
     def ask(k: int) -> None:
         params = {"num_beams": 4} if k % 2 else {}
         inputs = {"prompt": refs[k]["prompt"]}
-        got[k] = tokens_of(generate(client, "bart_batched", inputs, max_new_tokens=N, **params)[1])
+        got[k] = tokens_of(streamed(client, "bart_batched", inputs, max_new_tokens=N, **params)[1])
 
     threads = [threading.Thread(target=ask, args=(k,), name=f"ask-{k}") for k in range(4)]
     for thread in threads:
@@ -300,8 +291,8 @@ def test_a_prompt_longer_than_the_encoder_takes_is_refused(
     _, client = agent_client
     ref = REFERENCE["models"]["bart"]["cases"][0]
     with pytest.raises(AgentError, match=r"bad_request.*the encoder takes at most 12"):
-        generate(client, "bart_short", {"prompt": ref["prompt"]})
-    reply, chunks = generate(client, "bart_short", {"input_ids": np.array([[0, 5, 2]])})
+        streamed(client, "bart_short", {"prompt": ref["prompt"]})
+    reply, chunks = streamed(client, "bart_short", {"input_ids": np.array([[0, 5, 2]])})
     assert len(tokens_of(chunks)) == 11  # its start token takes one of the 12 positions
     assert reply.end.finish_reason == "length"
 
@@ -314,9 +305,9 @@ def test_a_t5_is_bounded_by_its_tokenizers_model_max_length(
     encoder whose attention grows with its square."""
     _, client = agent_client
     with pytest.raises(AgentError, match=r"bad_request.*the encoder takes at most 64"):
-        generate(client, "t5", {"input_ids": np.ones((1, 65), np.int64)})
+        streamed(client, "t5", {"input_ids": np.ones((1, 65), np.int64)})
     with pytest.raises(AgentError, match=r"bad_request.*characters: more than 64 tokens hold"):
-        generate(client, "t5", {"prompt": "x" * 6401})
+        streamed(client, "t5", {"prompt": "x" * 6401})
 
 
 class _Signature:

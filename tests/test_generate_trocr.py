@@ -25,6 +25,7 @@ from agent.models.backends.base import TensorSpec
 from agent.models.image_processor import processor_preprocess
 from agent.models.preprocess import load_cv2, preprocess_image
 from agent.service.agent import Agent
+from tests.generate_helpers import streamed, tokens_of
 from tests.test_batching import batches_run
 
 pytest.importorskip("tokenizers")
@@ -57,15 +58,6 @@ def agent_client(
 
 def png(case: dict[str, Any]) -> bytes:
     return (FIXTURES / case["image"]).read_bytes()
-
-
-def caption(client: AgentClient, model: str, inputs: dict[str, Any], **params: Any) -> Any:
-    reply = client.request(model, inputs, params=params or None, timeout=30)
-    return reply, list(reply)
-
-
-def tokens_of(chunks: list[Any]) -> list[int]:
-    return [int(t) for c in chunks for t in c.outputs["tokens"]]
 
 
 def test_the_pixel_values_equal_the_image_processors() -> None:
@@ -101,12 +93,12 @@ def test_greedy_and_beam_tokens_equal_hugging_face(
     """The PNG as it is in: `generate`'s greedy tokens, text and finish; its beam search's."""
     _, client = agent_client
     ref = CASES[case]
-    reply, chunks = caption(client, "trocr", {"pixel_values": png(ref)}, max_new_tokens=N)
+    reply, chunks = streamed(client, "trocr", {"pixel_values": png(ref)}, max_new_tokens=N)
     assert tokens_of(chunks) == ref["greedy"]
     assert "".join(c.text for c in chunks) == ref["text"]
     assert reply.end.finish_reason == ref["finish"]
     assert reply.end.usage == {"prompt_tokens": 1, "completion_tokens": len(ref["greedy"])}
-    _, beams = caption(client, "trocr", {"pixel_values": png(ref)}, max_new_tokens=N, num_beams=3)
+    _, beams = streamed(client, "trocr", {"pixel_values": png(ref)}, max_new_tokens=N, num_beams=3)
     assert tokens_of(beams) == ref["beam"]
 
 
@@ -116,9 +108,9 @@ def test_an_image_array_and_pixel_values_in_equal_the_png(
     _, client = agent_client
     ref = CASES[1]
     rgb = cv2.imread(str(FIXTURES / ref["image"]), cv2.IMREAD_COLOR)[:, :, ::-1].copy()
-    _, by_array = caption(client, "trocr", {"pixel_values": rgb}, max_new_tokens=N)
+    _, by_array = streamed(client, "trocr", {"pixel_values": rgb}, max_new_tokens=N)
     pixels = np.array(ref["pixel_values"], dtype=np.float32).reshape(1, 3, 32, 32)
-    _, by_pixels = caption(client, "trocr", {"pixel_values": pixels}, max_new_tokens=N)
+    _, by_pixels = streamed(client, "trocr", {"pixel_values": pixels}, max_new_tokens=N)
     assert tokens_of(by_array) == tokens_of(by_pixels) == ref["greedy"]
 
 
@@ -131,7 +123,7 @@ def test_concurrent_requests_step_in_lock_step(agent_client: tuple[Agent, AgentC
 
     def ask(k: int) -> None:
         inputs = {"pixel_values": png(CASES[k])}
-        got[k] = tokens_of(caption(client, "trocr_batched", inputs, max_new_tokens=N)[1])
+        got[k] = tokens_of(streamed(client, "trocr_batched", inputs, max_new_tokens=N)[1])
 
     threads = [threading.Thread(target=ask, args=(k,), name=f"ask-{k}") for k in range(4)]
     for thread in threads:
@@ -158,5 +150,5 @@ def test_bad_pictures_are_refused(
 ) -> None:
     _, client = agent_client
     with pytest.raises(AgentError) as e:
-        caption(client, "trocr", inputs, **params)
+        streamed(client, "trocr", inputs, **params)
     assert e.value.code == "bad_request" and says in str(e.value)

@@ -33,6 +33,7 @@ from agent.models.log_mel import open_log_mel
 from agent.models.model_config import StreamConfig
 from agent.models.speech_prompt import SpeechPrompt
 from agent.service.agent import Agent
+from tests.generate_helpers import streamed, tokens_of
 
 pytest.importorskip("tokenizers")
 
@@ -83,13 +84,15 @@ def agent_client(
     yield from serve_agent(broker, agent_config(tmp, broker, root), 20)
 
 
-def transcribe(client: AgentClient, model: str, inputs: dict[str, Any], **params: Any) -> Any:
-    reply = client.request(model, inputs, params=params or None, timeout=30)
-    return reply, list(reply)
-
-
-def tokens_of(chunks: list[Any]) -> list[int]:
-    return [int(t) for c in chunks for t in c.outputs["tokens"]]
+def request_of(ref: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The inputs and params of a reference case's request: its clip's samples, its previous
+    text, its language and task (those it names), `max_new_tokens`."""
+    inputs: dict[str, Any] = {"input_values": ARRAYS[f"audio_{ref['clip']}"]}
+    if ref["text_prompt"] is not None:
+        inputs["prompt"] = ref["text_prompt"]
+    params: dict[str, Any] = {"max_new_tokens": N}
+    params.update({k: ref[k] for k in ("language", "task") if ref[k] is not None})
+    return inputs, params
 
 
 def test_the_features_equal_the_feature_extractors() -> None:
@@ -129,12 +132,8 @@ def test_greedy_tokens_and_text_equal_hugging_face(
     before it, as `prompt_ids`), its tokens, text and finish out."""
     _, client = agent_client
     ref = REFERENCE["cases"][case]
-    params = {"max_new_tokens": N}
-    params.update({k: ref[k] for k in ("language", "task") if ref[k] is not None})
-    inputs: dict[str, Any] = {"input_values": ARRAYS[f"audio_{ref['clip']}"]}
-    if ref["text_prompt"] is not None:
-        inputs["prompt"] = ref["text_prompt"]
-    reply, chunks = transcribe(client, "whisper", inputs, **params)
+    inputs, params = request_of(ref)
+    reply, chunks = streamed(client, "whisper", inputs, **params)
     assert tokens_of(chunks) == ref["tokens"]
     assert "".join(c.text for c in chunks) == ref["text"]
     assert reply.end.finish_reason == ref["finish"]
@@ -149,12 +148,8 @@ def test_beam_search_equals_hugging_face(
     language detected) as for greedy, the suppressed tokens barred on every beam."""
     _, client = agent_client
     ref = REFERENCE["cases"][case]
-    params = {"max_new_tokens": N, "num_beams": 3}
-    params.update({k: ref[k] for k in ("language", "task") if ref[k] is not None})
-    inputs: dict[str, Any] = {"input_values": ARRAYS[f"audio_{ref['clip']}"]}
-    if ref["text_prompt"] is not None:
-        inputs["prompt"] = ref["text_prompt"]
-    _, chunks = transcribe(client, "whisper", inputs, **params)
+    inputs, params = request_of(ref)
+    _, chunks = streamed(client, "whisper", inputs, num_beams=3, **params)
     assert tokens_of(chunks) == ref["beam"]
 
 
@@ -184,7 +179,7 @@ def test_features_in_equal_samples_in(agent_client: tuple[Agent, AgentClient]) -
     ref = REFERENCE["cases"][2]
     features = ARRAYS[f"features_{ref['clip']}"]
     params = {"max_new_tokens": N, "language": ref["language"], "task": ref["task"]}
-    _, chunks = transcribe(client, "whisper", {"input_features": features}, **params)
+    _, chunks = streamed(client, "whisper", {"input_features": features}, **params)
     assert tokens_of(chunks) == ref["tokens"]
 
 
@@ -199,10 +194,8 @@ def test_concurrent_transcriptions_and_one_result(
     refs = REFERENCE["cases"][:4]
     replies = []
     for ref in refs:
-        params = {"max_new_tokens": N}
-        params.update({k: ref[k] for k in ("language", "task") if ref[k] is not None})
-        samples = {"input_values": ARRAYS[f"audio_{ref['clip']}"]}
-        replies.append(client.request(model, samples, params=params, timeout=30))
+        inputs, params = request_of(ref)
+        replies.append(client.request(model, inputs, params=params, timeout=30))
     for ref, reply in zip(refs, replies, strict=True):
         assert tokens_of(list(reply)) == ref["tokens"]
     ref = REFERENCE["cases"][1]
@@ -217,7 +210,7 @@ def test_an_eos_ends_the_transcription(agent_client: tuple[Agent, AgentClient]) 
     case, at = _eos_case()
     params = {"max_new_tokens": N, "language": case["language"], "task": case["task"]}
     samples = ARRAYS[f"audio_{case['clip']}"]
-    reply, chunks = transcribe(client, "whisper_eos", {"input_values": samples}, **params)
+    reply, chunks = streamed(client, "whisper_eos", {"input_values": samples}, **params)
     assert tokens_of(chunks) == case["tokens"][: at + 1]
     assert reply.end.finish_reason == "eos"
 
@@ -233,7 +226,7 @@ def test_suppressed_tokens_are_never_chosen(agent_client: tuple[Agent, AgentClie
     seen: set[int] = set()
     for seed in range(12):
         params = {"max_new_tokens": 24, "temperature": 50.0, "seed": seed, "language": "en"}
-        _, chunks = transcribe(client, "whisper", {"input_values": samples}, **params)
+        _, chunks = streamed(client, "whisper", {"input_values": samples}, **params)
         tokens = tokens_of(chunks)
         assert tokens[0] not in first
         seen.update(tokens)
@@ -271,10 +264,10 @@ def test_bad_recordings_and_prompts_are_refused(
 ) -> None:
     _, client = agent_client
     with pytest.raises(AgentError) as e:
-        transcribe(client, "whisper", inputs, **params)
+        streamed(client, "whisper", inputs, **params)
     assert e.value.code == "bad_request"
     assert says in str(e.value)
-    _, chunks = transcribe(client, "whisper", {"input_values": ARRAYS["audio_sweep"]})
+    _, chunks = streamed(client, "whisper", {"input_values": ARRAYS["audio_sweep"]})
     assert chunks, "the model still serves"
 
 
