@@ -33,6 +33,21 @@ def tokens_of(chunks: list[Any]) -> list[int]:
     return [int(t) for c in chunks for t in c.outputs["tokens"]]
 
 
+def tokens_by_member(session: Any, asks: list[Any]) -> tuple[Any, dict[int, list[int]]]:
+    """`asks` (`GenerateAsk`s) as the members of one run on `session`, generated to their
+    ends: the run (its counts) and each member's tokens."""
+    from agent.inference import generate
+    from agent.inference.modes import Member, Run
+    from agent.models.model_config import StreamConfig
+
+    run = Run(session, StreamConfig(mode="generate"), [Member({}, 1, generation=a) for a in asks])
+    tokens: dict[int, list[int]] = {k: [] for k in range(len(asks))}
+    for pieces in generate.generate(run):
+        for piece in pieces:
+            tokens[piece.member] += [int(t) for t in piece.outputs["tokens"]]
+    return run, tokens
+
+
 def write_decoder(root: Path, name: str, arch: str, extra: str = "", *, text: bool = True) -> None:
     """`root/name/1/` holding the `arch` fixture (without its tokenizer where `text` is off)."""
     folder = root / name / "1"

@@ -31,7 +31,7 @@ from agent.models.decoder_layout import ENCODER_FILE, open_generation, recognise
 from agent.models.generate_config import GenerateConfig
 from agent.models.model_config import StreamConfig
 from agent.service.agent import Agent
-from tests.generate_helpers import spy_on_bound_caches, streamed, tokens_of
+from tests.generate_helpers import spy_on_bound_caches, streamed, tokens_by_member, tokens_of
 from tests.test_batching import batches_run
 
 pytest.importorskip("tokenizers")
@@ -444,12 +444,8 @@ def test_members_of_one_run_step_in_lock_step(
         generate_mode.ask_of({"input_ids": np.array(c["ids"])}, {"max_new_tokens": N}, setup)
         for c in cases
     ]
-    run = Run(session, StreamConfig(mode="generate"), [Member({}, 1, generation=a) for a in asks])
-    tokens: dict[int, list[int]] = {k: [] for k in range(len(cases))}
     try:
-        for pieces in generate_mode.generate(run):
-            for piece in pieces:
-                tokens[piece.member] += [int(t) for t in piece.outputs["tokens"]]
+        run, tokens = tokens_by_member(session, asks)
     finally:
         setup.close()
         session.close()

@@ -24,16 +24,14 @@ from agent.client import AgentClient, AgentError
 from agent.demo.broker import EmbeddedBroker
 from agent.inference import generate as generate_mode
 from agent.inference.generate_lockstep import LockstepBatch
-from agent.inference.modes import Member, Run
 from agent.models.backends.base import BackendOptions
 from agent.models.backends.onnxruntime import OnnxRuntimeBackend
 from agent.models.decoder_layout import open_generation, recognise
 from agent.models.generate_config import GenerateConfig
 from agent.models.log_mel import open_log_mel
-from agent.models.model_config import StreamConfig
 from agent.models.speech_prompt import SpeechPrompt
 from agent.service.agent import Agent
-from tests.generate_helpers import streamed, tokens_of
+from tests.generate_helpers import streamed, tokens_by_member, tokens_of
 
 pytest.importorskip("tokenizers")
 
@@ -298,12 +296,8 @@ def test_members_of_one_run_step_in_lock_step() -> None:
         params = {k: case[k] for k in ("language", "task") if case[k] is not None}
         inputs = {"input_values": ARRAYS[f"audio_{case['clip']}"]}
         asks.append(generate_mode.ask_of(inputs, {"max_new_tokens": N, **params}, setup))
-    run = Run(session, StreamConfig(mode="generate"), [Member({}, 1, generation=a) for a in asks])
-    tokens: dict[int, list[int]] = {k: [] for k in range(len(cases))}
     try:
-        for pieces in generate_mode.generate(run):
-            for piece in pieces:
-                tokens[piece.member] += [int(t) for t in piece.outputs["tokens"]]
+        run, tokens = tokens_by_member(session, asks)
     finally:
         setup.close()
         session.close()
