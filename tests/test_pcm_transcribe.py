@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -170,6 +171,31 @@ def test_speech_keys_are_refused_for_other_kinds(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match='window: not for kind = "video"'):
         load_config(toml, environ={})
+
+
+def test_the_previous_text_starts_empty_when_the_source_reopens(
+    broker: EmbeddedBroker,
+    tmp_path: Path,
+    recording: tuple[Path, Path],
+    make_agent: Callable[..., Agent],
+    subscribe: Callable[..., Subscriber],
+) -> None:
+    """A command that writes the recording and exits is started again: the first window of
+    each opening reads no previous text (Hugging Face's answer for that window alone), at
+    offset 0 again; the second reads the first one's."""
+    models, path = recording
+    script = f"import sys; sys.stdout.buffer.write(open({str(path)!r}, 'rb').read())"
+    command = f"[{sys.executable!r}, '-c', {script!r}]"
+    toml = source(path, params=f"{{ max_new_tokens = {N} }}", retry_min_s=0.2, retry_max_s=0.3)
+    toml = toml.replace(f'path = "{path}"', f"command = {command}")
+    _, _, sub = start(broker, tmp_path, models, toml, make_agent, subscribe)
+    assert sub.wait_for(lambda ms: len(ms) >= 2 * len(CLIPS), 60), len(sub.messages)
+    chunks = chunks_of(sub)[: 2 * len(CLIPS)]
+    first = detected(CLIPS[0])
+    for opening in (chunks[:2], chunks[2:]):
+        assert [m["offset"] for m in opening] == [0, WINDOW]
+        assert outputs(opening[0])["tokens"].tolist() == first["tokens"]
+    assert outputs(chunks[1])["tokens"].tolist() == outputs(chunks[3])["tokens"].tolist()
 
 
 @pytest.mark.parametrize(
