@@ -82,6 +82,12 @@ def agent_client(
     yield from serve_agent(broker, agent_config(tmp, broker, root), 20)
 
 
+def language_of(ref: dict[str, Any]) -> str:
+    """The language token Hugging Face's prompt holds after its start token, as a code."""
+    heard = ref["prompt"][ref["prompt"].index(IDS["<|startoftranscript|>"]) + 1]
+    return next(code for code in ("en", "de", "fr") if IDS[f"<|{code}|>"] == heard)
+
+
 def request_of(ref: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The inputs and params of a reference case's request: its clip's samples, its previous
     text, its language and task (those it names), `max_new_tokens`."""
@@ -136,6 +142,7 @@ def test_greedy_tokens_and_text_equal_hugging_face(
     assert "".join(c.text for c in chunks) == ref["text"]
     assert reply.end.finish_reason == ref["finish"]
     assert reply.end.usage == {"prompt_tokens": len(ref["prompt"]), "completion_tokens": N}
+    assert reply.end.language == language_of(ref)  # asked, or detected
 
 
 @pytest.mark.parametrize("case", range(len(REFERENCE["cases"])))
@@ -200,7 +207,7 @@ def test_concurrent_transcriptions_and_one_result(
     samples = {"input_values": ARRAYS[f"audio_{ref['clip']}"]}
     result = client.request(model, samples, params={"max_new_tokens": N}, stream=False)
     assert result.collect()["tokens"].tolist() == ref["tokens"]
-    assert result.text == ref["text"]
+    assert result.text == ref["text"] and result.language == "fr"  # detected
 
 
 def test_an_eos_ends_the_transcription(agent_client: tuple[Agent, AgentClient]) -> None:

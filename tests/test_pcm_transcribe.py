@@ -20,6 +20,7 @@ from agent.demo.broker import EmbeddedBroker
 from agent.service.agent import Agent
 from tests.conftest import agent_config
 from tests.silero_helpers import SILERO, scan_config
+from tests.test_generate_whisper import language_of
 from tests.test_pcm_source import chunks_of, no_leaked_source_threads
 from tests.test_sources import Subscriber, outputs, subscribe
 
@@ -113,6 +114,7 @@ def test_each_window_alone_equals_hugging_face(
         assert outputs(message)["tokens"].tolist() == ref["tokens"]
         assert message["text"] == ref["text"]
         assert message["finish_reason"] == ref["finish"]
+        assert message["language"] == language_of(ref)  # detected
     assert agent.sources.runner("mic").snapshot()["state"] == "finished"
 
 

@@ -87,6 +87,7 @@ class StreamEnd:
     version: int
     finish_reason: str | None = None  # generate (and any cancelled request): why it ended
     usage: Mapping[str, int] | None = None  # generate: {prompt_tokens, completion_tokens}
+    language: str | None = None  # a speech recogniser's: the language asked or detected
 
 
 def decode_outputs(raw: Mapping[str, Any], limits: Limits = REPLY_LIMITS) -> Outputs:
@@ -152,6 +153,7 @@ class Reply:
     text: str | None = None  # a generate `result`'s whole text
     finish_reason: str | None = None  # a generate `result`'s (the `end`'s: in `end`)
     usage: Mapping[str, int] | None = None
+    language: str | None = None  # a speech recogniser's `result`: asked or detected
     version: int | None = None
     duplicates: int = 0
     messages: int = 0
@@ -282,6 +284,7 @@ class Reply:
                 int(message.get("version") or 0),
                 message.get("finish_reason"),
                 message.get("usage"),
+                message.get("language"),
             )
             return None
         if kind == "result":
@@ -292,6 +295,7 @@ class Reply:
             self.text = message.get("text")
             self.finish_reason = message.get("finish_reason")
             self.usage = message.get("usage")
+            self.language = message.get("language")
             return None
         if kind == "error":
             self._done = True

@@ -69,8 +69,14 @@ class GenerateAsk:
         return self.prompt if start is None or self.encoder_input is not None else [start]
 
     def ending(self) -> dict[str, Any]:
-        """The keys of the stream's terminal message."""
-        return {"finish_reason": self.finish_reason, "usage": self.usage}
+        """The keys of the stream's terminal message (a Whisper's: the language it heard in,
+        asked or detected)."""
+        keys: dict[str, Any] = {"finish_reason": self.finish_reason, "usage": self.usage}
+        speech = self.setup.speech
+        language = speech.language_in(self.prompt) if speech is not None else None
+        if language is not None:
+            keys["language"] = language
+        return keys
 
     def outputs(self) -> Arrays:
         """`stream: false`: the result's outputs, every new token in one tensor."""

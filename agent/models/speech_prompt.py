@@ -66,6 +66,14 @@ class SpeechPrompt:
         detect = self.detects(ids)
         return [i for at, i in enumerate(ids) if i is not None or (detect and at == 1)]
 
+    def language_in(self, ids: list[int]) -> str | None:
+        """The code of the language token after the start token of the prompt `ids` (asked,
+        forced or detected), None where it has none."""
+        at = ids.index(self.start) + 1 if self.start in ids else len(ids)
+        if at >= len(ids):
+            return None
+        return next((code for code, i in self.languages.items() if i == ids[at]), None)
+
     @staticmethod
     def detects(ids: list[int | None]) -> bool:
         """Whether the prompt `ids` waits for a detected language."""

@@ -93,6 +93,9 @@ class Transcriber:
         text = tokenizer.decode(ask.tokens) if tokenizer is not None else None
         self.previous = text.strip() if text is not None else ""
         extra: dict[str, Any] = {"finish_reason": ask.finish_reason}
+        language = ask.ending().get("language")
+        if language is not None:
+            extra["language"] = language
         if text is not None:
             extra["text"] = text
         return {"tokens": np.array(ask.tokens, dtype=np.int64)}, extra
