@@ -200,6 +200,33 @@ def test_the_previous_text_starts_empty_when_the_source_reopens(
     assert outputs(chunks[1])["tokens"].tolist() == outputs(chunks[3])["tokens"].tolist()
 
 
+def test_a_silent_window_is_not_run_and_the_text_after_it_starts_afresh(
+    broker: EmbeddedBroker,
+    tmp_path: Path,
+    recording: tuple[Path, Path],
+    make_agent: Callable[..., Agent],
+    subscribe: Callable[..., Subscriber],
+) -> None:
+    """`silence_dbfs = -60`: a window of silence between the clips gives a message without
+    tokens, `silent: true`; the window after it reads no previous text (Hugging Face's answer
+    for its clip alone), though `previous_text` is on."""
+    models, path = recording
+    clips = np.fromfile(path, dtype="<f4")
+    gapped = tmp_path / "gapped.f32"
+    gapped.write_bytes(np.concatenate([clips[:WINDOW], np.zeros(WINDOW, "<f4"), clips[WINDOW:]]))
+    params = f"{{ max_new_tokens = {N} }}"
+    toml = source(gapped, params=params, silence_dbfs=-60)
+    _, events, sub = start(broker, tmp_path, models, toml, make_agent, subscribe)
+    assert finished(events)
+    assert sub.wait_for(lambda ms: len(ms) >= 3, 10)
+    first, silent, last = chunks_of(sub)
+    assert outputs(first)["tokens"].tolist() == detected(CLIPS[0])["tokens"]
+    assert silent["silent"] is True and silent["text"] == ""
+    assert outputs(silent)["tokens"].size == 0 and silent["offset"] == WINDOW
+    assert outputs(last)["tokens"].tolist() == detected(CLIPS[1])["tokens"]
+    assert "silent" not in first and "silent" not in last
+
+
 @pytest.mark.parametrize(
     ("keys", "says"),
     [

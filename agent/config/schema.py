@@ -270,6 +270,7 @@ SOURCE_KEYS_BY_KIND = {
     "hop": ("pcm",),
     "params": ("pcm",),
     "previous_text": ("pcm",),
+    "silence_dbfs": ("pcm",),
 }
 SOURCE_KIND_DEFAULTS: dict[str, dict[str, Any]] = {
     "video": {"backend": "auto", "loop": False},
@@ -329,6 +330,7 @@ class SourceConfig(_Section):
     hop: int | None = Field(default=None, ge=1)
     params: dict[str, str | int | float] | None = None
     previous_text: bool | None = None
+    silence_dbfs: float | None = Field(default=None, ge=-120, le=0)  # quieter windows: not run
     seq_reserve: int = Field(default=1000, ge=1, le=1_000_000)  # see docs/protocol.md
     retry_min_s: float = Field(default=1.0, gt=0)
     retry_max_s: float = Field(default=30.0, gt=0)

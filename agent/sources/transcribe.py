@@ -11,7 +11,10 @@ source's end padded with silence (`tail = "pad"`); each runs as a generate reque
 With `previous_text` (the default) each window reads the text of the one before as its prompt
 (`inputs.prompt`: Whisper's `prompt_ids`, as openai-whisper's `condition_on_previous_text`
 feeds it), so words cut by a window's edge are heard in context; it starts empty at each
-opening of the source and when a new version serves. One worker at a time runs a source's
+opening of the source, when a new version serves, and after a silent window. With
+`silence_dbfs`, a window whose level (its RMS, in dB below full scale) is under it is not run
+(a Whisper makes words up in silence): its message has no tokens, an empty `text` and
+`silent: true`. One worker at a time runs a source's
 windows (its ticket), so the text needs no lock.
 """
 
@@ -84,7 +87,12 @@ class Transcriber:
         assert generation is not None  # `speech_window_plan` checked it at the opening
         if (record.fresh and chunk == 0) or loaded.version != self.version:
             self.previous, self.version = "", loaded.version
-        inputs: dict[str, Any] = {SAMPLES: record.windows(chunk)[0]}
+        window = record.windows(chunk)[0]
+        if self._silent(window):
+            self.previous = ""
+            empty = np.zeros(0, dtype=np.int64)
+            return {"tokens": empty}, {"finish_reason": None, "text": "", "silent": True}
+        inputs: dict[str, Any] = {SAMPLES: window}
         if self.config.previous_text is not False and self.previous:
             inputs["prompt"] = np.array(self.previous[-MAX_PREVIOUS_CHARS:], dtype=object)
         ask = ask_of(inputs, self.config.params or {}, generation)
@@ -99,6 +107,15 @@ class Transcriber:
         if text is not None:
             extra["text"] = text
         return {"tokens": np.array(ask.tokens, dtype=np.int64)}, extra
+
+
+    def _silent(self, window: np.ndarray[Any, Any]) -> bool:
+        """Whether the window is quieter than `silence_dbfs` (never, without one)."""
+        floor = self.config.silence_dbfs
+        if floor is None:
+            return False
+        rms = float(np.sqrt(np.mean(np.square(window, dtype=np.float64))))
+        return rms <= 0.0 or 20.0 * np.log10(rms) < floor
 
 
 def _transcribed(loaded: LoadedVersion, ask: GenerateAsk) -> None:
