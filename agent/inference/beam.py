@@ -97,7 +97,7 @@ class BeamDecoding:
         k, vocab = self.beams, logits.shape[-1]
         scores = self._processed(_log_softmax(logits)) + self.scores[:, None]
         flat = scores.reshape(-1)
-        top = np.argsort(-flat, kind="stable")[: self.keep]
+        top = _best(flat, self.keep)
         top_scores, rows, tokens = flat[top], top // vocab, top % vocab
         candidates = self.running[rows]
         candidates[:, self.length] = tokens
@@ -116,7 +116,7 @@ class BeamDecoding:
 
     def _processed(self, log_probs: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         """Each row's log-probabilities through the configs' rules, on its own sequence."""
-        settings, made = self.settings, self.length - len(self.start)
+        settings = self.settings
         penalty = self.ask.sampler.params.repetition_penalty
         forcing = settings.forced_bos is not None or settings.forced_eos is not None
         if settings.bars_nothing and not forcing and penalty == 1.0:
@@ -138,7 +138,6 @@ class BeamDecoding:
                 values[:] = -np.inf
                 values[forced] = 0.0
             out[row] = rules.allowed(values)
-        assert made >= 0
         return out
 
     def _finish(
@@ -237,6 +236,18 @@ class BeamDecoding:
         piece.chunk = bool(tokens) or bool(extra and extra["text"])
         self.sent += len(tokens)
         return piece
+
+
+def _best(scores: np.ndarray[Any, Any], count: int) -> np.ndarray[Any, Any]:
+    """The indices of the `count` highest `scores`, highest first (ties: lower index first):
+    a partition, then a sort of those alone (a vocabulary of 50,000 over 4 beams sorted
+    whole costs milliseconds a step)."""
+    if count >= scores.size:
+        return np.argsort(-scores, kind="stable")
+    chosen = np.argpartition(-scores, count - 1)[:count]
+    order = np.lexsort((chosen, -scores[chosen]))
+    best: np.ndarray[Any, Any] = chosen[order]
+    return best
 
 
 def _log_softmax(logits: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
