@@ -256,3 +256,32 @@ def test_a_source_the_recogniser_cannot_take_fails_and_says_why(
     failed = next(m for m in events.bodies() if m["type"] == "source_failed")
     assert says in failed["error"], failed
     assert not sub.bodies("chunk")
+
+
+def test_the_previous_text_is_cut_to_half_the_context_in_tokens() -> None:
+    """A long previous text, of characters that are several byte-level tokens each: the prompt
+    keeps its end, at most half the context less one in tokens (223 of Whisper's 448)."""
+    from agent.config import SourceConfig
+    from agent.models.backends.base import BackendOptions
+    from agent.models.backends.onnxruntime import OnnxRuntimeBackend
+    from agent.models.decoder_layout import open_generation
+    from agent.sources.transcribe import Transcriber
+
+    backend, options = OnnxRuntimeBackend(), BackendOptions(1)
+    session = backend.load(FIXTURES / "model.onnx", options)
+    setup = open_generation(None, session, FIXTURES, lambda f: backend.load(f, options))
+    try:
+        assert setup.context == 448 and setup.tokenizer is not None
+        config = SourceConfig(
+            name="mic", kind="pcm", model="whisper", path=Path("x"), sample_rate=16000
+        )
+        transcriber = Transcriber(config)
+        transcriber.previous = "début " + "日本語 café 🙂 " * 200 + "the end"
+        kept = transcriber._previous(setup)
+        assert transcriber.previous.endswith(kept) and kept.endswith("the end")
+        assert len(setup.tokenizer.encode(" " + kept, special=False)) <= 223
+        transcriber.previous = "short"
+        assert transcriber._previous(setup) == "short"
+    finally:
+        setup.close()
+        session.close()
