@@ -99,12 +99,13 @@ class BeamDecoding:
         flat = scores.reshape(-1)
         top = _best(flat, self.keep)
         top_scores, rows, tokens = flat[top], top // vocab, top % vocab
-        candidates = self.running[rows]
+        used = self.length + 1  # the ids every row holds after this step
+        candidates = self.running[:, :used][rows]  # copies of what is used, not the whole row
         candidates[:, self.length] = tokens
         ends = np.isin(tokens, self.eos) | (self.length + 1 >= self.max_length)
         running_scores = (top_scores + ends.astype(np.float32) * _LOST).astype(np.float32)
         nxt = np.argsort(-running_scores, kind="stable")[:k]
-        self.running, self.scores = candidates[nxt], running_scores[nxt]
+        self.running[:, :used], self.scores = candidates[nxt], running_scores[nxt]
         self._finish(candidates, top_scores, ends)
         self.length += 1
         self._check_improvable()
@@ -154,7 +155,8 @@ class BeamDecoding:
         merged_scores = np.concatenate([self.done_scores, normed])
         pick = np.argsort(-merged_scores, kind="stable")[:k]
         self.done_scores = merged_scores[pick]
-        self.done_ids = np.concatenate([self.done_ids, candidates])[pick]
+        used = candidates.shape[1]  # a kept hypothesis is no longer; past it, nothing is read
+        self.done_ids[:, :used] = np.concatenate([self.done_ids[:, :used], candidates])[pick]
         lengths = np.full(self.keep, generated, dtype=np.int64)
         self.done_lengths = np.concatenate([self.done_lengths, lengths])[pick]
         self.done = np.concatenate([self.done, just])[pick]
