@@ -518,6 +518,48 @@ class GpuCheck:
             )
         return ("PASS" if ok else "FAIL"), "; ".join(details), {}
 
+    def ort_image_to_text(self) -> tuple[str, str, dict[str, Any]]:
+        """The TrOCR-like fixture on the first GPU provider: each PNG preprocessed on the host,
+        the encoder and the decoder on the device, greedy tokens equal to Hugging Face's."""
+        from agent.models.backends.onnxruntime import OnnxRuntimeBackend
+        from agent.protocol.errors import Limits
+        from agent.protocol.images import encoded_image
+
+        if self.ort is None:
+            return "SKIP", "onnxruntime not importable", {}
+        available = self.ort.get_available_providers()
+        if "CUDAExecutionProvider" not in available:
+            return "SKIP", f"no CUDA execution provider ({', '.join(available)})", {}
+        fixtures = Path(__file__).resolve().parent.parent / "tests/fixtures/real/trocr"
+        reference = json.loads((fixtures / "reference.json").read_text())
+        backend = OnnxRuntimeBackend()
+        options = BackendOptions(
+            providers=("CUDAExecutionProvider", "CPUExecutionProvider"),
+            extra={"gpu": {"device_id": self.args.device}},
+        )
+        equal, bound, ms = 0, 0, 0.0
+        cases = reference["cases"]
+        for case in cases:
+            image = encoded_image((fixtures / case["image"]).read_bytes(), Limits(), "x", None)
+            session = backend.load(fixtures / "model.onnx", options)
+            try:
+                setup, tokens, ms = _greedy_tokens(
+                    session,
+                    fixtures,
+                    "",
+                    new_tokens=len(case["greedy"]),
+                    open_encoder=lambda f: backend.load(f, options),
+                    inputs={"pixel_values": image},
+                )
+                setup.close()
+            finally:
+                session.close()
+            equal += tokens == case["greedy"]
+            bound = len(setup.device_cache)
+        ok = equal == len(cases) and bound > 0
+        detail = f"{equal}/{len(cases)} images' tokens equal, {bound} cache outputs kept, "
+        return ("PASS" if ok else "FAIL"), detail + f"{ms:.2f} ms a token", {}
+
     def trt_generate(self, **tensorrt: Any) -> tuple[str, str, dict[str, Any]]:
         """The generate fixture built into an engine by the agent's builder and run by its
         own TensorRT session: the cache kept in the session's device arrays, greedy tokens
@@ -573,6 +615,7 @@ class GpuCheck:
         r.run("ONNX Runtime generate, cache on the device", self.ort_generate)
         r.run("ONNX Runtime encoder-decoder generate, caches on the device", self.ort_seq2seq)
         r.run("ONNX Runtime Whisper transcription, caches on the device", self.ort_whisper)
+        r.run("ONNX Runtime image to text, caches on the device", self.ort_image_to_text)
         r.run("TensorRT generate, cache in the session's device arrays", self.trt_generate)
         r.run(
             "TensorRT generate, activation memory by run",
