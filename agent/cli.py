@@ -249,6 +249,7 @@ def cmd_request(args: argparse.Namespace) -> int:
             print(
                 f"{total:9.2f} ms  end chunks={end.chunks}"
                 + (f"  {why} {end.usage}" if why else "")
+                + (f"  language={end.language}" if end.language else "")
             )
         print(
             f"timing (agent): {json.dumps(dict(reply.timing or {}))}"
