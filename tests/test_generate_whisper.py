@@ -325,3 +325,41 @@ def test_decoders_with_caches_of_different_lengths_do_not_join() -> None:
     assert LockstepBatch.joins(layout, [4, 4]) and not LockstepBatch.joins(layout, [3, 4])
     decoder = dataclasses.replace(layout, cross=None)
     assert LockstepBatch.joins(decoder, [3, 4])
+
+
+@pytest.mark.parametrize("case", [1, 7])
+def test_the_detection_run_reads_the_prompts_start_once(
+    case: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A detected language: the detection's run (the start token) is the prompt's first, and
+    the next run reads the rest of the prompt after its cache; with a previous text before the
+    start token, the prompt runs whole. The tokens are Hugging Face's either way."""
+    backend, options = OnnxRuntimeBackend(), BackendOptions(1)
+    session = backend.load(FIXTURES / "model.onnx", options)
+    setup = open_generation(None, session, FIXTURES, lambda f: backend.load(f, options))
+    ref = REFERENCE["cases"][case]
+    assert ref["language"] is None
+    shapes: list[tuple[int, ...]] = []
+    real = session.run
+
+    def spy(inputs: dict[str, Any]) -> Any:
+        shapes.append(tuple(inputs["input_ids"].shape))
+        return real(inputs)
+
+    monkeypatch.setattr(session, "run", spy)
+    inputs, params = request_of(ref)
+    if "prompt" in inputs:  # as the wire gives a text: a string tensor
+        inputs["prompt"] = np.array(inputs["prompt"], dtype=object)
+    try:
+        ask = generate_mode.ask_of(inputs, params, setup)
+        _, tokens = tokens_by_member(session, [ask])
+    finally:
+        setup.close()
+        session.close()
+    assert tokens[0] == ref["tokens"]
+    rest = len(ref["prompt"]) - 1  # after the start token
+    if ref["text_prompt"] is None:
+        assert shapes[:2] == [(1, 1), (1, rest)]
+    else:
+        assert shapes[:2] == [(1, 1), (1, len(ref["prompt"]))]
+    assert len(shapes) == 1 + N

@@ -65,8 +65,8 @@ class BeamDecoding:
         self.done = np.zeros(k, dtype=np.bool_)
         self.improvable = True
         self.length = len(self.start)  # ids in each running row
-        self.inputs = {**prefill, **cross}
-        self.cross = {name: np.repeat(value, k, axis=0) for name, value in cross.items()}
+        self.inputs = prefill
+        self.cross = {name: np.repeat(_host(value), k, axis=0) for name, value in cross.items()}
         self.sent = 0  # tokens already in pieces
         self.finished = False
 
@@ -250,6 +250,12 @@ def _best(scores: np.ndarray[Any, Any], count: int) -> np.ndarray[Any, Any]:
     order = np.lexsort((chosen, -scores[chosen]))
     best: np.ndarray[Any, Any] = chosen[order]
     return best
+
+
+def _host(value: Any) -> np.ndarray[Any, Any]:
+    """A numpy array of `value` (a device session's value copied to the host)."""
+    host: np.ndarray[Any, Any] = value if isinstance(value, np.ndarray) else value.numpy()
+    return host
 
 
 def _log_softmax(logits: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:

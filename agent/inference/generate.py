@@ -63,12 +63,12 @@ class _Decoding:
     the step inputs made once (the mask a view of one row of ones as long as the generation
     can grow; the new token and its position written in place before each run)."""
 
-    def __init__(self, ask: GenerateAsk, cross: Arrays) -> None:
+    def __init__(self, ask: GenerateAsk, cross: Arrays, prefill: Arrays) -> None:
         self.ask = ask
         # An encoder-decoder's decoder inputs of its encoder's run, and its cross-attention
         # cache once the first run made it: the same at every run.
         self.cross = cross
-        self.inputs = {**_prefill_inputs(ask), **self.cross}
+        self.inputs = prefill  # the first run's: the decoder's first ids whole
         self.pending: list[int] = []  # new tokens not yet in a piece (the last of ask.tokens)
         self.pending_text = ""
         layout = ask.setup.layout
@@ -88,12 +88,18 @@ def _decoding(run: Run, ask: GenerateAsk) -> _Decoding | BeamDecoding:
     """A member's loop state, its encoder run (an encoder-decoder's) and its language
     detected (a Whisper's, where none was asked)."""
     cross = _encoded(run, ask)
-    if ask.language_at is not None and ask.setup.speech is not None:
-        first = _sequence_inputs(ask.setup.layout, [ask.setup.speech.start])
-        speech.detect_language(run, ask, {**first, **cross})
+    prefill = None
+    speech_prompt = ask.setup.speech
+    if ask.language_at is not None and speech_prompt is not None:
+        first = _sequence_inputs(ask.setup.layout, [speech_prompt.start])
+        detected = speech.detect_language(run, ask, {**first, **cross})
+        if ask.prompt[0] == speech_prompt.start and ask.setup.layout.cache:
+            prefill = _continued(ask, detected, cross)  # the start token's cache reused
+    if prefill is None:
+        prefill = {**_prefill_inputs(ask), **cross}
     if ask.beams > 1:
-        return BeamDecoding(ask, _prefill_inputs(ask), cross)
-    return _Decoding(ask, cross)
+        return BeamDecoding(ask, prefill, cross)
+    return _Decoding(ask, cross, prefill)
 
 
 def generate(run: Run) -> Iterator[list[Piece]]:
@@ -275,6 +281,30 @@ def _last_logits(outputs: Arrays, ask: GenerateAsk) -> np.ndarray[Any, Any]:
 def _prefill_inputs(ask: GenerateAsk) -> Arrays:
     """The decoder's first ids whole, with an empty past."""
     return _sequence_inputs(ask.setup.layout, ask.decoder_ids)
+
+
+def _continued(ask: GenerateAsk, detected: Arrays, cross: Arrays) -> Arrays:
+    """The first run's inputs where the language detection's run already read the prompt's
+    start token: the rest of the prompt, after that run's cache. Its cross-attention cache
+    joins `cross`, fed unchanged from now on (later runs return placeholders for it)."""
+    layout = ask.setup.layout
+    rest = ask.decoder_ids[1:]
+    ids = np.array([rest], dtype=layout.int_dtypes[layout.input_ids])
+    inputs: Arrays = {layout.input_ids: ids}
+    if layout.attention_mask is not None:
+        dtype = layout.int_dtypes[layout.attention_mask]
+        inputs[layout.attention_mask] = np.ones((1, len(rest) + 1), dtype=dtype)
+    if layout.position_ids is not None:
+        dtype = layout.int_dtypes[layout.position_ids]
+        inputs[layout.position_ids] = np.arange(1, len(rest) + 1, dtype=dtype)[None, :]
+    if layout.cache_branch is not None:
+        inputs[layout.cache_branch] = _USE_CACHE
+    for slot in layout.cache:
+        if slot.fixed:
+            cross[slot.input] = detected[slot.output]
+        else:
+            inputs[slot.input] = detected[slot.output]
+    return {**inputs, **cross}
 
 
 def _encoded(run: Run, ask: GenerateAsk) -> Arrays:

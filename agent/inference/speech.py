@@ -132,16 +132,20 @@ def refuse_prompt_params(params: Mapping[str, Any]) -> None:
         raise WireError("bad_request", "the model takes no params.language nor params.task")
 
 
-def detect_language(run: Run, ask: GenerateAsk, first: Arrays) -> None:
+def detect_language(run: Run, ask: GenerateAsk, first: Arrays) -> Arrays:
     """The language the model finds likeliest after its start token (`first`: the decoder's
-    inputs for that token alone, with the encoder's), put in `ask.prompt` where it goes."""
+    inputs for that token alone, with the encoder's), put in `ask.prompt` where it goes; the
+    run's outputs (its cache: the start token's, which the prompt begins with where no
+    previous text comes before it)."""
     setup = ask.setup
     assert setup.speech is not None and ask.language_at is not None  # `prompt_of` asked
-    logits = run.model(first, setup.device_cache)[setup.layout.logits]
+    outputs = run.model(first, setup.device_cache)
+    logits = outputs[setup.layout.logits]
     languages = np.array(sorted(setup.speech.languages.values()))
     row = logits[0, -1]
     ask.prompt.insert(ask.language_at, int(languages[np.argmax(row[languages])]))
     ask.language_at = None
+    return outputs
 
 
 def _finite(value: np.ndarray[Any, Any], name: str) -> np.ndarray[Any, Any]:
