@@ -65,7 +65,8 @@ class BeamDecoding:
         self.done = np.zeros(k, dtype=np.bool_)
         self.improvable = True
         self.length = len(self.start)  # ids in each running row
-        self.inputs = prefill
+        # on the host: a detection's cache may be a device session's values (beams run unbound)
+        self.inputs = {name: _host(value) for name, value in prefill.items()}
         self.cross = {name: np.repeat(_host(value), k, axis=0) for name, value in cross.items()}
         self.sent = 0  # tokens already in pieces
         self.finished = False
