@@ -363,3 +363,34 @@ def test_the_detection_run_reads_the_prompts_start_once(
     else:
         assert shapes[:2] == [(1, 1), (1, len(ref["prompt"]))]
     assert len(shapes) == 1 + N
+
+
+@pytest.mark.parametrize("beams", [1, 3])
+def test_a_detected_transcription_on_a_device_session(
+    beams: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU provider the caches stay where ONNX Runtime made them (IOBinding), the
+    detection's too: greedy feeds them back bound; beams copy them to the host (they gather
+    rows). The same paths, bound on the CPU here: Hugging Face's tokens either way."""
+    import onnxruntime as ort
+
+    from agent.models.backends.onnxruntime import OnnxSession
+    from tests.generate_helpers import spy_on_bound_caches
+
+    monkeypatch.setattr(OnnxSession, "keeps_on_device", property(lambda self: True))
+    backend, options = OnnxRuntimeBackend(), BackendOptions(1)
+    session = backend.load(FIXTURES / "model.onnx", options)
+    setup = open_generation(None, session, FIXTURES, lambda f: backend.load(f, options))
+    assert setup.device_cache
+    fed = spy_on_bound_caches(monkeypatch)
+    ref = REFERENCE["cases"][1]  # its language detected
+    inputs, params = request_of(ref)
+    try:
+        ask = generate_mode.ask_of(inputs, {**params, "num_beams": beams}, setup)
+        _, tokens = tokens_by_member(session, [ask])
+    finally:
+        setup.close()
+        session.close()
+    assert tokens[0] == (ref["tokens"] if beams == 1 else ref["beam"])
+    if beams == 1:  # the detection's run, then every run fed the runtime's own values
+        assert fed[0] == {np.ndarray} and all(kinds == {ort.OrtValue} for kinds in fed[1:])
