@@ -239,11 +239,47 @@ def test_suppressed_tokens_are_never_chosen(agent_client: tuple[Agent, AgentClie
     assert len(seen) > 100, "the temperature spreads the choices over the vocabulary"
 
 
+def test_a_recording_longer_than_the_window_is_transcribed_window_after_window(
+    agent_client: tuple[Agent, AgentClient],
+) -> None:
+    """A recording of 32.5 s: its first 30 s as a request of its own would be transcribed
+    (Hugging Face's answer, the language detected), then the rest with the first window's
+    text as its prompt and the first window's language, as a request sending them would
+    be; one stream, its chunks numbered on, its `end` the last window's, its usage both's."""
+    _, client = agent_client
+    first = REFERENCE["cases"][1]  # the sweep, its language detected
+    sweep, chord = ARRAYS["audio_sweep"], ARRAYS["audio_chord"]
+    window = np.zeros(480000, np.float32)
+    window[: sweep.size] = sweep
+    recording = np.concatenate([window, chord])
+    reply, chunks = streamed(client, "whisper", {"input_values": recording}, max_new_tokens=N)
+    tokens = tokens_of(chunks)
+    assert tokens[:N] == first["tokens"]
+    language = language_of(first)
+    first_text = "".join(c.text for c in chunks[:N])
+    asked = {"max_new_tokens": N, "language": language}
+    alone = {"input_values": chord, "prompt": first_text.strip()}
+    second_reply, second = streamed(client, "whisper", alone, **asked)
+    assert tokens[N:] == tokens_of(second) and len(tokens) == 2 * N
+    assert [c.index for c in chunks] == list(range(2 * N))
+    assert "".join(c.text for c in chunks) == first_text + "".join(c.text for c in second)
+    assert reply.end.finish_reason == second_reply.end.finish_reason
+    assert reply.end.language == language
+    prompts = len(first["prompt"]) + second_reply.end.usage["prompt_tokens"]
+    assert reply.end.usage == {"prompt_tokens": prompts, "completion_tokens": 2 * N}
+    whole = client.request(
+        "whisper", {"input_values": recording}, params={"max_new_tokens": N}, stream=False
+    )
+    assert whole.collect()["tokens"].tolist() == tokens
+    assert whole.text == "".join(c.text for c in chunks)
+    with pytest.raises(AgentError, match=r"params\.stop is not taken"):
+        streamed(client, "whisper", {"input_values": recording}, stop=["x"])
+
+
 @pytest.mark.parametrize(
     ("inputs", "params", "says"),
     [
-        ({"input_values": np.zeros(480001, np.float32)}, {}, "holds 480001 samples"),
-        ({"input_values": np.zeros(0, np.float32)}, {}, "holds 0 samples"),
+        ({"input_values": np.zeros(0, np.float32)}, {}, "holds no samples"),
         ({"input_values": np.full(800, np.nan, np.float32)}, {}, "NaN or infinite"),
         ({"input_values": np.zeros((2, 800), np.float32)}, {}, "float samples [n] or [1, n]"),
         ({"input_values": np.zeros(800, np.int16)}, {}, "float samples [n] or [1, n]"),

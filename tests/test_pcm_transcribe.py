@@ -262,6 +262,7 @@ def test_the_previous_text_is_cut_to_half_the_context_in_tokens() -> None:
     """A long previous text, of characters that are several byte-level tokens each: the prompt
     keeps its end, at most half the context less one in tokens (223 of Whisper's 448)."""
     from agent.config import SourceConfig
+    from agent.inference import speech
     from agent.models.backends.base import BackendOptions
     from agent.models.backends.onnxruntime import OnnxRuntimeBackend
     from agent.models.decoder_layout import open_generation
@@ -277,11 +278,11 @@ def test_the_previous_text_is_cut_to_half_the_context_in_tokens() -> None:
         )
         transcriber = Transcriber(config)
         transcriber.previous = "début " + "日本語 café 🙂 " * 200 + "the end"
-        kept = transcriber._previous(setup)
+        kept = speech.tail(transcriber.previous, setup)
         assert transcriber.previous.endswith(kept) and kept.endswith("the end")
         assert len(setup.tokenizer.encode(" " + kept, special=False)) <= 223
         transcriber.previous = "short"
-        assert transcriber._previous(setup) == "short"
+        assert speech.tail(transcriber.previous, setup) == "short"
     finally:
         setup.close()
         session.close()

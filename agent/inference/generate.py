@@ -102,8 +102,71 @@ def _decoding(run: Run, ask: GenerateAsk) -> _Decoding | BeamDecoding:
     return _Decoding(ask, cross, prefill)
 
 
+class _Recording:
+    """A speech recogniser's recording longer than its encoder's window (`ask.recording`):
+    one generation a window, in order. The first is the member's own ask; each later one an
+    ask of its own (`ask_of` on the window's samples, with the window before's text as its
+    `inputs.prompt` and the first window's language), whose tokens, text and prompt the
+    member's ask gathers, so that the stream, its `end` and a `stream: false` result are one
+    transcription's. `max_new_tokens` holds for each window."""
+
+    def __init__(self, run: Run, ask: GenerateAsk) -> None:
+        assert ask.recording is not None
+        self.ask = ask
+        self.rest = ask.recording.rest
+        self.params = ask.recording.params
+        self.window = ask  # the generation of the window being transcribed
+        self.state = _decoding(run, ask)
+        self.offset = 0  # tokens of the windows before the current one
+
+    def advance(self, run: Run, position: int) -> Piece | None:
+        piece = _advance(run, position, self.state)
+        if piece is None or self.window is self.ask:
+            if piece is not None and piece.last and self._goes_on():
+                self._next(run)
+                piece.last = False
+            return piece
+        tokens = [int(t) for t in piece.outputs["tokens"]]
+        self.ask.tokens.extend(tokens)
+        piece.index += self.offset
+        last = piece.last and not self._goes_on()
+        if piece.last and not last:
+            self._next(run)
+        piece.last = last
+        if self.ask.text is not None:
+            text = self.ask.text.push(tokens) + (self.ask.text.finish() if last else "")
+            piece.extra = {"text": text}
+            piece.chunk = bool(tokens) or bool(text)
+        if last:
+            self.ask.finish_reason = self.window.finish_reason
+        return piece
+
+    def _goes_on(self) -> bool:
+        return self.rest.size > 0 and self.window.finish_reason in ("eos", "length")
+
+    def _next(self, run: Run) -> None:
+        """The next window's generation, after the one that just ended."""
+        setup, ended = self.ask.setup, self.window
+        log_mel, tokenizer, speech_prompt = setup.log_mel, setup.tokenizer, setup.speech
+        assert log_mel is not None
+        samples, self.rest = self.rest[: log_mel.samples], self.rest[log_mel.samples :]
+        inputs: dict[str, Any] = {speech.SAMPLES: samples}
+        previous = tokenizer.decode(ended.tokens).strip() if tokenizer is not None else ""
+        if previous and speech_prompt is not None:
+            inputs[speech.PREVIOUS_TEXT] = np.array(speech.tail(previous, setup), dtype=object)
+        params = dict(self.params)
+        language = speech_prompt.language_in(self.ask.prompt) if speech_prompt else None
+        if language is not None:
+            params["language"] = language
+        self.offset = len(self.ask.tokens)
+        window = ask_of(inputs, params, setup)
+        window.text = None  # the member's ask makes the stream's text
+        self.ask.prompt = [*self.ask.prompt, *window.prompt]
+        self.window, self.state = window, _decoding(run, window)
+
+
 def generate(run: Run) -> Iterator[list[Piece]]:
-    states = {p: _decoding(run, _ask(run, p)) for p in range(len(run.members))}
+    states = {p: _state(run, _ask(run, p)) for p in range(len(run.members))}
     plain = all(isinstance(state, _Decoding) for state in states.values())
     lockstep = len(states) > 1 and plain and _ask(run, 0).setup.batchable
     while states:
@@ -180,8 +243,15 @@ def _ask(run: Run, position: int) -> GenerateAsk:
     return ask
 
 
-def _advance(run: Run, position: int, state: _Decoding | BeamDecoding) -> Piece | None:
+def _state(run: Run, ask: GenerateAsk) -> _Decoding | BeamDecoding | _Recording:
+    """A member's loop state (a long recording's: window after window)."""
+    return _Recording(run, ask) if ask.recording is not None else _decoding(run, ask)
+
+
+def _advance(run: Run, position: int, state: _Decoding | BeamDecoding | _Recording) -> Piece | None:
     """One new token of one member (one step of its search); its piece where one is due."""
+    if isinstance(state, _Recording):
+        return state.advance(run, position)
     if isinstance(state, BeamDecoding):
         return _advance_beams(run, position, state)
     leaving, piece = _leaving(run, position, state)

@@ -27,13 +27,22 @@ from agent.models.decoder_layout import Generation
 from agent.models.tokenizer import too_long
 from agent.protocol.errors import WireError
 
-__all__ = ["MAX_BEAMS", "GenerateAsk", "ask_of"]
+__all__ = ["MAX_BEAMS", "GenerateAsk", "Recording", "ask_of"]
 
 MAX_STOPS = 16
 MAX_MESSAGES = 256  # rows of a conversation (`inputs.messages`)
 MAX_STOP_CHARS = 256
 MAX_TOKENS_PER_CHUNK = 4096
 MAX_BEAMS = 16
+
+
+@dataclass
+class Recording:
+    """What is left of a long recording after the window a generation reads, and the
+    request's params, which every window is asked with."""
+
+    rest: np.ndarray[Any, Any]
+    params: dict[str, Any]
 
 
 @dataclass
@@ -53,6 +62,9 @@ class GenerateAsk:
     language_at: int | None = None
     rules: TokenRules | None = None  # what the configs impose (made by `ask_of`)
     beams: int = 1  # above 1: beam search (`agent.inference.beam`)
+    # A speech recogniser's recording longer than its encoder's window: the samples after
+    # the first window, transcribed window after window (`agent.inference.generate`).
+    recording: Recording | None = None
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     first_token_at: float | None = None  # monotonic
@@ -86,9 +98,9 @@ class GenerateAsk:
 def ask_of(inputs: Mapping[str, Any], params: Mapping[str, Any], setup: Generation) -> GenerateAsk:
     """A request's inputs and params checked against a generate version (`bad_request`)."""
     tokenizer = setup.tokenizer
-    encoder_input, language_at = None, None
+    encoder_input, language_at, rest = None, None, None
     if setup.log_mel is not None:
-        encoder_input = speech.features_of(inputs, setup.log_mel)
+        encoder_input, rest = speech.features_of(inputs, setup.log_mel)
         prompt, language_at = speech.prompt_of(inputs, params, setup)
     elif setup.image is not None and setup.decoder_start is not None:
         speech.refuse_prompt_params(params)
@@ -128,6 +140,12 @@ def ask_of(inputs: Mapping[str, Any], params: Mapping[str, Any], setup: Generati
     ask.encoder_input, ask.language_at = encoder_input, language_at
     ask.rules = TokenRules(settings, setup.eos, ask.max_new_tokens)
     ask.beams = _beams(params, setup, sampler.params.temperature > 0, bool(stops))
+    if rest is not None:  # a recording longer than the encoder's window: one after another
+        if stops:
+            raise WireError(
+                "bad_request", "params.stop is not taken with a recording longer than 30 s"
+            )
+        ask.recording = Recording(rest, dict(params))
     return ask
 
 

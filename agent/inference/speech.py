@@ -33,24 +33,28 @@ from agent.protocol.errors import WireError
 if TYPE_CHECKING:
     from agent.inference.generate_ask import GenerateAsk
 
-__all__ = ["detect_language", "features_of", "prompt_of", "refuse_prompt_params"]
+__all__ = ["detect_language", "features_of", "prompt_of", "refuse_prompt_params", "tail"]
 
 SAMPLES = "input_values"  # what a request names its recording (as wav2vec2's input is named)
 PREVIOUS_TEXT = "prompt"  # the text the decoder reads before its prompt of special tokens
 PREVIOUS_TOKEN = "<|startofprev|>"
 MAX_PREVIOUS_CHARS = 4096
+DEFAULT_CONTEXT = 448  # Whisper's max_target_positions, where the version names none
 
 
-def features_of(inputs: Mapping[str, Any], log_mel: LogMel) -> np.ndarray[Any, Any]:
-    """The encoder's features of a request's recording, or the features it sent
-    (`bad_request` where they are neither)."""
+def features_of(
+    inputs: Mapping[str, Any], log_mel: LogMel
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any] | None]:
+    """The encoder's features of a request's recording (its first window's, and the samples
+    after that window where it is longer: `agent.inference.recording`), or the features it
+    sent (`bad_request` where they are neither)."""
     names = sorted(set(inputs) - {PREVIOUS_TEXT})
     if names == [FEATURES]:
         value = inputs[FEATURES]
         shape = (1, log_mel.mels, log_mel.frames)
         if not (isinstance(value, np.ndarray) and value.dtype.kind == "f" and value.shape == shape):
             raise WireError("bad_request", f"inputs.{FEATURES} must be floats {list(shape)}")
-        return _finite(value.astype(np.float32, copy=False), FEATURES)
+        return _finite(value.astype(np.float32, copy=False), FEATURES), None
     if names != [SAMPLES]:
         raise WireError(
             "bad_request",
@@ -63,15 +67,11 @@ def features_of(inputs: Mapping[str, Any], log_mel: LogMel) -> np.ndarray[Any, A
         value = value[0]
     if not (isinstance(value, np.ndarray) and value.dtype.kind == "f" and value.ndim == 1):
         raise WireError("bad_request", f"inputs.{SAMPLES} must be float samples [n] or [1, n]")
-    if not 0 < value.size <= log_mel.samples:
-        seconds = log_mel.samples / log_mel.sample_rate
-        raise WireError(
-            "bad_request",
-            f"inputs.{SAMPLES} holds {value.size} samples: the model reads 1 to "
-            f"{log_mel.samples} ({seconds:g} s at {log_mel.sample_rate} Hz); send a longer "
-            "recording in pieces",
-        )
-    return log_mel.features(_finite(value, SAMPLES))
+    if value.size == 0:
+        raise WireError("bad_request", f"inputs.{SAMPLES} holds no samples")
+    value = _finite(value, SAMPLES)
+    rest = value[log_mel.samples :] if value.size > log_mel.samples else None
+    return log_mel.features(value[: log_mel.samples]), rest
 
 
 def prompt_of(
@@ -123,6 +123,18 @@ def _previous_ids(inputs: Mapping[str, Any], setup: Generation) -> list[int]:
             "bad_request", f"inputs.{PREVIOUS_TEXT} holds a special token's text (<|...|>)"
         )
     return [start, *ids]
+
+
+def tail(previous: str, setup: Generation) -> str:
+    """The end of a previous window's text that the next window's prompt holds: at most as
+    many tokens as `generate`'s long-form keeps of it (half the context, less one), so that
+    it always leaves room; as many characters first, fewer where they make more tokens (a
+    character of several bytes can be several byte-level tokens)."""
+    keep = max(1, (setup.context or DEFAULT_CONTEXT) // 2 - 1)
+    text, tokenizer = previous[-keep:], setup.tokenizer
+    while tokenizer is not None and len(tokenizer.encode(" " + text, special=False)) > keep:
+        text = text[len(text) // 4 + 1 :]
+    return text
 
 
 def refuse_prompt_params(params: Mapping[str, Any]) -> None:

@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 
 from agent.config import SourceConfig
+from agent.inference import speech
 from agent.inference.generate import GenerateAsk, ask_of, generate
 from agent.inference.modes import Member, Run
 from agent.models.backends.base import Array
-from agent.models.decoder_layout import Generation
 from agent.models.manager import LoadedVersion
 from agent.protocol.errors import WireError
 from agent.sources.base import SourceError
@@ -37,7 +37,6 @@ from agent.sources.readers.pcm import PcmRecord, WindowPlan
 __all__ = ["Transcriber", "speech_window_plan"]
 
 SAMPLES = "input_values"
-DEFAULT_CONTEXT = 448  # Whisper's max_target_positions, where the version names none
 
 
 def speech_window_plan(config: SourceConfig, loaded: LoadedVersion) -> WindowPlan:
@@ -95,7 +94,7 @@ class Transcriber:
             return {"tokens": empty}, {"finish_reason": None, "text": "", "silent": True}
         inputs: dict[str, Any] = {SAMPLES: window}
         if self.config.previous_text is not False and self.previous:
-            inputs["prompt"] = np.array(self._previous(generation), dtype=object)
+            inputs["prompt"] = np.array(speech.tail(self.previous, generation), dtype=object)
         ask = ask_of(inputs, self.config.params or {}, generation)
         _transcribed(loaded, ask)
         tokenizer = generation.tokenizer
@@ -108,17 +107,6 @@ class Transcriber:
         if text is not None:
             extra["text"] = text
         return {"tokens": np.array(ask.tokens, dtype=np.int64)}, extra
-
-    def _previous(self, generation: Generation) -> str:
-        """The end of the previous window's text the prompt holds: at most as many tokens as
-        `generate`'s long-form keeps of it (half the context, less one), so that it always
-        leaves room; as many characters first, fewer where they make more tokens (a
-        character of several bytes can be several byte-level tokens)."""
-        keep = max(1, (generation.context or DEFAULT_CONTEXT) // 2 - 1)
-        text, tokenizer = self.previous[-keep:], generation.tokenizer
-        while tokenizer is not None and len(tokenizer.encode(" " + text, special=False)) > keep:
-            text = text[len(text) // 4 + 1 :]
-        return text
 
     def _silent(self, window: np.ndarray[Any, Any]) -> bool:
         """Whether the window is quieter than `silence_dbfs` (never, without one)."""
