@@ -407,23 +407,31 @@ class GpuCheck:
         ok = err < self.args.tolerance and running.split(",")[0] in wanted
         return ("PASS" if ok else "FAIL"), f"runs on {running}, relative error {err:.2e}", {}
 
+    def _cuda_options(self) -> tuple[BackendOptions | None, str]:
+        """ONNX Runtime's options for the CUDA provider on the chosen device, or None and why
+        the checks that need it are skipped."""
+        if self.ort is None:
+            return None, "onnxruntime not importable"
+        available = self.ort.get_available_providers()
+        if "CUDAExecutionProvider" not in available:
+            return None, f"no CUDA execution provider ({', '.join(available)})"
+        options = BackendOptions(
+            providers=("CUDAExecutionProvider", "CPUExecutionProvider"),
+            extra={"gpu": {"device_id": self.args.device}},
+        )
+        return options, ""
+
     def ort_generate(self) -> tuple[str, str, dict[str, Any]]:
         """The generate fixture on the first GPU provider: the cache kept on the device
         (IOBinding), greedy tokens equal to Hugging Face's, ms a token."""
         from agent.models.backends.onnxruntime import OnnxRuntimeBackend
 
-        if self.ort is None:
-            return "SKIP", "onnxruntime not importable", {}
-        available = self.ort.get_available_providers()
-        if "CUDAExecutionProvider" not in available:
-            return "SKIP", f"no CUDA execution provider ({', '.join(available)})", {}
+        options, skipped = self._cuda_options()
+        if options is None:
+            return "SKIP", skipped, {}
         folder = Path(__file__).resolve().parent.parent / "tests/fixtures/real/decoders/gpt2"
         reference = json.loads((folder.parent / "reference.json").read_text())
         case = reference["models"]["gpt2"][0]
-        options = BackendOptions(
-            providers=("CUDAExecutionProvider", "CPUExecutionProvider"),
-            extra={"gpu": {"device_id": self.args.device}},
-        )
         session = OnnxRuntimeBackend().load(folder / "model.onnx", options)
         try:
             setup, tokens, ms = _greedy_tokens(session, folder, case["prompt"])
@@ -440,18 +448,12 @@ class GpuCheck:
         Hugging Face's, ms a token."""
         from agent.models.backends.onnxruntime import OnnxRuntimeBackend
 
-        if self.ort is None:
-            return "SKIP", "onnxruntime not importable", {}
-        available = self.ort.get_available_providers()
-        if "CUDAExecutionProvider" not in available:
-            return "SKIP", f"no CUDA execution provider ({', '.join(available)})", {}
+        options, skipped = self._cuda_options()
+        if options is None:
+            return "SKIP", skipped, {}
         fixtures = Path(__file__).resolve().parent.parent / "tests/fixtures/real/seq2seq"
         reference = json.loads((fixtures / "reference.json").read_text())
         backend = OnnxRuntimeBackend()
-        options = BackendOptions(
-            providers=("CUDAExecutionProvider", "CPUExecutionProvider"),
-            extra={"gpu": {"device_id": self.args.device}},
-        )
         details, ok = [], True
         for arch in ("t5", "bart"):
             case = reference["models"][arch]["cases"][0]
@@ -479,19 +481,13 @@ class GpuCheck:
         language asked and for one detected, ms a token."""
         from agent.models.backends.onnxruntime import OnnxRuntimeBackend
 
-        if self.ort is None:
-            return "SKIP", "onnxruntime not importable", {}
-        available = self.ort.get_available_providers()
-        if "CUDAExecutionProvider" not in available:
-            return "SKIP", f"no CUDA execution provider ({', '.join(available)})", {}
+        options, skipped = self._cuda_options()
+        if options is None:
+            return "SKIP", skipped, {}
         fixtures = Path(__file__).resolve().parent.parent / "tests/fixtures/real/whisper"
         reference = json.loads((fixtures / "reference.json").read_text())
         audio = dict(np.load(fixtures / "reference.npz"))
         backend = OnnxRuntimeBackend()
-        options = BackendOptions(
-            providers=("CUDAExecutionProvider", "CPUExecutionProvider"),
-            extra={"gpu": {"device_id": self.args.device}},
-        )
         details, ok = [], True
         for case in reference["cases"][:2]:  # a language asked; one detected
             asked = {k: case[k] for k in ("language", "task") if case[k] is not None}
@@ -525,18 +521,12 @@ class GpuCheck:
         from agent.protocol.errors import Limits
         from agent.protocol.images import encoded_image
 
-        if self.ort is None:
-            return "SKIP", "onnxruntime not importable", {}
-        available = self.ort.get_available_providers()
-        if "CUDAExecutionProvider" not in available:
-            return "SKIP", f"no CUDA execution provider ({', '.join(available)})", {}
+        options, skipped = self._cuda_options()
+        if options is None:
+            return "SKIP", skipped, {}
         fixtures = Path(__file__).resolve().parent.parent / "tests/fixtures/real/trocr"
         reference = json.loads((fixtures / "reference.json").read_text())
         backend = OnnxRuntimeBackend()
-        options = BackendOptions(
-            providers=("CUDAExecutionProvider", "CPUExecutionProvider"),
-            extra={"gpu": {"device_id": self.args.device}},
-        )
         equal, bound, ms = 0, 0, 0.0
         cases = reference["cases"]
         for case in cases:
