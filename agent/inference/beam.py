@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from agent.inference.generate_lockstep import on_host
 from agent.inference.modes import Arrays, Piece, Run
 from agent.inference.token_rules import TokenRules
 from agent.models.backends.base import InferenceError
@@ -66,8 +67,8 @@ class BeamDecoding:
         self.improvable = True
         self.length = len(self.start)  # ids in each running row
         # on the host: a detection's cache may be a device session's values (beams run unbound)
-        self.inputs = {name: _host(value) for name, value in prefill.items()}
-        self.cross = {name: np.repeat(_host(value), k, axis=0) for name, value in cross.items()}
+        self.inputs = {name: on_host(value) for name, value in prefill.items()}
+        self.cross = {name: np.repeat(on_host(value), k, axis=0) for name, value in cross.items()}
         self.sent = 0  # tokens already in pieces
         self.finished = False
 
@@ -251,12 +252,6 @@ def _best(scores: np.ndarray[Any, Any], count: int) -> np.ndarray[Any, Any]:
     order = np.lexsort((chosen, -scores[chosen]))
     best: np.ndarray[Any, Any] = chosen[order]
     return best
-
-
-def _host(value: Any) -> np.ndarray[Any, Any]:
-    """A numpy array of `value` (a device session's value copied to the host)."""
-    host: np.ndarray[Any, Any] = value if isinstance(value, np.ndarray) else value.numpy()
-    return host
 
 
 def _log_softmax(logits: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:

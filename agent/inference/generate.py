@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -120,24 +120,25 @@ class _Recording:
         self.offset = 0  # tokens of the windows before the current one
 
     def advance(self, run: Run, position: int) -> Piece | None:
+        """One step of the window being transcribed; its piece as the stream's (numbered
+        on, its text the member's), not the last where a next window follows."""
         piece = _advance(run, position, self.state)
-        if piece is None or self.window is self.ask:
-            if piece is not None and piece.last and self._goes_on():
-                self._next(run)
-                piece.last = False
-            return piece
-        tokens = [int(t) for t in piece.outputs["tokens"]]
-        self.ask.tokens.extend(tokens)
-        piece.index += self.offset
-        last = piece.last and not self._goes_on()
-        if piece.last and not last:
+        if piece is None:
+            return None
+        goes_on = piece.last and self._goes_on()
+        if self.window is not self.ask:  # the member's ask did not see this window's tokens
+            tokens = [int(t) for t in piece.outputs["tokens"]]
+            self.ask.tokens.extend(tokens)
+            piece.index += self.offset
+            if self.ask.text is not None:
+                ending = piece.last and not goes_on
+                text = self.ask.text.push(tokens) + (self.ask.text.finish() if ending else "")
+                piece.extra = {"text": text}
+                piece.chunk = bool(tokens) or bool(text)
+        if goes_on:
             self._next(run)
-        piece.last = last
-        if self.ask.text is not None:
-            text = self.ask.text.push(tokens) + (self.ask.text.finish() if last else "")
-            piece.extra = {"text": text}
-            piece.chunk = bool(tokens) or bool(text)
-        if last:
+            piece.last = False
+        elif piece.last:
             self.ask.finish_reason = self.window.finish_reason
         return piece
 
@@ -183,7 +184,7 @@ def generate(run: Run) -> Iterator[list[Piece]]:
         pasts = [_past(state.ask) for state in states.values()]
         layout = _ask(run, 0).setup.layout
         if lockstep and len(states) > 1 and LockstepBatch.joins(layout, pasts):
-            plains = {p: s for p, s in states.items() if isinstance(s, _Decoding)}
+            plains = cast(dict[int, _Decoding], states)  # `lockstep`: every state is one
             yield from _lockstep(run, plains)  # the prefills are done: the rest in lock-step
             return
 
@@ -358,17 +359,7 @@ def _continued(ask: GenerateAsk, detected: Arrays, cross: Arrays) -> Arrays:
     start token: the rest of the prompt, after that run's cache. Its cross-attention cache
     joins `cross`, fed unchanged from now on (later runs return placeholders for it)."""
     layout = ask.setup.layout
-    rest = ask.decoder_ids[1:]
-    ids = np.array([rest], dtype=layout.int_dtypes[layout.input_ids])
-    inputs: Arrays = {layout.input_ids: ids}
-    if layout.attention_mask is not None:
-        dtype = layout.int_dtypes[layout.attention_mask]
-        inputs[layout.attention_mask] = np.ones((1, len(rest) + 1), dtype=dtype)
-    if layout.position_ids is not None:
-        dtype = layout.int_dtypes[layout.position_ids]
-        inputs[layout.position_ids] = np.arange(1, len(rest) + 1, dtype=dtype)[None, :]
-    if layout.cache_branch is not None:
-        inputs[layout.cache_branch] = _USE_CACHE
+    inputs = _sequence_inputs(layout, ask.decoder_ids[1:], past=1)
     for slot in layout.cache:
         if slot.fixed:
             cross[slot.input] = detected[slot.output]
@@ -394,19 +385,21 @@ def _encoded(run: Run, ask: GenerateAsk) -> Arrays:
     return made
 
 
-def _sequence_inputs(layout: DecoderLayout, ids: list[int]) -> Arrays:
-    """`ids` whole, with an empty past: a prefill, or every run of a decoder without a cache."""
+def _sequence_inputs(layout: DecoderLayout, ids: list[int], past: int = 0) -> Arrays:
+    """`ids` whole after `past` tokens: with an empty past, a prefill or every run of a
+    decoder without a cache; after a past, the caller gives the cache that holds it."""
     inputs: Arrays = {layout.input_ids: np.array([ids], dtype=layout.int_dtypes[layout.input_ids])}
     if layout.attention_mask is not None:
         dtype = layout.int_dtypes[layout.attention_mask]
-        inputs[layout.attention_mask] = np.ones((1, len(ids)), dtype=dtype)
+        inputs[layout.attention_mask] = np.ones((1, past + len(ids)), dtype=dtype)
     if layout.position_ids is not None:
         dtype = layout.int_dtypes[layout.position_ids]
-        inputs[layout.position_ids] = np.arange(len(ids), dtype=dtype)[None, :]
+        inputs[layout.position_ids] = np.arange(past, past + len(ids), dtype=dtype)[None, :]
     if layout.cache_branch is not None:
-        inputs[layout.cache_branch] = np.zeros((1,), dtype=np.bool_)
-    for slot in layout.cache:
-        inputs[slot.input] = slot.empty(1)
+        inputs[layout.cache_branch] = _USE_CACHE if past else np.zeros((1,), dtype=np.bool_)
+    if not past:
+        for slot in layout.cache:
+            inputs[slot.input] = slot.empty(1)
     return inputs
 
 

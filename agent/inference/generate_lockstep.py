@@ -37,7 +37,7 @@ import numpy as np
 
 from agent.models.decoder_layout import DecoderLayout
 
-__all__ = ["LockstepBatch"]
+__all__ = ["LockstepBatch", "on_host"]
 
 Arrays = dict[str, Any]  # numpy arrays, or a device session's own values for the cache
 
@@ -72,7 +72,7 @@ class LockstepBatch:
             mask[row, width - past :] = 1
         pasts = [[past] for _, _, past in rows]
         inputs: Arrays = {
-            layout.input_ids: np.concatenate([_host(i[layout.input_ids]) for _, i, _ in rows]),
+            layout.input_ids: np.concatenate([on_host(i[layout.input_ids]) for _, i, _ in rows]),
             layout.attention_mask: mask,
             layout.position_ids: np.array(pasts, dtype=layout.int_dtypes[layout.position_ids]),
         }
@@ -80,7 +80,7 @@ class LockstepBatch:
             inputs[layout.cache_branch] = rows[0][1][layout.cache_branch]
         for slot in layout.cache:
             inputs[slot.input] = np.concatenate(
-                [_padded(_host(i[slot.input]), slot.past_axis, width) for _, i, _ in rows]
+                [_padded(on_host(i[slot.input]), slot.past_axis, width) for _, i, _ in rows]
             )
         return cls(layout, [position for position, _, _ in rows], inputs)
 
@@ -96,7 +96,7 @@ class LockstepBatch:
             raise ValueError("an encoder-decoder's rows join with caches of one length")
         width = max(int(i[cross.states].shape[1]) for _, i, _ in rows)
         inputs: Arrays = {
-            layout.input_ids: np.concatenate([_host(i[layout.input_ids]) for _, i, _ in rows]),
+            layout.input_ids: np.concatenate([on_host(i[layout.input_ids]) for _, i, _ in rows]),
             cross.states: _joined([i[cross.states] for _, i, _ in rows], 1, width),
         }
         if cross.mask is not None:
@@ -110,7 +110,7 @@ class LockstepBatch:
             inputs[slot.input] = (
                 _joined(values, slot.past_axis, width)
                 if slot.fixed
-                else np.concatenate([_host(v) for v in values])
+                else np.concatenate([on_host(v) for v in values])
             )
         return cls(layout, [position for position, _, _ in rows], inputs)
 
@@ -141,7 +141,7 @@ class LockstepBatch:
         rows = [self.positions.index(p) for p in positions]
         branch = self.layout.cache_branch
         self.inputs = {
-            name: value if name == branch else _host(value)[rows]
+            name: value if name == branch else on_host(value)[rows]
             for name, value in self.inputs.items()
         }
         self.positions = list(positions)
@@ -166,7 +166,7 @@ class LockstepBatch:
             inputs[slot.input] = np.ascontiguousarray(inputs[slot.input][tuple(cut)])
 
 
-def _host(value: Any) -> np.ndarray[Any, Any]:
+def on_host(value: Any) -> np.ndarray[Any, Any]:
     """A numpy array of `value` (a device session's own value copied to the host)."""
     if isinstance(value, np.ndarray):
         return value
@@ -177,7 +177,7 @@ def _host(value: Any) -> np.ndarray[Any, Any]:
 def _joined(values: Sequence[Any], axis: int, width: int) -> np.ndarray[Any, Any]:
     """Rows of different lengths along `axis`, each padded with zeros on the right to `width`,
     as one array (zeros: masked out by `encoder_attention_mask`)."""
-    return np.concatenate([_padded(_host(v), axis, width, left=False) for v in values])
+    return np.concatenate([_padded(on_host(v), axis, width, left=False) for v in values])
 
 
 def _padded(

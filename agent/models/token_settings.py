@@ -144,13 +144,9 @@ def _early_stopping(generation_config: dict[str, Any]) -> bool | str:
 
 
 def _penalty(generation_config: dict[str, Any]) -> float:
-    value = generation_config.get("repetition_penalty")
-    if value is None:
-        return 1.0
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ModelLoadError(f"generation_config.json: repetition_penalty = {value!r}")
+    value = _float(generation_config, "repetition_penalty", 1.0)
     if not 0.0 < value <= MAX_PENALTY:
         raise ModelLoadError(
             f"generation_config.json: repetition_penalty = {value} is not in (0, {MAX_PENALTY}]"
         )
-    return float(value)
+    return value

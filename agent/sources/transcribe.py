@@ -97,8 +97,7 @@ class Transcriber:
             inputs["prompt"] = np.array(speech.tail(self.previous, generation), dtype=object)
         ask = ask_of(inputs, self.config.params or {}, generation)
         _transcribed(loaded, ask)
-        tokenizer = generation.tokenizer
-        text = tokenizer.decode(ask.tokens) if tokenizer is not None else None
+        text = ask.text.sent if ask.text is not None else None  # the stream's, all of it
         self.previous = text.strip() if text is not None else ""
         extra: dict[str, Any] = {"finish_reason": ask.finish_reason}
         language = ask.ending().get("language")
