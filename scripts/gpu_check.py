@@ -446,30 +446,19 @@ class GpuCheck:
         """The encoder-decoder fixtures (T5, BART) on the first GPU provider: the encoder
         opened beside the decoder, both caches kept on the device, greedy tokens equal to
         Hugging Face's, ms a token."""
-        from agent.models.backends.onnxruntime import OnnxRuntimeBackend
 
         options, skipped = self._cuda_options()
         if options is None:
             return "SKIP", skipped, {}
         fixtures = Path(__file__).resolve().parent.parent / "tests/fixtures/real/seq2seq"
         reference = json.loads((fixtures / "reference.json").read_text())
-        backend = OnnxRuntimeBackend()
         details, ok = [], True
         for arch in ("t5", "bart"):
             case = reference["models"][arch]["cases"][0]
-            session = backend.load(fixtures / arch / "model.onnx", options)
-            try:
-                setup, tokens, ms = _greedy_tokens(
-                    session,
-                    fixtures / arch,
-                    case["prompt"],
-                    new_tokens=len(case["greedy"]),
-                    open_encoder=lambda f: backend.load(f, options),
-                )
-                setup.close()
-            finally:
-                session.close()
-            equal, bound = tokens == case["greedy"], len(setup.device_cache)
+            tokens, bound, ms = _encoder_decoder_tokens(
+                fixtures / arch, options, len(case["greedy"]), prompt=case["prompt"]
+            )
+            equal = tokens == case["greedy"]
             ok = ok and equal and bound > 0
             said = "equal" if equal else f"{tokens}"
             details.append(f"{arch} tokens {said}, {bound} cache outputs kept, {ms:.2f} ms a token")
@@ -479,7 +468,6 @@ class GpuCheck:
         """The Whisper fixture on the first GPU provider: features computed on the host, the
         encoder and the decoder on the device, greedy tokens equal to Hugging Face's for a
         language asked and for one detected, ms a token."""
-        from agent.models.backends.onnxruntime import OnnxRuntimeBackend
 
         options, skipped = self._cuda_options()
         if options is None:
@@ -487,25 +475,14 @@ class GpuCheck:
         fixtures = Path(__file__).resolve().parent.parent / "tests/fixtures/real/whisper"
         reference = json.loads((fixtures / "reference.json").read_text())
         audio = dict(np.load(fixtures / "reference.npz"))
-        backend = OnnxRuntimeBackend()
         details, ok = [], True
         for case in reference["cases"][:2]:  # a language asked; one detected
             asked = {k: case[k] for k in ("language", "task") if case[k] is not None}
-            session = backend.load(fixtures / "model.onnx", options)
-            try:
-                setup, tokens, ms = _greedy_tokens(
-                    session,
-                    fixtures,
-                    "",
-                    new_tokens=len(case["tokens"]),
-                    open_encoder=lambda f: backend.load(f, options),
-                    inputs={"input_values": audio[f"audio_{case['clip']}"]},
-                    params=asked,
-                )
-                setup.close()
-            finally:
-                session.close()
-            equal, bound = tokens == case["tokens"], len(setup.device_cache)
+            samples = {"input_values": audio[f"audio_{case['clip']}"]}
+            tokens, bound, ms = _encoder_decoder_tokens(
+                fixtures, options, len(case["tokens"]), inputs=samples, params=asked
+            )
+            equal = tokens == case["tokens"]
             ok = ok and equal and bound > 0
             said = "equal" if equal else f"{tokens}"
             details.append(
@@ -517,7 +494,6 @@ class GpuCheck:
     def ort_image_to_text(self) -> tuple[str, str, dict[str, Any]]:
         """The TrOCR-like fixture on the first GPU provider: each PNG preprocessed on the host,
         the encoder and the decoder on the device, greedy tokens equal to Hugging Face's."""
-        from agent.models.backends.onnxruntime import OnnxRuntimeBackend
         from agent.protocol.errors import Limits
         from agent.protocol.images import encoded_image
 
@@ -526,26 +502,14 @@ class GpuCheck:
             return "SKIP", skipped, {}
         fixtures = Path(__file__).resolve().parent.parent / "tests/fixtures/real/trocr"
         reference = json.loads((fixtures / "reference.json").read_text())
-        backend = OnnxRuntimeBackend()
         equal, bound, ms = 0, 0, 0.0
         cases = reference["cases"]
         for case in cases:
             image = encoded_image((fixtures / case["image"]).read_bytes(), Limits(), "x", None)
-            session = backend.load(fixtures / "model.onnx", options)
-            try:
-                setup, tokens, ms = _greedy_tokens(
-                    session,
-                    fixtures,
-                    "",
-                    new_tokens=len(case["greedy"]),
-                    open_encoder=lambda f: backend.load(f, options),
-                    inputs={"pixel_values": image},
-                )
-                setup.close()
-            finally:
-                session.close()
+            tokens, bound, ms = _encoder_decoder_tokens(
+                fixtures, options, len(case["greedy"]), inputs={"pixel_values": image}
+            )
             equal += tokens == case["greedy"]
-            bound = len(setup.device_cache)
         ok = equal == len(cases) and bound > 0
         detail = f"{equal}/{len(cases)} images' tokens equal, {bound} cache outputs kept, "
         return ("PASS" if ok else "FAIL"), detail + f"{ms:.2f} ms a token", {}
@@ -611,6 +575,37 @@ class GpuCheck:
             "TensorRT generate, activation memory by run",
             lambda: self.trt_generate(activation_memory="by_run"),
         )
+
+
+def _encoder_decoder_tokens(
+    folder: Path,
+    options: BackendOptions,
+    new_tokens: int,
+    prompt: str = "",
+    inputs: dict[str, Any] | None = None,
+    params: dict[str, Any] | None = None,
+) -> tuple[list[int], int, float]:
+    """The encoder-decoder fixture in `folder` on ONNX Runtime with `options` (its encoder
+    opened beside the decoder), `new_tokens` greedy tokens of `prompt` or of `inputs`; (the
+    tokens, the cache outputs kept on the device, ms a token)."""
+    from agent.models.backends.onnxruntime import OnnxRuntimeBackend
+
+    backend = OnnxRuntimeBackend()
+    session = backend.load(folder / "model.onnx", options)
+    try:
+        setup, tokens, ms = _greedy_tokens(
+            session,
+            folder,
+            prompt,
+            new_tokens=new_tokens,
+            open_encoder=lambda f: backend.load(f, options),
+            inputs=inputs,
+            params=params,
+        )
+        setup.close()
+    finally:
+        session.close()
+    return tokens, len(setup.device_cache), ms
 
 
 def _greedy_tokens(
