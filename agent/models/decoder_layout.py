@@ -23,9 +23,11 @@ the decoder starts from `decoder_start_token_id`. What the configs impose on the
 (`agent.models.token_settings`).
 
 The eos ids come from `[generate] eos`, else `generation_config.json`, else `config.json` in the
-version folder; the context length from `[generate] context`, else `config.json`
-(`n_positions`, `max_position_embeddings`, ...), else `tokenizer_config.json`'s
-`model_max_length` (a T5's config names none), else unbounded. A `tokenizer.json` in the
+version folder; the context length from `[generate] context`, else `config.json` (`n_positions`,
+`max_position_embeddings`, ...), else `tokenizer_config.json`'s `model_max_length` (a T5's
+config names none), else unbounded. Where the folder holds neither Hugging Face file, ONNX
+Runtime GenAI's `genai_config.json` stands in for both, and names the tensors
+(`agent.models.genai_config`). A `tokenizer.json` in the
 folder lets requests send text (`agent.models.tokenizer`), and with a chat template beside it
 a conversation (`agent.models.chat_template`).
 """
@@ -45,6 +47,7 @@ import numpy as np
 from agent.models.backends.base import DeviceBinding, ModelLoadError, Session, TensorSpec
 from agent.models.chat_template import ChatTemplate, open_chat_template
 from agent.models.encoders import ENCODER_FILE, FEATURES, Encoder, encoder_reads
+from agent.models.genai_config import GENAI_CONFIG, GenaiConfig, read_genai_config
 from agent.models.generate_config import GenerateConfig
 from agent.models.hf_files import context_of, model_max_length, read_json, whole_number
 from agent.models.log_mel import LogMel
@@ -197,10 +200,14 @@ def open_generation(
     """The version's :class:`Generation`; ModelLoadError (one line) where the signature is not
     a decoder's or a file in the folder is unreadable. `open_encoder`: how an encoder-decoder's
     `encoder_model.onnx` is opened (the version's backend); None where it cannot be."""
-    config = config or GenerateConfig()
+    genai = read_genai_config(folder)
+    config = _named_by(config or GenerateConfig(), genai)
     layout = recognise(session.inputs, session.outputs, config)
-    hf_config = read_json(folder / "config.json")
-    generation_config = read_json(folder / "generation_config.json")
+    hf_config = read_json(folder / "config.json") or genai.hf_config
+    generation_file = "generation_config.json"
+    generation_config = read_json(folder / generation_file)
+    if not generation_config and genai.generation_config:
+        generation_file, generation_config = GENAI_CONFIG, genai.generation_config
     if config.eos is not None:
         eos = frozenset(config.eos)
     else:
@@ -215,9 +222,10 @@ def open_generation(
     not_applied = unapplied(generation_config)
     if not_applied:
         log.warning(
-            "%s: generation_config.json sets %s; the agent decodes greedily unless a "
-            "request's params sample, and does not apply them",
+            "%s: %s sets %s; the agent decodes greedily unless a request's params sample, "
+            "and does not apply them",
             folder,
+            generation_file,
             ", ".join(not_applied),
         )
     configs = (generation_config, hf_config)
@@ -235,6 +243,12 @@ def open_generation(
     if layout.cross is None:
         return generation
     return _with_encoder(generation, folder, configs, open_encoder)
+
+
+def _named_by(config: GenerateConfig, genai: GenaiConfig) -> GenerateConfig:
+    """`config` with the tensor names `genai_config.json` gives where `[generate]` names none."""
+    names = {key: name for key, name in genai.names.items() if getattr(config, key) is None}
+    return config.model_copy(update=names) if names else config
 
 
 def _with_encoder(
@@ -356,7 +370,8 @@ def past_axis(dynamic: Sequence[bool]) -> int | None:
 def context_in(folder: Path) -> int | None:
     """The context length the files in `folder` give, if they say one (ModelLoadError where
     one cannot be read); the TensorRT builder's decoder profile uses it."""
-    return _context(read_json(folder / "config.json"), folder)
+    hf_config = read_json(folder / "config.json") or read_genai_config(folder).hf_config
+    return _context(hf_config, folder)
 
 
 def _context(hf_config: dict[str, Any], folder: Path) -> int | None:

@@ -10,6 +10,8 @@ Layout (see CONTRACT.md, "Model repository")::
     models/NAME/1/model.onnx       a version is a positive integer folder
     models/NAME/2/model.plan       a TensorRT engine (.plan or .engine)
     models/NAME/2/model.sha256     optional: "HEX  model.plan" (sha256sum) or bare HEX
+    models/NAME/3/genai_config.json  ONNX Runtime GenAI's folder: where there is no model.onnx,
+                                   the .onnx file its model.decoder.filename names
 
 The schema of ``config.toml`` is :mod:`agent.models.model_config`; whether a loaded model
 fits it is :mod:`agent.models.signature`.
@@ -27,7 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agent.models.backends.base import ModelLoadError
 from agent.models.backends.registry import backend_for_file
+from agent.models.genai_config import decoder_file_of
 from agent.models.model_config import CONFIG_FILE, ModelConfig, ModelConfigError, load_model_config
 
 __all__ = [
@@ -189,6 +193,11 @@ def _scan_version(
             folder / n for n in MODEL_FILES if (folder / n).exists() or (folder / n).is_symlink()
         ]
         if not present:
+            try:
+                present = _genai_decoder(folder)
+            except ModelLoadError as exc:
+                return failed(str(exc))
+        if not present:
             return failed(f"no model file (expected one of {', '.join(MODEL_FILES)})")
         if len(present) > 1:
             return failed(f"several model files: {', '.join(p.name for p in present)}")
@@ -217,6 +226,20 @@ def _scan_version(
     except OSError as exc:
         return failed(f"cannot read: {exc.strerror or exc}")
     return info
+
+
+def _genai_decoder(folder: Path) -> list[Path]:
+    """The decoder file an ONNX Runtime GenAI folder's `genai_config.json` names, where it is
+    there (its builder may name it otherwise than model.onnx); [] where the folder has no such
+    config."""
+    name = decoder_file_of(folder)
+    if name is None:
+        return []
+    if not ((folder / name).exists() or (folder / name).is_symlink()):
+        raise ModelLoadError(
+            f"no model file: neither model.onnx nor {name}, the decoder genai_config.json names"
+        )
+    return [folder / name]
 
 
 def _file_problem(path: Path, root: Path) -> str | None:
