@@ -49,6 +49,7 @@ from agent.inference.modes import Arrays, Piece, Run
 from agent.inference.token_rules import TokenRules
 from agent.models.backends.base import InferenceError
 from agent.models.decoder_layout import DecoderLayout
+from agent.models.prefix_cache import PrefixCache
 
 __all__ = ["GenerateAsk", "ask_of", "generate"]
 
@@ -258,11 +259,24 @@ def _advance(run: Run, position: int, state: _Decoding | BeamDecoding | _Recordi
     leaving, piece = _leaving(run, position, state)
     if leaving:
         return piece
-    outputs = run.model(state.inputs, state.ask.setup.device_cache)
-    token, piece = _took(position, state, _last_logits(outputs, state.ask))
-    if state.ask.finish_reason is None:
+    ask, store = state.ask, state.ask.setup.prefix_cache
+    if store is not None and not ask.tokens:  # a decoder alone (`Generation.prefix_cache`)
+        state.inputs = _cached_prefill(ask, store, state.inputs)
+    outputs = run.model(state.inputs, ask.setup.device_cache)
+    token, piece = _took(position, state, _last_logits(outputs, ask))
+    if ask.finish_reason is None:
         state.inputs = _next_inputs(state, outputs, token)
+    if store is not None and (len(ask.tokens) == 1 or ask.finish_reason):
+        _keep(ask, store, outputs)
     return piece
+
+
+def _keep(ask: GenerateAsk, store: PrefixCache, outputs: Arrays) -> None:
+    """The cache this run returned, kept for later prompts that begin the same way: after the
+    prefill it holds the prompt, after the last run the prompt and every new token but the
+    last (which no run read)."""
+    cache = {slot.input: outputs[slot.output] for slot in ask.setup.layout.cache}
+    store.keep([*ask.decoder_ids, *ask.tokens[:-1]], cache)
 
 
 def _advance_beams(run: Run, position: int, state: BeamDecoding) -> Piece | None:
@@ -352,6 +366,18 @@ def _last_logits(outputs: Arrays, ask: GenerateAsk) -> np.ndarray[Any, Any]:
 def _prefill_inputs(ask: GenerateAsk) -> Arrays:
     """The decoder's first ids whole, with an empty past."""
     return _sequence_inputs(ask.setup.layout, ask.decoder_ids)
+
+
+def _cached_prefill(ask: GenerateAsk, store: PrefixCache, prefill: Arrays) -> Arrays:
+    """The first run's inputs where the prefix cache holds the prompt's beginning: the rest,
+    after that cache (`prefill` where it holds none). Looked up at the run, not before: an
+    earlier member of the same run may have just kept the beginning they share."""
+    hit = store.longest(ask.decoder_ids)
+    if hit is None:
+        return prefill
+    ask.cached_tokens = hit.tokens
+    rest = ask.decoder_ids[hit.tokens :]
+    return {**_sequence_inputs(ask.setup.layout, rest, past=hit.tokens), **hit.cache}
 
 
 def _continued(ask: GenerateAsk, detected: Arrays, cross: Arrays) -> Arrays:

@@ -68,10 +68,14 @@ class GenerateAsk:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     first_token_at: float | None = None  # monotonic
+    cached_tokens: int = 0  # the prompt's first tokens the prefix cache held (not run again)
 
     @property
     def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": len(self.prompt), "completion_tokens": len(self.tokens)}
+        usage = {"prompt_tokens": len(self.prompt), "completion_tokens": len(self.tokens)}
+        if self.cached_tokens:
+            usage["cached_tokens"] = self.cached_tokens
+        return usage
 
     @property
     def decoder_ids(self) -> list[int]:

@@ -51,6 +51,7 @@ from agent.models.genai_config import GENAI_CONFIG, GenaiConfig, read_genai_conf
 from agent.models.generate_config import GenerateConfig
 from agent.models.hf_files import context_of, model_max_length, read_json, whole_number
 from agent.models.log_mel import LogMel
+from agent.models.prefix_cache import PrefixCache
 from agent.models.preprocess import PreprocessConfig, preprocess_image
 from agent.models.speech_prompt import SpeechPrompt
 from agent.models.token_settings import TokenSettings, first_number, token_settings_of, unapplied
@@ -161,6 +162,9 @@ class Generation:
     log_mel: LogMel | None = None  # a speech encoder's features (Whisper)
     speech: SpeechPrompt | None = None  # a Whisper decoder's prompt rules
     image: PreprocessConfig | None = None  # an image encoder's preprocessing (TrOCR, captioners)
+    # Recent generations' caches for prompts that begin the same way (`[generate]
+    # prefix_cache_mb`; a decoder alone, its cache on the host).
+    prefix_cache: PrefixCache | None = None
 
     @property
     def batchable(self) -> bool:
@@ -186,7 +190,10 @@ class Generation:
         return self.encoder.inputs([self.decoder_start] * 4)
 
     def close(self) -> None:
-        """Closes the encoder's session (the decoder's is the version's)."""
+        """Closes the encoder's session (the decoder's is the version's) and drops the kept
+        caches."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
         if self.encoder is not None:
             self.encoder.close()
 
@@ -239,10 +246,25 @@ def open_generation(
         device_cache,
         chat,
         token_settings=token_settings_of(configs, vocab),
+        prefix_cache=_prefix_cache(config, layout, device_cache),
     )
     if layout.cross is None:
         return generation
     return _with_encoder(generation, folder, configs, open_encoder)
+
+
+def _prefix_cache(
+    config: GenerateConfig, layout: DecoderLayout, device_cache: tuple[str, ...]
+) -> PrefixCache | None:
+    """The version's prefix cache, where `[generate] prefix_cache_mb` asks one and the model
+    can keep its cache: a decoder alone, with a cache, on the host (the arrays ONNX Runtime's
+    CPU provider returns are the run's own; a device's stay bound)."""
+    if not config.prefix_cache_mb or layout.cross is not None or not layout.cache:
+        return None
+    if device_cache:  # a GPU provider's or TensorRT's: kept on the device, never a host array
+        return None
+    axes = {slot.input: slot.past_axis for slot in layout.cache}
+    return PrefixCache(config.prefix_cache_mb << 20, axes)
 
 
 def _named_by(config: GenerateConfig, genai: GenaiConfig) -> GenerateConfig:

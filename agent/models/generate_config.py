@@ -4,7 +4,8 @@
 A `mode = "generate"` model is recognised from its signature alone
 (`agent.models.decoder_layout`); `[generate]` overrides what cannot be read from it: the
 tensor names, the eos token ids (else `generation_config.json` / `config.json` in the version
-folder), the context length (else `config.json`), and the most new tokens a request may ask.
+folder), the context length (else `config.json`), the most new tokens a request may ask, and
+the size of the prefix cache (`agent.models.prefix_cache`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ class GenerateConfig(BaseModel):
     eos: list[int] | None = None  # token ids that end a generation
     context: int | None = Field(default=None, ge=1)  # prompt + new tokens, at most
     max_new_tokens: int = Field(default=256, ge=1, le=MAX_NEW_TOKENS)  # cap of params'
+    # Recent generations' caches kept for prompts that begin the same way (0: off; a decoder
+    # alone on the CPU: `agent.models.prefix_cache`).
+    prefix_cache_mb: int = Field(default=0, ge=0, le=1 << 20)
 
     @field_validator("eos")
     @classmethod
