@@ -36,6 +36,7 @@ _CONTEXT_KEYS = (
     "max_position_embeddings",
     "n_ctx",
     "max_sequence_length",
+    "max_seq_len",  # MPT's
     "max_target_positions",
 )
 
