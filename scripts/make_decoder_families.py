@@ -65,7 +65,7 @@ from typing import Any
 
 from make_decoders import PROMPTS  # this script's folder
 from make_real_models import _reexec_with_fixed_hash_seed
-from optimum_export import export_kept, pin_environment, signature
+from optimum_export import export_kept, greedy, pin_environment, signature
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "real" / "families"
@@ -182,27 +182,6 @@ def build(family: str) -> Any:
     return auto.from_config(config).eval()
 
 
-def greedy(model: Any, ids: list[int]) -> tuple[list[int], float]:
-    """HF's greedy tokens, and the smallest top-1/top-2 logit gap along the path."""
-    import torch
-
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=NEW_TOKENS,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, len(ids) :].tolist()
-    gaps = []
-    for scores in out.scores:
-        best = scores[0].topk(2).values
-        gaps.append(float((best[0] - best[1]).item()))
-    return tokens, min(gaps)
-
-
 def make(family: str, tokenizer: Any, out: Path) -> dict[str, Any]:
     """`out/family/`: the family's seeded model exported; its reference entry."""
     model = build(family)
@@ -211,7 +190,7 @@ def make(family: str, tokenizer: Any, out: Path) -> dict[str, Any]:
     cases = []
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt).ids
-        tokens, gap = greedy(model, ids)
+        tokens, gap = greedy(model, ids, NEW_TOKENS)
         if gap < MIN_GAP:
             raise SystemExit(f"{family}: {prompt!r} has a near-tie ({gap:.2e}): change its seed")
         if len(set(tokens)) < MIN_DISTINCT:

@@ -22,8 +22,9 @@ ChatML-like chat template, and runs the builder on that folder twice, for the CP
 Each folder is the builder's output as it is: ``genai_config.json`` (no ``config.json`` nor
 ``generation_config.json``), the tokenizer's files. ``reference.json``: per prompt and
 conversation, the ids, and per folder the tokens of ONNX Runtime GenAI's own greedy generator
-(``og.Generator``, ``do_sample=False``) under the config's own ``max_length``; for ``fp32``
-also Hugging Face's ``generate(do_sample=False)`` tokens, which the script checks are equal.
+(``og.Generator``, ``do_sample=False``); for ``fp32`` also Hugging Face's
+``generate(do_sample=False)`` tokens, which the script checks are equal, and the smallest
+top-1/top-2 logit gap along their path.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from optimum_export import pin_environment
+from optimum_export import greedy, pin_environment
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "real" / "genai"
@@ -107,19 +108,6 @@ def run_builder(source: Path, dst: Path, options: list[str], cache: Path) -> Non
     subprocess.run(command, check=True, capture_output=True)
 
 
-def hf_greedy(model: Any, ids: list[int]) -> list[int]:
-    import torch
-
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=NEW_TOKENS,
-        )
-    return [int(t) for t in out[0, len(ids) :]]
-
-
 def genai_greedy(folder: Path, ids: list[int]) -> list[int]:
     """ONNX Runtime GenAI's greedy tokens for `ids` (NEW_TOKENS at most)."""
     import onnxruntime_genai as og
@@ -154,7 +142,7 @@ def main() -> None:
         for c in CHATS
     ]
     for case in cases:
-        case["hf"] = hf_greedy(model, case["ids"])
+        case["hf"], case["gap"] = greedy(model, case["ids"], NEW_TOKENS)
         for name in BUILDS:
             case[name] = genai_greedy(out / name, case["ids"])
         if case["fp32"] != case["hf"]:

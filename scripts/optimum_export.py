@@ -1,6 +1,7 @@
-"""Dev-only: what the encoder-decoder fixture scripts share (make_seq2seq.py, make_whisper.py,
-make_captioner.py): the environment pinned before torch loads, an optimum export whose files
-are copied into a version folder under the agent's names, and an ONNX file's signature.
+"""Dev-only: what the fixture scripts share (make_seq2seq.py, make_whisper.py,
+make_captioner.py, make_decoder_families.py, make_genai_models.py): the environment pinned
+before torch loads, an optimum export whose files are copied into a version folder under the
+agent's names, an ONNX file's signature, and a decoder's greedy tokens.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ENCODER_DECODER_FILES", "export_kept", "pin_environment", "signature"]
+__all__ = ["ENCODER_DECODER_FILES", "export_kept", "greedy", "pin_environment", "signature"]
 
 # What a version folder keeps of optimum's export of an encoder-decoder, renamed: the merged
 # decoder is the version's model.onnx; the processor's file with the tokenizer's.
@@ -68,3 +69,25 @@ def signature(path: Path) -> dict[str, Any]:
         return [{"name": v.name, "type": v.type, "shape": v.shape} for v in values]
 
     return {"inputs": described(session.get_inputs()), "outputs": described(session.get_outputs())}
+
+
+def greedy(model: Any, ids: list[int], new_tokens: int) -> tuple[list[int], float]:
+    """A decoder's Hugging Face greedy tokens (`generate(do_sample=False)`) after `ids`, and
+    the smallest top-1/top-2 logit gap along the path (a tie would make greedy ill-defined)."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    tokens = [int(t) for t in out.sequences[0, len(ids) :]]
+    gaps = []
+    for scores in out.scores:
+        best = scores[0].topk(2).values
+        gaps.append(float((best[0] - best[1]).item()))
+    return tokens, min(gaps)
