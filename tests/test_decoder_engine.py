@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from agent.inference import generate
+from agent.inference import generate, generate_inputs
 from agent.inference.modes import Member, Run
 from agent.models.backends import cuda
 from agent.models.backends.base import BackendOptions, InferenceError
@@ -264,7 +264,7 @@ def test_a_kept_array_goes_only_to_the_session_that_made_it(
     second = TensorRTBackend().load(plan, BackendOptions())
     try:
         setup = open_generation(None, first, onnx.parent)
-        inputs = generate._prefill_inputs(
+        inputs = generate_inputs.prefill_inputs(
             generate.ask_of({"input_ids": np.array([1, 2, 3])}, {}, setup)
         )
         outputs = first.run_keeping(inputs, setup.device_cache)

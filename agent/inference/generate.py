@@ -24,12 +24,11 @@ prefills one by one, then every later step together, a row each
 (`agent.inference.generate_lockstep`); a layout without the mask or explicit positions, which
 left padding needs, has them interleave, a run each in turn. A beam search
 (`agent.inference.beam`) runs its beams as the rows of its own runs, never in lock-step with
-others. On the CPU the cache stays what the session returns (numpy, fed back as it is,
-without a copy; ONNX Runtime's `OrtValue`s through `run_with_ort_values` measured slower
-there, the wrapping of each small input costing more than it saves); on a GPU provider it
-stays on the device (`Generation.device_cache`). A step allocates nothing of its own but the
-token list: the mask is a view, the token and its position are written into arrays made once,
-greedy takes the arg max of the logits row as it is.
+others. On the CPU the cache stays what the session returns (numpy, fed back without a copy:
+`OrtValue`s measured slower there); on a GPU provider it stays on the device
+(`Generation.device_cache`). A step allocates nothing of its own but the token list. There, a
+prefill may start from the version's prefix cache (`agent.models.prefix_cache`), and a member
+alone in its run may read guessed tokens with its step (`agent.inference.prompt_lookup`).
 """
 
 from __future__ import annotations
@@ -40,21 +39,25 @@ from typing import Any, cast
 
 import numpy as np
 
-from agent.inference import modes, speech
+from agent.inference import modes, prompt_lookup, speech
 from agent.inference.beam import BeamDecoding
 from agent.inference.generate_ask import GenerateAsk, ask_of
+from agent.inference.generate_inputs import (
+    USE_CACHE,
+    cached_prefill,
+    continued,
+    encoded,
+    prefill_inputs,
+    sequence_inputs,
+)
 from agent.inference.generate_lockstep import LockstepBatch
 from agent.inference.job import Cancelled
 from agent.inference.modes import Arrays, Piece, Run
 from agent.inference.token_rules import TokenRules
 from agent.models.backends.base import InferenceError
-from agent.models.decoder_layout import DecoderLayout
 from agent.models.prefix_cache import PrefixCache
 
 __all__ = ["GenerateAsk", "ask_of", "generate"]
-
-_USE_CACHE = np.ones((1,), dtype=np.bool_)  # `use_cache_branch` after the prefill
-
 
 # -- the strategy -----------------------------------------------------------------------------
 
@@ -81,6 +84,7 @@ class _Decoding:
         if layout.attention_mask is not None:
             longest = len(ask.prompt) + ask.max_new_tokens
             self.mask = np.ones((1, longest), dtype=layout.int_dtypes[layout.attention_mask])
+        self.lookup = prompt_lookup.Lookup(ask.lookup, ask.decoder_ids) if ask.lookup else None
         ask.sampler.see(ask.decoder_ids)  # as `generate` sees the decoder's input_ids
         _rules(ask).start(ask.decoder_ids)
 
@@ -88,16 +92,16 @@ class _Decoding:
 def _decoding(run: Run, ask: GenerateAsk) -> _Decoding | BeamDecoding:
     """A member's loop state, its encoder run (an encoder-decoder's) and its language
     detected (a Whisper's, where none was asked)."""
-    cross = _encoded(run, ask)
+    cross = encoded(run, ask)
     prefill = None
     speech_prompt = ask.setup.speech
     if ask.language_at is not None and speech_prompt is not None:
-        first = _sequence_inputs(ask.setup.layout, [speech_prompt.start])
+        first = sequence_inputs(ask.setup.layout, [speech_prompt.start])
         detected = speech.detect_language(run, ask, {**first, **cross})
         if ask.prompt[0] == speech_prompt.start and ask.setup.layout.cache:
-            prefill = _continued(ask, detected, cross)  # the start token's cache reused
+            prefill = continued(ask, detected, cross)  # the start token's cache reused
     if prefill is None:
-        prefill = {**_prefill_inputs(ask), **cross}
+        prefill = {**prefill_inputs(ask), **cross}
     if ask.beams > 1:
         return BeamDecoding(ask, prefill, cross)
     return _Decoding(ask, cross, prefill)
@@ -261,7 +265,11 @@ def _advance(run: Run, position: int, state: _Decoding | BeamDecoding | _Recordi
         return piece
     ask, store = state.ask, state.ask.setup.prefix_cache
     if store is not None and not ask.tokens:  # a decoder alone (`Generation.prefix_cache`)
-        state.inputs = _cached_prefill(ask, store, state.inputs)
+        state.inputs = cached_prefill(ask, store, state.inputs)
+    if state.lookup is not None and ask.tokens and len(run.members) == 1:  # no lock-step
+        guessed = state.lookup.guesses(ask.max_new_tokens - len(ask.tokens) - 1)
+        if guessed:
+            return _advance_guessed(run, position, state, guessed)
     outputs = run.model(state.inputs, ask.setup.device_cache)
     token, piece = _took(position, state, _last_logits(outputs, ask))
     if ask.finish_reason is None:
@@ -269,6 +277,37 @@ def _advance(run: Run, position: int, state: _Decoding | BeamDecoding | _Recordi
     if store is not None and (len(ask.tokens) == 1 or ask.finish_reason):
         _keep(ask, store, outputs)
     return piece
+
+
+def _advance_guessed(run: Run, position: int, state: _Decoding, guessed: list[int]) -> Piece | None:
+    """One run of the step's token and the tokens `guessed` after it
+    (`agent.inference.prompt_lookup`): each row's greedy token kept while it is the guess that
+    follows, then the row after the last guess kept gives one more; the cache cut to them."""
+    ask = state.ask
+    layout = ask.setup.layout
+    inputs = sequence_inputs(layout, [ask.tokens[-1], *guessed], past=_past(ask))
+    for slot in layout.cache:
+        inputs[slot.input] = state.inputs[slot.input]
+    outputs = run.model(inputs)
+    logits = outputs[layout.logits]
+    if logits.ndim != 3 or logits.shape[:2] != (1, len(guessed) + 1):
+        raise InferenceError(
+            f"logits {list(logits.shape)}: expected [1, {len(guessed) + 1}, vocab]"
+        )
+    token, right = -1, 0
+    for row in range(len(guessed) + 1):
+        token = _chose(state, logits[0, row])
+        if ask.finish_reason is not None or row == len(guessed) or token != guessed[row]:
+            break
+        right += 1
+    assert state.lookup is not None
+    state.lookup.checked(len(guessed), right)
+    kept = prompt_lookup.cut_cache(layout, outputs, _past(ask))
+    if ask.finish_reason is None:
+        state.inputs = _next_inputs(state, kept, token)
+    elif ask.setup.prefix_cache is not None:
+        _keep(ask, ask.setup.prefix_cache, kept)
+    return _due(position, state)
 
 
 def _keep(ask: GenerateAsk, store: PrefixCache, outputs: Arrays) -> None:
@@ -311,6 +350,13 @@ def _took(
 ) -> tuple[int, Piece | None]:
     """The member's next token chosen from its row of logits, noted; its piece where one is
     due (`ask.finish_reason` set where the token ended the generation)."""
+    token = _chose(state, logits)
+    return token, _due(position, state)
+
+
+def _chose(state: _Decoding, logits: np.ndarray[Any, Any]) -> int:
+    """The member's next token chosen from its row of logits and noted (`ask.finish_reason`
+    set where it ended the generation)."""
     ask = state.ask
     rules = _rules(ask)
     token = rules.forced()
@@ -318,6 +364,8 @@ def _took(
         token = ask.sampler.choose(rules.allowed(logits))
     ask.sampler.see((token,))
     rules.see(token)
+    if state.lookup is not None:
+        state.lookup.push((token,))
     if ask.first_token_at is None:
         ask.first_token_at = time.monotonic()
     ask.tokens.append(token)
@@ -325,9 +373,15 @@ def _took(
     if ask.text is not None:
         state.pending_text += ask.text.push([token])
     ask.finish_reason = _finished(ask, token)
+    return int(token)
+
+
+def _due(position: int, state: _Decoding) -> Piece | None:
+    """The member's piece, where one is due: `tokens_per_chunk` tokens pending, or the end."""
+    ask = state.ask
     if ask.finish_reason is None and len(state.pending) < ask.tokens_per_chunk:
-        return token, None
-    return token, _piece(position, state)
+        return None
+    return _piece(position, state)
 
 
 def _finished(ask: GenerateAsk, token: int) -> str | None:
@@ -363,79 +417,13 @@ def _last_logits(outputs: Arrays, ask: GenerateAsk) -> np.ndarray[Any, Any]:
     return row
 
 
-def _prefill_inputs(ask: GenerateAsk) -> Arrays:
-    """The decoder's first ids whole, with an empty past."""
-    return _sequence_inputs(ask.setup.layout, ask.decoder_ids)
-
-
-def _cached_prefill(ask: GenerateAsk, store: PrefixCache, prefill: Arrays) -> Arrays:
-    """The first run's inputs where the prefix cache holds the prompt's beginning: the rest,
-    after that cache (`prefill` where it holds none). Looked up at the run, not before: an
-    earlier member of the same run may have just kept the beginning they share."""
-    hit = store.longest(ask.decoder_ids)
-    if hit is None:
-        return prefill
-    ask.cached_tokens = hit.tokens
-    rest = ask.decoder_ids[hit.tokens :]
-    return {**_sequence_inputs(ask.setup.layout, rest, past=hit.tokens), **hit.cache}
-
-
-def _continued(ask: GenerateAsk, detected: Arrays, cross: Arrays) -> Arrays:
-    """The first run's inputs where the language detection's run already read the prompt's
-    start token: the rest of the prompt, after that run's cache. Its cross-attention cache
-    joins `cross`, fed unchanged from now on (later runs return placeholders for it)."""
-    layout = ask.setup.layout
-    inputs = _sequence_inputs(layout, ask.decoder_ids[1:], past=1)
-    for slot in layout.cache:
-        if slot.fixed:
-            cross[slot.input] = detected[slot.output]
-        else:
-            inputs[slot.input] = detected[slot.output]
-    return {**inputs, **cross}
-
-
-def _encoded(run: Run, ask: GenerateAsk) -> Arrays:
-    """An encoder-decoder's decoder inputs from its encoder's run on the prompt (nothing for a
-    decoder alone)."""
-    encoder, cross = ask.setup.encoder, ask.setup.layout.cross
-    if encoder is None or cross is None:
-        return {}
-    if ask.encoder_input is not None:
-        encoder_inputs = {encoder.input.name: ask.encoder_input}
-    else:
-        encoder_inputs = encoder.inputs(ask.prompt)
-    states = run.other(encoder.session, encoder_inputs)[encoder.output]
-    made: Arrays = {cross.states: states}
-    if cross.mask is not None and cross.mask_dtype is not None:
-        made[cross.mask] = np.ones((1, states.shape[1]), dtype=cross.mask_dtype)
-    return made
-
-
-def _sequence_inputs(layout: DecoderLayout, ids: list[int], past: int = 0) -> Arrays:
-    """`ids` whole after `past` tokens: with an empty past, a prefill or every run of a
-    decoder without a cache; after a past, the caller gives the cache that holds it."""
-    inputs: Arrays = {layout.input_ids: np.array([ids], dtype=layout.int_dtypes[layout.input_ids])}
-    if layout.attention_mask is not None:
-        dtype = layout.int_dtypes[layout.attention_mask]
-        inputs[layout.attention_mask] = np.ones((1, past + len(ids)), dtype=dtype)
-    if layout.position_ids is not None:
-        dtype = layout.int_dtypes[layout.position_ids]
-        inputs[layout.position_ids] = np.arange(past, past + len(ids), dtype=dtype)[None, :]
-    if layout.cache_branch is not None:
-        inputs[layout.cache_branch] = _USE_CACHE if past else np.zeros((1,), dtype=np.bool_)
-    if not past:
-        for slot in layout.cache:
-            inputs[slot.input] = slot.empty(1)
-    return inputs
-
-
 def _next_inputs(state: _Decoding, outputs: Arrays, token: int) -> Arrays:
     """One new token, the past from `present.*`, the mask and the positions one longer; for
     a decoder without a cache, the whole sequence again."""
     ask = state.ask
     layout = ask.setup.layout
     if not layout.cache:
-        return {**_sequence_inputs(layout, [*ask.decoder_ids, *ask.tokens]), **state.cross}
+        return {**sequence_inputs(layout, [*ask.decoder_ids, *ask.tokens]), **state.cross}
     past = _past(ask)  # tokens the cache holds after this run
     state.token[0, 0] = token
     nxt: Arrays = {layout.input_ids: state.token, **state.cross}
@@ -445,7 +433,7 @@ def _next_inputs(state: _Decoding, outputs: Arrays, token: int) -> Arrays:
         state.position[0, 0] = past
         nxt[layout.position_ids] = state.position
     if layout.cache_branch is not None:
-        nxt[layout.cache_branch] = _USE_CACHE
+        nxt[layout.cache_branch] = USE_CACHE
     for slot in layout.cache:
         if not slot.fixed:
             nxt[slot.input] = outputs[slot.output]

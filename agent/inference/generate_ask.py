@@ -24,6 +24,7 @@ from agent.inference.text_stream import TextStream
 from agent.inference.token_rules import TokenRules
 from agent.models.chat_template import ChatRefused
 from agent.models.decoder_layout import Generation
+from agent.models.generate_config import MAX_LOOKUP
 from agent.models.tokenizer import too_long
 from agent.protocol.errors import WireError
 
@@ -62,6 +63,7 @@ class GenerateAsk:
     language_at: int | None = None
     rules: TokenRules | None = None  # what the configs impose (made by `ask_of`)
     beams: int = 1  # above 1: beam search (`agent.inference.beam`)
+    lookup: int = 0  # above 0: tokens guessed a run (`agent.inference.prompt_lookup`)
     # A speech recogniser's recording longer than its encoder's window: the samples after
     # the first window, transcribed window after window (`agent.inference.generate`).
     recording: Recording | None = None
@@ -144,6 +146,7 @@ def ask_of(inputs: Mapping[str, Any], params: Mapping[str, Any], setup: Generati
     ask.encoder_input, ask.language_at = encoder_input, language_at
     ask.rules = TokenRules(settings, setup.eos, ask.max_new_tokens)
     ask.beams = _beams(params, setup, sampler.params.temperature > 0, bool(stops))
+    ask.lookup = _lookup(params, setup, sampler.params.temperature > 0 or ask.beams > 1)
     if rest is not None:  # a recording longer than the encoder's window: one after another
         if stops:
             raise WireError(
@@ -169,6 +172,30 @@ def _beams(params: Mapping[str, Any], setup: Generation, sampling: bool, stops: 
             "params.stop, nor for a decoder exported without its cache",
         )
     return beams
+
+
+def _lookup(params: Mapping[str, Any], setup: Generation, not_greedy: bool) -> int:
+    """`params.prompt_lookup`, else the model's `[generate] prompt_lookup` where it can apply:
+    a greedy search of one sequence by a decoder alone whose cache is on the host;
+    `bad_request` where it is asked and cannot."""
+    host_cache = bool(setup.layout.cache) and not setup.device_cache
+    fits = host_cache and setup.layout.cross is None
+    if "prompt_lookup" not in params:
+        return setup.prompt_lookup if fits and not not_greedy else 0
+    lookup = modes.integer_param(params, "prompt_lookup", 0, high=MAX_LOOKUP)
+    if lookup and not_greedy:
+        raise WireError(
+            "bad_request",
+            "params.prompt_lookup is a greedy search of one sequence: not with "
+            "params.temperature or params.num_beams",
+        )
+    if lookup and not fits:
+        raise WireError(
+            "bad_request",
+            "params.prompt_lookup needs a decoder alone with its cache on the host (ONNX "
+            "Runtime's CPU provider)",
+        )
+    return lookup
 
 
 def _prompt_ids(inputs: Mapping[str, Any], setup: Generation) -> list[int]:

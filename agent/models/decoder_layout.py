@@ -165,6 +165,7 @@ class Generation:
     # Recent generations' caches for prompts that begin the same way (`[generate]
     # prefix_cache_mb`; a decoder alone, its cache on the host).
     prefix_cache: PrefixCache | None = None
+    prompt_lookup: int = 0  # `[generate] prompt_lookup`: the default of `params.prompt_lookup`
 
     @property
     def batchable(self) -> bool:
@@ -247,6 +248,7 @@ def open_generation(
         chat,
         token_settings=token_settings_of(configs, vocab),
         prefix_cache=_prefix_cache(config, layout, device_cache),
+        prompt_lookup=config.prompt_lookup,
     )
     if layout.cross is None:
         return generation

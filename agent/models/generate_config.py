@@ -5,16 +5,18 @@ A `mode = "generate"` model is recognised from its signature alone
 (`agent.models.decoder_layout`); `[generate]` overrides what cannot be read from it: the
 tensor names, the eos token ids (else `generation_config.json` / `config.json` in the version
 folder), the context length (else `config.json`), the most new tokens a request may ask, and
-the size of the prefix cache (`agent.models.prefix_cache`).
+the size of the prefix cache (`agent.models.prefix_cache`), and how many tokens prompt lookup
+guesses (`agent.inference.prompt_lookup`).
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["MAX_NEW_TOKENS", "GenerateConfig"]
+__all__ = ["MAX_LOOKUP", "MAX_NEW_TOKENS", "GenerateConfig"]
 
 MAX_NEW_TOKENS = 1 << 20  # the largest cap a config may set
+MAX_LOOKUP = 32  # the most tokens prompt lookup guesses a run
 
 
 class GenerateConfig(BaseModel):
@@ -32,6 +34,9 @@ class GenerateConfig(BaseModel):
     # Recent generations' caches kept for prompts that begin the same way (0: off; a decoder
     # alone on the CPU: `agent.models.prefix_cache`).
     prefix_cache_mb: int = Field(default=0, ge=0, le=1 << 20)
+    # Tokens guessed from the text so far and checked in one run (0: off; the default of
+    # `params.prompt_lookup`: `agent.inference.prompt_lookup`).
+    prompt_lookup: int = Field(default=0, ge=0, le=MAX_LOOKUP)
 
     @field_validator("eos")
     @classmethod
