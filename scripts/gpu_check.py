@@ -37,6 +37,7 @@ from agent.demo import models as demo_models
 from agent.models.backends.base import BackendOptions
 
 MIB = 1024 * 1024
+GENAI_INT4_FILE = "qwen2-cpu-int4-rtn-block-32-acc-level-4.onnx"  # tests/fixtures/real/genai
 
 
 @dataclass
@@ -442,6 +443,34 @@ class GpuCheck:
         detail = f"{bound} cache outputs kept on the device, {ms:.2f} ms a token"
         return ("PASS" if ok else "FAIL"), detail + ("" if ok else f", tokens {tokens}"), {}
 
+    def ort_genai(self) -> tuple[str, str, dict[str, Any]]:
+        """ONNX Runtime GenAI's fp32 and int4 builds (`GroupQueryAttention`, `MatMulNBits`) on
+        the first GPU provider, cache on the device: fp32's greedy tokens equal GenAI's on the
+        CPU (and Hugging Face's); int4's are reported (the GPU's int4 kernel is not the CPU's
+        accuracy level 4, so its tokens may differ)."""
+        from agent.models.backends.onnxruntime import OnnxRuntimeBackend
+
+        options, skipped = self._cuda_options()
+        if options is None:
+            return "SKIP", skipped, {}
+        fixtures = Path(__file__).resolve().parent.parent / "tests/fixtures/real/genai"
+        case = json.loads((fixtures / "reference.json").read_text())["cases"][0]
+        details, ok = [], True
+        for build, file in (("fp32", "model.onnx"), ("int4", GENAI_INT4_FILE)):
+            session = OnnxRuntimeBackend().load(fixtures / build / file, options)
+            try:
+                setup, tokens, ms = _greedy_tokens(
+                    session, fixtures / build, case["prompt"], new_tokens=len(case[build])
+                )
+            finally:
+                session.close()
+            bound = len(setup.device_cache)
+            equal = tokens == case[build]
+            ok = ok and bound > 0 and (equal or build == "int4")
+            said = "equal to the CPU's" if equal else f"{tokens}"
+            details.append(f"{build} tokens {said}, {bound} kept, {ms:.2f} ms a token")
+        return ("PASS" if ok else "FAIL"), "; ".join(details), {}
+
     def ort_seq2seq(self) -> tuple[str, str, dict[str, Any]]:
         """The encoder-decoder fixtures (T5, BART) on the first GPU provider: the encoder
         opened beside the decoder, both caches kept on the device, greedy tokens equal to
@@ -567,6 +596,7 @@ class GpuCheck:
         r.run("FP16 engine", self.fp16)
         r.run("ONNX Runtime GPU providers", self.ort_gpu)
         r.run("ONNX Runtime generate, cache on the device", self.ort_generate)
+        r.run("ONNX Runtime GenAI builds, cache on the device", self.ort_genai)
         r.run("ONNX Runtime encoder-decoder generate, caches on the device", self.ort_seq2seq)
         r.run("ONNX Runtime Whisper transcription, caches on the device", self.ort_whisper)
         r.run("ONNX Runtime image to text, caches on the device", self.ort_image_to_text)
