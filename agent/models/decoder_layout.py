@@ -27,9 +27,9 @@ version folder; the context length from `[generate] context`, else `config.json`
 `max_position_embeddings`, ...), else `tokenizer_config.json`'s `model_max_length` (a T5's
 config names none), else unbounded. Where the folder holds neither Hugging Face file, ONNX
 Runtime GenAI's `genai_config.json` stands in for both, and names the tensors
-(`agent.models.genai_config`). A `tokenizer.json` in the
-folder lets requests send text (`agent.models.tokenizer`), and with a chat template beside it
-a conversation (`agent.models.chat_template`).
+(`agent.models.genai_config`). A `tokenizer.json` in the folder lets requests send text
+(`agent.models.tokenizer`), and with a chat template beside it a conversation
+(`agent.models.chat_template`).
 """
 
 from __future__ import annotations
