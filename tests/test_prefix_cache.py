@@ -165,3 +165,28 @@ def test_a_cache_kept_on_the_device_is_not_kept_again(monkeypatch: pytest.Monkey
     monkeypatch.setattr(OnnxSession, "keeps_on_device", property(lambda self: True))
     setup, _ = _opened("llama", 16)
     assert setup.device_cache and setup.prefix_cache is None
+
+
+@pytest.mark.parametrize(
+    ("arch", "says"),
+    [
+        ("gpt2_nocache", "exported without its cache"),
+        ("device", "stays on the device"),
+    ],
+)
+def test_settings_a_model_cannot_take_are_warned_about_at_load(
+    arch: str, says: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`prefix_cache_mb` and `prompt_lookup` in `[generate]` of a model whose cache cannot be
+    kept or cut on the host: the version loads without them, saying why."""
+    if arch == "device":
+        monkeypatch.setattr(OnnxSession, "keeps_on_device", property(lambda self: True))
+        arch = "llama"
+    session = OnnxRuntimeBackend().load(DECODERS / arch / "model.onnx", BackendOptions(1))
+    config = GenerateConfig(prefix_cache_mb=8, prompt_lookup=4)
+    with caplog.at_level("WARNING", logger="agent.models.decoder_layout"):
+        setup = open_generation(config, session, DECODERS / arch)
+    assert setup.prefix_cache is None and setup.prompt_lookup == 0
+    warned = [r.getMessage() for r in caplog.records]
+    assert any("prefix_cache_mb is not applied" in m and says in m for m in warned), warned
+    assert any("prompt_lookup is not applied" in m and says in m for m in warned), warned

@@ -248,7 +248,7 @@ def open_generation(
         chat,
         token_settings=token_settings_of(configs, vocab),
         prefix_cache=_prefix_cache(config, layout, device_cache),
-        prompt_lookup=config.prompt_lookup,
+        prompt_lookup=_prompt_lookup(config, layout, bool(device_cache)),
     )
     if layout.cross is None:
         return generation
@@ -261,12 +261,30 @@ def _prefix_cache(
     """The version's prefix cache, where `[generate] prefix_cache_mb` asks one and the model
     can keep its cache: a decoder alone, with a cache, on the host (the arrays ONNX Runtime's
     CPU provider returns are the run's own; a device's stay bound)."""
-    if not config.prefix_cache_mb or layout.cross is not None or not layout.cache:
+    if not config.prefix_cache_mb:
         return None
-    if device_cache:  # a GPU provider's or TensorRT's: kept on the device, never a host array
+    if layout.cross is not None or not layout.cache or device_cache:
+        log.warning("[generate] prefix_cache_mb is not applied: %s", _not_host_cache(layout))
         return None
     axes = {slot.input: slot.past_axis for slot in layout.cache}
     return PrefixCache(config.prefix_cache_mb << 20, axes)
+
+
+def _prompt_lookup(config: GenerateConfig, layout: DecoderLayout, device_cache: bool) -> int:
+    """`[generate] prompt_lookup`, where the model can take it (a warning where it cannot)."""
+    if config.prompt_lookup and (layout.cross is not None or not layout.cache or device_cache):
+        log.warning("[generate] prompt_lookup is not applied: %s", _not_host_cache(layout))
+        return 0
+    return config.prompt_lookup
+
+
+def _not_host_cache(layout: DecoderLayout) -> str:
+    """Why a model's cache cannot be kept or cut on the host."""
+    if layout.cross is not None:
+        return "an encoder-decoder reads its prompt in its encoder"
+    if not layout.cache:
+        return "the decoder was exported without its cache"
+    return "the cache stays on the device (a GPU provider or TensorRT)"
 
 
 def _named_by(config: GenerateConfig, genai: GenaiConfig) -> GenerateConfig:
