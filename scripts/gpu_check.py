@@ -443,6 +443,31 @@ class GpuCheck:
         detail = f"{bound} cache outputs kept on the device, {ms:.2f} ms a token"
         return ("PASS" if ok else "FAIL"), detail + ("" if ok else f", tokens {tokens}"), {}
 
+    def ort_prompt_lookup(self) -> tuple[str, str, dict[str, Any]]:
+        """The generate fixture on the first GPU provider with `prompt_lookup` 8: the cache
+        cut on the device (`ort_cut`) after each run of guesses, greedy tokens equal to
+        Hugging Face's."""
+        from agent.models.backends.onnxruntime import OnnxRuntimeBackend
+
+        options, skipped = self._cuda_options()
+        if options is None:
+            return "SKIP", skipped, {}
+        folder = Path(__file__).resolve().parent.parent / "tests/fixtures/real/decoders/gpt2"
+        reference = json.loads((folder.parent / "reference.json").read_text())
+        details, ok = [], True
+        session = OnnxRuntimeBackend().load(folder / "model.onnx", options)
+        try:
+            for case in reference["models"]["gpt2"]:
+                setup, tokens, ms = _greedy_tokens(
+                    session, folder, case["prompt"], params={"prompt_lookup": 8}
+                )
+                equal = tokens == case["greedy"]
+                ok = ok and equal and setup.device_cut is not None
+                details.append(f"{'equal' if equal else tokens}, {ms:.2f} ms a token")
+        finally:
+            session.close()
+        return ("PASS" if ok else "FAIL"), "; ".join(details), {}
+
     def ort_genai(self) -> tuple[str, str, dict[str, Any]]:
         """ONNX Runtime GenAI's fp32 and int4 builds (`GroupQueryAttention`, `MatMulNBits`) on
         the first GPU provider, cache on the device: fp32's greedy tokens equal GenAI's on the
@@ -596,6 +621,7 @@ class GpuCheck:
         r.run("FP16 engine", self.fp16)
         r.run("ONNX Runtime GPU providers", self.ort_gpu)
         r.run("ONNX Runtime generate, cache on the device", self.ort_generate)
+        r.run("ONNX Runtime prompt lookup, cache cut on the device", self.ort_prompt_lookup)
         r.run("ONNX Runtime GenAI builds, cache on the device", self.ort_genai)
         r.run("ONNX Runtime encoder-decoder generate, caches on the device", self.ort_seq2seq)
         r.run("ONNX Runtime Whisper transcription, caches on the device", self.ort_whisper)

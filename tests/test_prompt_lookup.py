@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 
 from agent.client import AgentClient, AgentError
@@ -18,7 +19,7 @@ from agent.demo.broker import EmbeddedBroker
 from agent.inference import generate
 from agent.inference.prompt_lookup import MAX_PAUSE, Lookup
 from agent.models.backends.base import BackendOptions
-from agent.models.backends.onnxruntime import OnnxRuntimeBackend
+from agent.models.backends.onnxruntime import OnnxRuntimeBackend, OnnxSession
 from agent.models.decoder_layout import open_generation
 from agent.models.generate_config import GenerateConfig
 from agent.service.agent import Agent
@@ -93,6 +94,34 @@ def test_the_tokens_are_greedys_in_fewer_runs() -> None:
     assert len(fewer) >= len(FIXTURES) // 2, fewer
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_cache_kept_on_the_device_is_cut_there(
+    arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ONNX Runtime's GPU path (the cache kept as the runtime's values, bound here on the
+    CPU): the guesses' run keeps the cache bound, the cut happens without a host copy (a
+    Slice run, `ort_cut`), and the tokens are greedy's in fewer runs than tokens."""
+    monkeypatch.setattr(OnnxSession, "keeps_on_device", property(lambda self: True))
+    cut = OnnxSession.cut_kept
+    cuts: list[type] = []
+
+    def spy(self: OnnxSession, value: Any, axis: int, length: int) -> Any:
+        made = cut(self, value, axis, length)
+        cuts.append(type(made))
+        return made
+
+    monkeypatch.setattr(OnnxSession, "cut_kept", spy)
+    folder, cases, n = FIXTURES[arch]
+    runs = 0
+    for case in cases:
+        tokens, ran, _ = _tokens_and_runs(folder, case["ids"], n, 8)
+        assert tokens == case["greedy"][:n], case["prompt"]
+        runs += ran
+    assert cuts and set(cuts) == {ort.OrtValue}
+    if arch == "gpt2":
+        assert runs < len(cases) * n
+
+
 def test_an_eos_among_the_guesses_ends_the_generation_there() -> None:
     """An eos the greedy path reaches inside a run of kept guesses ends it at that token, and
     the cache kept for the prefix cache is the one the tokens before it made."""
@@ -162,7 +191,7 @@ def test_a_stream_with_guesses_carries_greedys_tokens_and_text(
         ("gpt2", {"prompt_lookup": 4, "num_beams": 2}, "greedy search of one sequence"),
         ("gpt2", {"prompt_lookup": 33}, "prompt_lookup"),
         ("gpt2", {"prompt_lookup": True}, "prompt_lookup"),
-        ("gpt2_nocache", {"prompt_lookup": 4}, "a decoder alone with its cache on the host"),
+        ("gpt2_nocache", {"prompt_lookup": 4}, "a decoder alone with its cache"),
     ],
 )
 def test_a_lookup_that_cannot_apply_is_refused(

@@ -288,7 +288,7 @@ def _advance_guessed(run: Run, position: int, state: _Decoding, guessed: list[in
     inputs = sequence_inputs(layout, [ask.tokens[-1], *guessed], past=_past(ask))
     for slot in layout.cache:
         inputs[slot.input] = state.inputs[slot.input]
-    outputs = run.model(inputs)
+    outputs = run.model(inputs, ask.setup.device_cache)
     logits = outputs[layout.logits]
     if logits.ndim != 3 or logits.shape[:2] != (1, len(guessed) + 1):
         raise InferenceError(
@@ -302,7 +302,7 @@ def _advance_guessed(run: Run, position: int, state: _Decoding, guessed: list[in
         right += 1
     assert state.lookup is not None
     state.lookup.checked(len(guessed), right)
-    kept = prompt_lookup.cut_cache(layout, outputs, _past(ask))
+    kept = prompt_lookup.cut_cache(layout, outputs, _past(ask), ask.setup.device_cut)
     if ask.finish_reason is None:
         state.inputs = _next_inputs(state, kept, token)
     elif ask.setup.prefix_cache is not None:

@@ -176,10 +176,9 @@ def _beams(params: Mapping[str, Any], setup: Generation, sampling: bool, stops: 
 
 def _lookup(params: Mapping[str, Any], setup: Generation, not_greedy: bool) -> int:
     """`params.prompt_lookup`, else the model's `[generate] prompt_lookup` where it can apply:
-    a greedy search of one sequence by a decoder alone whose cache is on the host;
-    `bad_request` where it is asked and cannot."""
-    host_cache = bool(setup.layout.cache) and not setup.device_cache
-    fits = host_cache and setup.layout.cross is None
+    a greedy search of one sequence by a decoder alone whose cache can be cut
+    (`Generation.cuttable`); `bad_request` where it is asked and cannot."""
+    fits = setup.cuttable
     if "prompt_lookup" not in params:
         return setup.prompt_lookup if fits and not not_greedy else 0
     lookup = modes.integer_param(params, "prompt_lookup", 0, high=MAX_LOOKUP)
@@ -192,8 +191,8 @@ def _lookup(params: Mapping[str, Any], setup: Generation, not_greedy: bool) -> i
     if lookup and not fits:
         raise WireError(
             "bad_request",
-            "params.prompt_lookup needs a decoder alone with its cache on the host (ONNX "
-            "Runtime's CPU provider)",
+            "params.prompt_lookup needs a decoder alone with its cache, on the host or on "
+            "ONNX Runtime's GPU provider (not TensorRT)",
         )
     return lookup
 

@@ -12,11 +12,12 @@ follows with the latest match first). The cache the run returned holds the guess
 not kept at its end: it is cut to the tokens kept.
 
 Greedy only (a sampled token is not checked this way), one sequence (not beams), a decoder
-alone whose cache is on the host (cut as numpy arrays), in a run of its own (not in
+alone whose cache can be cut (as numpy arrays on the host; on ONNX Runtime's GPU provider by
+a Slice run on the device, `agent.models.backends.ort_cut`), in a run of its own (not in
 lock-step). The strategy (`agent.inference.generate`) runs the checks; this module finds the
 guesses and cuts the cache.
 
-Imports only numpy, `agent.models.decoder_layout` and `agent.models.generate_config`.
+Imports only numpy and `agent.models` (the layout, the config, the backends' protocols).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from agent.models.backends.base import DeviceCut
 from agent.models.decoder_layout import DecoderLayout
 from agent.models.generate_config import MAX_LOOKUP
 
@@ -93,13 +95,18 @@ class Lookup:
 
 
 def cut_cache(
-    layout: DecoderLayout, outputs: Mapping[str, np.ndarray[Any, Any]], tokens: int
-) -> dict[str, np.ndarray[Any, Any]]:
+    layout: DecoderLayout, outputs: Mapping[str, Any], tokens: int, device: DeviceCut | None
+) -> dict[str, Any]:
     """`outputs` with every cache output cut to its first `tokens` along its past axis (a
-    contiguous copy where it holds more; the arrays themselves where it holds exactly)."""
+    contiguous copy where it holds more; the arrays themselves where it holds exactly); a
+    value kept on the device is cut there, by `device`."""
     cut = dict(outputs)
     for slot in layout.cache:
         array = outputs[slot.output]
+        if not isinstance(array, np.ndarray):
+            assert device is not None  # `Generation.cuttable`: a device cache is cut there
+            cut[slot.output] = device.cut_kept(array, slot.past_axis, tokens)
+            continue
         if array.shape[slot.past_axis] == tokens:
             continue
         index = tuple(

@@ -44,7 +44,13 @@ from typing import Any
 
 import numpy as np
 
-from agent.models.backends.base import DeviceBinding, ModelLoadError, Session, TensorSpec
+from agent.models.backends.base import (
+    DeviceBinding,
+    DeviceCut,
+    ModelLoadError,
+    Session,
+    TensorSpec,
+)
 from agent.models.chat_template import ChatTemplate, open_chat_template
 from agent.models.encoders import ENCODER_FILE, FEATURES, Encoder, encoder_reads
 from agent.models.genai_config import GENAI_CONFIG, GenaiConfig, read_genai_config
@@ -166,6 +172,17 @@ class Generation:
     # prefix_cache_mb`; a decoder alone, its cache on the host).
     prefix_cache: PrefixCache | None = None
     prompt_lookup: int = 0  # `[generate] prompt_lookup`: the default of `params.prompt_lookup`
+    # Where the cache stays on the device: the session, where it can cut the cache there
+    # (ONNX Runtime; prompt lookup cuts it to the tokens kept). None: on the host, or not.
+    device_cut: DeviceCut | None = None
+
+    @property
+    def cuttable(self) -> bool:
+        """Whether the loop can cut this model's cache to fewer tokens: a decoder alone whose
+        cache is on the host, or on a device that can cut it (prompt lookup's guesses)."""
+        layout = self.layout
+        alone = layout.cross is None and bool(layout.cache)
+        return alone and (not self.device_cache or self.device_cut is not None)
 
     @property
     def batchable(self) -> bool:
@@ -248,8 +265,13 @@ def open_generation(
         chat,
         token_settings=token_settings_of(configs, vocab),
         prefix_cache=_prefix_cache(config, layout, device_cache),
-        prompt_lookup=_prompt_lookup(config, layout, bool(device_cache)),
     )
+    if device_cache and isinstance(session, DeviceCut):
+        generation = dataclasses.replace(generation, device_cut=session)
+    if config.prompt_lookup and not generation.cuttable:
+        log.warning("[generate] prompt_lookup is not applied: %s", _not_host_cache(layout))
+    elif config.prompt_lookup:
+        generation = dataclasses.replace(generation, prompt_lookup=config.prompt_lookup)
     if layout.cross is None:
         return generation
     return _with_encoder(generation, folder, configs, open_encoder)
@@ -270,21 +292,13 @@ def _prefix_cache(
     return PrefixCache(config.prefix_cache_mb << 20, axes)
 
 
-def _prompt_lookup(config: GenerateConfig, layout: DecoderLayout, device_cache: bool) -> int:
-    """`[generate] prompt_lookup`, where the model can take it (a warning where it cannot)."""
-    if config.prompt_lookup and (layout.cross is not None or not layout.cache or device_cache):
-        log.warning("[generate] prompt_lookup is not applied: %s", _not_host_cache(layout))
-        return 0
-    return config.prompt_lookup
-
-
 def _not_host_cache(layout: DecoderLayout) -> str:
     """Why a model's cache cannot be kept or cut on the host."""
     if layout.cross is not None:
         return "an encoder-decoder reads its prompt in its encoder"
     if not layout.cache:
         return "the decoder was exported without its cache"
-    return "the cache stays on the device (a GPU provider or TensorRT)"
+    return "the cache stays on the device (a GPU provider or TensorRT) and is not cut there"
 
 
 def _named_by(config: GenerateConfig, genai: GenaiConfig) -> GenerateConfig:

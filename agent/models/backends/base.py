@@ -151,6 +151,17 @@ class DeviceBinding(Protocol):
         ...
 
 
+@runtime_checkable
+class DeviceCut(Protocol):
+    """A `DeviceBinding` session that can also cut a kept output on its device (ONNX
+    Runtime: `agent.models.backends.ort_cut`)."""
+
+    def cut_kept(self, value: Any, axis: int, length: int) -> Any:
+        """A value `run_keeping` kept, its first `length` entries along `axis`, as a new value
+        on the same device. Raises :class:`InferenceError` on failure."""
+        ...
+
+
 class StepBinding(Protocol):
     """A steps loop's runs bound once (ONNX Runtime's IOBinding): each run reads the fed
     inputs from the buffers the run before it wrote, and writes its outputs into the other

@@ -26,6 +26,7 @@ from agent.models.backends.base import (
     one_line,
 )
 from agent.models.backends.external_data import external_data_problem
+from agent.models.backends.ort_cut import DeviceCutter
 from agent.models.backends.ort_steps import OrtStepBinding, bindable
 from agent.models.onnx_header import model_metadata
 
@@ -233,6 +234,7 @@ class OnnxSession:
         self._seek_idle = self._shrink is not None
         self._last_run = time.monotonic()
         self._shrunk = True
+        self._cutter: DeviceCutter | None = None  # made on the first `cut_kept`
 
     @property
     def inputs(self) -> Sequence[TensorSpec]:
@@ -368,6 +370,18 @@ class OnnxSession:
                 name: value if name in keep else value.numpy()
                 for name, value in zip(self._output_names, values, strict=True)
             }
+        except Exception as exc:
+            raise InferenceError(one_line(exc)) from exc
+
+    def cut_kept(self, value: Any, axis: int, length: int) -> Any:
+        """A kept output cut on its device (`base.DeviceCut`, `ort_cut.DeviceCutter`)."""
+        session = self._session
+        if session is None:
+            raise InferenceError("session closed")
+        try:
+            if self._cutter is None:
+                self._cutter = DeviceCutter(session, self._device)
+            return self._cutter.cut(value, axis, length)
         except Exception as exc:
             raise InferenceError(one_line(exc)) from exc
 
