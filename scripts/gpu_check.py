@@ -468,6 +468,35 @@ class GpuCheck:
             session.close()
         return ("PASS" if ok else "FAIL"), "; ".join(details), {}
 
+    def ort_prefix_cache(self) -> tuple[str, str, dict[str, Any]]:
+        """The Llama-like fixture on the first GPU provider with a prefix cache: a prompt
+        asked again runs only its last token from the kept device values, and a next turn's
+        beginning is cut on the device; both give the uncached tokens."""
+        from agent.models.backends.onnxruntime import OnnxRuntimeBackend
+        from agent.models.decoder_layout import open_generation
+        from agent.models.generate_config import GenerateConfig
+
+        options, skipped = self._cuda_options()
+        if options is None:
+            return "SKIP", skipped, {}
+        folder = Path(__file__).resolve().parent.parent / "tests/fixtures/real/decoders/llama"
+        case = json.loads((folder.parent / "reference.json").read_text())["models"]["llama"][0]
+        session = OnnxRuntimeBackend().load(folder / "model.onnx", options)
+        try:
+            setup = open_generation(GenerateConfig(prefix_cache_mb=16), session, folder)
+            first = _generation(session, setup, case["ids"], 24)
+            again = _generation(session, setup, case["ids"], 24)
+            turn = case["ids"] + case["greedy"][:5] + case["ids"][:3]
+            goes_on = _generation(session, setup, turn, 12)
+            fresh = open_generation(None, session, folder)
+            want = _generation(session, fresh, turn, 12)
+        finally:
+            session.close()
+        ok = first.tokens == again.tokens == case["greedy"] and goes_on.tokens == want.tokens
+        ok = ok and again.cached_tokens == len(case["ids"]) - 1 and goes_on.cached_tokens > 0
+        detail = f"cached {again.cached_tokens} and {goes_on.cached_tokens} prompt tokens"
+        return ("PASS" if ok else "FAIL"), detail, {}
+
     def ort_genai(self) -> tuple[str, str, dict[str, Any]]:
         """ONNX Runtime GenAI's fp32 and int4 builds (`GroupQueryAttention`, `MatMulNBits`) on
         the first GPU provider, cache on the device: fp32's greedy tokens equal GenAI's on the
@@ -622,6 +651,7 @@ class GpuCheck:
         r.run("ONNX Runtime GPU providers", self.ort_gpu)
         r.run("ONNX Runtime generate, cache on the device", self.ort_generate)
         r.run("ONNX Runtime prompt lookup, cache cut on the device", self.ort_prompt_lookup)
+        r.run("ONNX Runtime prefix cache, kept on the device", self.ort_prefix_cache)
         r.run("ONNX Runtime GenAI builds, cache on the device", self.ort_genai)
         r.run("ONNX Runtime encoder-decoder generate, caches on the device", self.ort_seq2seq)
         r.run("ONNX Runtime Whisper transcription, caches on the device", self.ort_whisper)
@@ -662,6 +692,19 @@ def _encoder_decoder_tokens(
     finally:
         session.close()
     return tokens, len(setup.device_cache), ms
+
+
+def _generation(session: Any, setup: Any, ids: list[int], new_tokens: int) -> Any:
+    """One greedy generation of `ids` on `session` with `setup`, to its end: its ask."""
+    from agent.inference import generate
+    from agent.inference.modes import Member, Run
+    from agent.models.model_config import StreamConfig
+
+    ask = generate.ask_of({"input_ids": np.array(ids)}, {"max_new_tokens": new_tokens}, setup)
+    run = Run(session, StreamConfig(mode="generate"), [Member({}, 1, generation=ask)])
+    for _ in generate.generate(run):
+        pass
+    return ask
 
 
 def _greedy_tokens(

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 
 from agent.client import AgentClient
@@ -28,7 +29,7 @@ BATCHING = "[batching]\nmax_batch = 3\nmax_queue_delay_us = 200000\n"
 
 
 def _store(max_bytes: int = 1 << 20) -> PrefixCache:
-    return PrefixCache(max_bytes, {"past.key": 2})
+    return PrefixCache(max_bytes, {"past.key": (2, 4)}, None)
 
 
 def _cache(tokens: int, fill: float = 1.0) -> dict[str, np.ndarray[Any, Any]]:
@@ -159,39 +160,39 @@ def test_a_conversations_next_turn_through_the_agent(
     assert "cached_tokens" not in reference.end.usage
 
 
-def test_a_cache_kept_on_the_device_is_not_kept_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a GPU provider (here its bound path on the CPU) the cache never comes to the host,
-    so there is nothing to keep: the version has no prefix cache."""
+def test_a_cache_kept_on_the_device_is_kept_and_cut_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ONNX Runtime's GPU path (the cache kept as the runtime's values; bound here on the
+    CPU): the entries are those values, cut on the device for a shorter beginning, and a
+    conversation's next turn gives the uncached tokens."""
     monkeypatch.setattr(OnnxSession, "keeps_on_device", property(lambda self: True))
-    setup, _ = _opened("llama", 16)
-    assert setup.device_cache and setup.prefix_cache is None
+    cached, fresh = _opened("llama", 16), _opened("llama", 0)
+    store = cached[0].prefix_cache
+    assert cached[0].device_cache and store is not None
+    case = REFERENCE["models"]["llama"][0]
+    (first,) = _run(cached, [case["ids"]])
+    assert first.tokens == case["greedy"]
+    longer = case["ids"] + case["greedy"][:5] + case["ids"][:3]
+    (goes_on,) = _run(cached, [longer], 12)
+    (reference,) = _run(fresh, [longer], 12)
+    assert goes_on.cached_tokens == len(case["ids"]) + 5 and goes_on.tokens == reference.tokens
+    hit = store.longest(longer)
+    assert hit is not None and {type(v) for v in hit.cache.values()} == {ort.OrtValue}
 
 
 @pytest.mark.parametrize(
     ("arch", "says"),
-    [
-        ("gpt2_nocache", "exported without its cache"),
-        ("device", "stays on the device"),
-    ],
+    [("gpt2_nocache", "exported without its cache")],
 )
 def test_settings_a_model_cannot_take_are_warned_about_at_load(
-    arch: str, says: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    arch: str, says: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """`prefix_cache_mb` and `prompt_lookup` in `[generate]` of a model whose cache cannot be
-    kept on the host, or cut: the version loads without them, saying why (a cache on ONNX
-    Runtime's device is cut there, so it keeps prompt lookup)."""
-    if arch == "device":
-        monkeypatch.setattr(OnnxSession, "keeps_on_device", property(lambda self: True))
-        arch = "llama"
+    kept or cut: the version loads without them, saying why."""
     session = OnnxRuntimeBackend().load(DECODERS / arch / "model.onnx", BackendOptions(1))
     config = GenerateConfig(prefix_cache_mb=8, prompt_lookup=4)
     with caplog.at_level("WARNING", logger="agent.models.decoder_layout"):
         setup = open_generation(config, session, DECODERS / arch)
     warned = [r.getMessage() for r in caplog.records]
-    assert setup.prefix_cache is None
+    assert setup.prefix_cache is None and setup.prompt_lookup == 0
     assert any("prefix_cache_mb is not applied" in m and says in m for m in warned), warned
-    if arch == "llama":  # a cache on ONNX Runtime's device is cut there: lookup applies
-        assert setup.prompt_lookup == 4 and setup.device_cut is session
-    else:
-        assert setup.prompt_lookup == 0
-        assert any("prompt_lookup is not applied" in m and says in m for m in warned), warned
+    assert any("prompt_lookup is not applied" in m and says in m for m in warned), warned

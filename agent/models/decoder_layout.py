@@ -264,10 +264,12 @@ def open_generation(
         device_cache,
         chat,
         token_settings=token_settings_of(configs, vocab),
-        prefix_cache=_prefix_cache(config, layout, device_cache),
     )
     if device_cache and isinstance(session, DeviceCut):
         generation = dataclasses.replace(generation, device_cut=session)
+    store = _prefix_cache(config, generation)
+    if store is not None:
+        generation = dataclasses.replace(generation, prefix_cache=store)
     if config.prompt_lookup and not generation.cuttable:
         log.warning("[generate] prompt_lookup is not applied: %s", _not_host_cache(layout))
     elif config.prompt_lookup:
@@ -277,19 +279,19 @@ def open_generation(
     return _with_encoder(generation, folder, configs, open_encoder)
 
 
-def _prefix_cache(
-    config: GenerateConfig, layout: DecoderLayout, device_cache: tuple[str, ...]
-) -> PrefixCache | None:
+def _prefix_cache(config: GenerateConfig, generation: Generation) -> PrefixCache | None:
     """The version's prefix cache, where `[generate] prefix_cache_mb` asks one and the model
-    can keep its cache: a decoder alone, with a cache, on the host (the arrays ONNX Runtime's
-    CPU provider returns are the run's own; a device's stay bound)."""
+    can keep and cut its cache (`Generation.cuttable`: the arrays the CPU provider returns
+    and the values a GPU provider keeps are each run's own, never written again)."""
     if not config.prefix_cache_mb:
         return None
-    if layout.cross is not None or not layout.cache or device_cache:
-        log.warning("[generate] prefix_cache_mb is not applied: %s", _not_host_cache(layout))
+    if not generation.cuttable:
+        log.warning(
+            "[generate] prefix_cache_mb is not applied: %s", _not_host_cache(generation.layout)
+        )
         return None
-    axes = {slot.input: slot.past_axis for slot in layout.cache}
-    return PrefixCache(config.prefix_cache_mb << 20, axes)
+    slots = {s.input: (s.past_axis, s.dtype.itemsize) for s in generation.layout.cache}
+    return PrefixCache(config.prefix_cache_mb << 20, slots, generation.device_cut)
 
 
 def _not_host_cache(layout: DecoderLayout) -> str:

@@ -8,15 +8,17 @@ generations (their `present.*` arrays as the session returned them: no copy) wit
 ids it holds; a new prompt takes the longest shared beginning of any entry, cut to one token
 short of the prompt (the prompt's last token must run to give the first logits), and runs only
 the rest (`agent.inference.generate`). This is llama.cpp's `cache_prompt` and vLLM's prefix
-caching, for one box: host arrays only (a GPU provider's cache stays bound on the device and
-is not kept), a decoder alone (not an encoder-decoder), the least recently used entries
-dropped past the size bound. Thread-safe: the workers of one version share it.
+caching, for one box: a decoder alone (not an encoder-decoder), the least recently used entries
+dropped past the size bound. On the host the entries are numpy arrays, cut by numpy; on ONNX
+Runtime's GPU provider they are the runtime's values on the device, cut there
+(`backends.base.DeviceCut`). Thread-safe: the workers of one version share it.
 
-Imports nothing of the agent.
+Imports only `backends.base`.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -25,9 +27,11 @@ from typing import Any
 
 import numpy as np
 
+from agent.models.backends.base import DeviceCut
+
 __all__ = ["PrefixCache", "PrefixHit"]
 
-Arrays = Mapping[str, np.ndarray[Any, Any]]
+Arrays = Mapping[str, Any]  # numpy arrays, or a device session's values
 MIN_SHARED = 4  # fewer shared tokens than this: a fresh prefill (the cut costs about as much)
 
 
@@ -36,22 +40,28 @@ class PrefixHit:
     """The cache of the first `tokens` ids of a prompt, one array per cache input."""
 
     tokens: int
-    cache: dict[str, np.ndarray[Any, Any]]
+    cache: dict[str, Any]
 
 
 @dataclass(frozen=True)
 class _Entry:
     ids: tuple[int, ...]
-    cache: dict[str, np.ndarray[Any, Any]]  # cache input name -> the output that held it
+    cache: dict[str, Any]  # cache input name -> the output that held it
     nbytes: int
 
 
 class PrefixCache:
-    """Recent generations' caches of one version, at most `max_bytes` of them."""
+    """Recent generations' caches of one version, at most `max_bytes` of them. `slots`: each
+    cache input's past axis and item size; `device`: the session that cuts values kept on
+    its device (None: numpy arrays on the host)."""
 
-    def __init__(self, max_bytes: int, past_axes: Mapping[str, int]) -> None:
+    def __init__(
+        self, max_bytes: int, slots: Mapping[str, tuple[int, int]], device: DeviceCut | None
+    ) -> None:
         self.max_bytes = max_bytes
-        self._past_axes = dict(past_axes)  # cache input name -> its past axis
+        self._past_axes = {name: axis for name, (axis, _) in slots.items()}
+        self._item_sizes = {name: size for name, (_, size) in slots.items()}
+        self._device = device
         self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
@@ -68,11 +78,10 @@ class PrefixCache:
         prompts; an entry whose ids begin these is dropped (this one holds more)."""
         key = tuple(ids)
         arrays = {name: cache[name] for name in self._past_axes}
-        if any(
-            a.shape[0] != 1 or a.shape[self._past_axes[n]] != len(key) for n, a in arrays.items()
-        ):
+        shapes = {name: _shape(value) for name, value in arrays.items()}
+        if any(s[0] != 1 or s[self._past_axes[n]] != len(key) for n, s in shapes.items()):
             return  # not one row holding exactly `ids` (a caller's slip: keep nothing)
-        nbytes = sum(a.nbytes for a in arrays.values())
+        nbytes = sum(math.prod(s) * self._item_sizes[n] for n, s in shapes.items())
         if nbytes > self.max_bytes or len(key) < MIN_SHARED:
             return
         with self._lock:
@@ -105,14 +114,25 @@ class PrefixCache:
             self._entries.clear()
             self._bytes = 0
 
-    def _cut(self, name: str, array: np.ndarray[Any, Any], tokens: int) -> np.ndarray[Any, Any]:
+    def _cut(self, name: str, array: Any, tokens: int) -> Any:
         """`array`'s first `tokens` along its past axis: the array itself where it holds no
-        more, else a contiguous copy (the entry stays as it was)."""
+        more, else a contiguous copy (the entry stays as it was), made on the device for a
+        value kept there."""
         axis = self._past_axes[name]
-        if array.shape[axis] == tokens:
+        if _shape(array)[axis] == tokens:
             return array
+        if not isinstance(array, np.ndarray):
+            assert self._device is not None  # only a device session's values are not arrays
+            return self._device.cut_kept(array, axis, tokens)
         index = tuple(slice(0, tokens) if a == axis else slice(None) for a in range(array.ndim))
         return np.ascontiguousarray(array[index])
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    """A numpy array's shape, or an ONNX Runtime value's (`OrtValue.shape()`)."""
+    if isinstance(value, np.ndarray):
+        return tuple(value.shape)
+    return tuple(value.shape())
 
 
 def _shared(kept: tuple[int, ...], ids: Sequence[int], most: int) -> int:
