@@ -143,20 +143,9 @@ def build(name: str, vocab: int, eos: int) -> Any:
 
 def greedy(model: Any, ids: list[int]) -> tuple[list[int], float]:
     """HF's greedy tokens, and the smallest top-1/top-2 logit gap along the path."""
-    import torch
+    from optimum_export import greedy as greedy_with_gap  # this script's folder
 
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=NEW_TOKENS,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, len(ids) :].tolist()
-    gaps = [float((s[0].topk(2).values[0] - s[0].topk(2).values[1]).item()) for s in out.scores]
-    return tokens, min(gaps)
+    return greedy_with_gap(model, ids, NEW_TOKENS)
 
 
 BEAMS = {"num_beams": 3}
