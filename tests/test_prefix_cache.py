@@ -145,7 +145,8 @@ def test_a_conversations_next_turn_through_the_agent(
     cached_agent: tuple[Agent, AgentClient],
 ) -> None:
     """Over the broker: the second turn's `end` says how many prompt tokens the cache held
-    (`usage.cached_tokens`), and its tokens are the uncached model's."""
+    (`usage.cached_tokens`), and its tokens are the uncached model's; the metrics count them
+    and the bytes the cache holds."""
     _, client = cached_agent
     case = REFERENCE["models"]["llama"][0]
     params = {"max_new_tokens": 8}
@@ -158,6 +159,12 @@ def test_a_conversations_next_turn_through_the_agent(
     assert tokens_of(list(second)) == tokens_of(list(reference))
     assert second.end.usage["cached_tokens"] == len(case["ids"]) + 7
     assert "cached_tokens" not in reference.end.usage
+    agent, _ = cached_agent
+    samples = agent.metrics.registry.get_sample_value
+    labels = {"model": "cached", "version": "1"}
+    assert samples("edge_agent_prefix_cache_tokens_total", labels) == len(case["ids"]) + 7
+    assert (samples("edge_agent_prefix_cache_bytes", labels) or 0) > 0
+    assert samples("edge_agent_prefix_cache_bytes", {"model": "fresh", "version": "1"}) is None
 
 
 def test_a_cache_kept_on_the_device_is_kept_and_cut_there(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -207,6 +207,16 @@ class ModelManager:
         counts = {(v.model, v.version): session_device_bytes(v.session) for v in self._open()}
         return {key: count for key, count in counts.items() if count is not None}
 
+    def prefix_caches(self) -> dict[tuple[str, int], tuple[int, int]]:
+        """Each loaded version's prefix cache (`[generate] prefix_cache_mb`), by (model,
+        version): the bytes it holds and the prompt tokens it has served."""
+        stores = {(v.model, v.version): v.generation for v in self._open() if v.generation}
+        return {
+            key: (g.prefix_cache.nbytes, g.prefix_cache.tokens_served)
+            for key, g in stores.items()
+            if g.prefix_cache is not None
+        }
+
     # -- reconciling with the disk -----------------------------------------------------------
 
     def sync(self) -> float | None:

@@ -64,6 +64,7 @@ class PrefixCache:
         self._device = device
         self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
         self._bytes = 0
+        self.tokens_served = 0  # prompt tokens taken from the cache since load (a counter)
         self._lock = threading.Lock()
 
     @property
@@ -106,6 +107,7 @@ class PrefixCache:
             if best is None or shared < MIN_SHARED:
                 return None
             self._entries.move_to_end(best.ids)
+            self.tokens_served += shared
         cache = {name: self._cut(name, array, shared) for name, array in best.cache.items()}
         return PrefixHit(shared, cache)
 

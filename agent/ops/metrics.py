@@ -193,6 +193,8 @@ class Gauges:
     counters: Mapping[str, int] = field(default_factory=dict)  # agent.ops.counters snapshot
     # (model, version) -> GPU bytes its session holds (`ModelManager.device_bytes`)
     device_bytes: Mapping[tuple[str, int], int] = field(default_factory=dict)
+    # (model, version) -> (bytes held, prompt tokens served) (`ModelManager.prefix_caches`)
+    prefix_caches: Mapping[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
 
 
 # What went wrong and was handled without stopping: (counter, help), each exported as
@@ -256,6 +258,7 @@ class AgentCollector(Collector):
             yield CounterMetricFamily(f"{PREFIX}_{name}", help_text, value=g.counters.get(name, 0))
         yield from _model_families(g.inventory)
         yield _device_bytes(g.device_bytes)
+        yield from _prefix_caches(g.prefix_caches)
 
 
 def _gauges(*items: tuple[str, str, float]) -> Iterator[Metric]:
@@ -293,6 +296,24 @@ def _device_bytes(held: Mapping[tuple[str, int], int]) -> Metric:
     for (model, version), count in sorted(held.items()):
         family.add_metric([model, str(version)], count)
     return family
+
+
+def _prefix_caches(caches: Mapping[tuple[str, int], tuple[int, int]]) -> Iterator[Metric]:
+    held = GaugeMetricFamily(
+        f"{PREFIX}_prefix_cache_bytes",
+        "Bytes of decoder caches a version keeps for later prompts ([generate] prefix_cache_mb)",
+        labels=["model", "version"],
+    )
+    served = CounterMetricFamily(
+        f"{PREFIX}_prefix_cache_tokens",
+        "Prompt tokens taken from a version's prefix cache instead of run again",
+        labels=["model", "version"],
+    )
+    for (model, version), (nbytes, tokens) in sorted(caches.items()):
+        held.add_metric([model, str(version)], nbytes)
+        served.add_metric([model, str(version)], tokens)
+    yield held
+    yield served
 
 
 class AgentMetrics:

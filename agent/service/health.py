@@ -126,6 +126,7 @@ class Health:
             inventory=self.models.inventory(),
             counters=self.counters.snapshot(),
             device_bytes=self.models.device_bytes(),
+            prefix_caches=self.models.prefix_caches(),
         )
 
     def telemetry(
