@@ -128,7 +128,17 @@ def _missing(config: dict[str, Any]) -> None:
     config["model"]["decoder"]["filename"] = "absent.onnx"
 
 
-BROKEN = {"vision": _vision, "cache_names": _cache_names, "outside": _outside, "gone": _missing}
+def _beams(config: dict[str, Any]) -> None:
+    config["search"]["num_beams"] = "three"
+
+
+BROKEN = {
+    "vision": _vision,
+    "cache_names": _cache_names,
+    "outside": _outside,
+    "gone": _missing,
+    "beams": _beams,
+}
 
 
 def test_a_published_folder_streams_text_as_it_is(
@@ -166,6 +176,7 @@ def test_the_configs_context_bounds_a_request(genai_agent: tuple[Agent, AgentCli
         ("cache_names", "the cache is named 'past_key_%d' (past_key_names)"),
         ("outside", "'../other.onnx' is not an .onnx file's name in the version folder"),
         ("gone", "neither model.onnx nor absent.onnx, the decoder genai_config.json names"),
+        ("beams", "genai_config.json: num_beams = 'three' is not a count"),
     ],
 )
 def test_a_genai_config_the_agent_cannot_follow_fails_its_version(

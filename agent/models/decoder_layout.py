@@ -263,7 +263,7 @@ def open_generation(
         vocab,
         device_cache,
         chat,
-        token_settings=token_settings_of(configs, vocab),
+        token_settings=token_settings_of(configs, vocab, generation_file),
     )
     if device_cache and isinstance(session, DeviceCut):
         generation = dataclasses.replace(generation, device_cut=session)

@@ -58,22 +58,28 @@ class TokenSettings:
         )
 
 
-def token_settings_of(configs: Configs, vocab: int | None) -> TokenSettings:
-    """The settings `configs` give (ModelLoadError for a value of the wrong kind)."""
+def token_settings_of(
+    configs: Configs, vocab: int | None, source: str = "generation_config.json"
+) -> TokenSettings:
+    """The settings `configs` give (ModelLoadError, naming `source`, the file the first of
+    `configs` came from, for a value of the wrong kind)."""
     generation = configs[0]
-    return TokenSettings(
-        forced_bos=first_number(configs, "forced_bos_token_id"),
-        forced_eos=first_number(configs, "forced_eos_token_id"),
-        suppress=_token_list(configs, "suppress_tokens", vocab),
-        begin_suppress=_token_list(configs, "begin_suppress_tokens", vocab),
-        no_repeat_ngram=_count(generation, "no_repeat_ngram_size"),
-        min_length=_count(generation, "min_length"),
-        min_new_tokens=_count(generation, "min_new_tokens"),
-        repetition_penalty=_penalty(generation),
-        num_beams=max(1, min(_count(generation, "num_beams"), MAX_BEAMS)),
-        length_penalty=_float(generation, "length_penalty", 1.0),
-        early_stopping=_early_stopping(generation),
-    )
+    try:
+        return TokenSettings(
+            forced_bos=first_number(configs, "forced_bos_token_id"),
+            forced_eos=first_number(configs, "forced_eos_token_id"),
+            suppress=_token_list(configs, "suppress_tokens", vocab),
+            begin_suppress=_token_list(configs, "begin_suppress_tokens", vocab),
+            no_repeat_ngram=_count(generation, "no_repeat_ngram_size"),
+            min_length=_count(generation, "min_length"),
+            min_new_tokens=_count(generation, "min_new_tokens"),
+            repetition_penalty=_penalty(generation),
+            num_beams=max(1, min(_count(generation, "num_beams"), MAX_BEAMS)),
+            length_penalty=_float(generation, "length_penalty", 1.0),
+            early_stopping=_early_stopping(generation),
+        )
+    except ValueError as e:
+        raise ModelLoadError(f"{source}: {e}") from None
 
 
 def unapplied(generation_config: dict[str, Any]) -> list[str]:
@@ -119,7 +125,7 @@ def _count(generation_config: dict[str, Any], key: str) -> int:
         return 0
     number = whole_number(value)
     if number is None or number < 0:
-        raise ModelLoadError(f"generation_config.json: {key} = {value!r} is not a count")
+        raise ValueError(f"{key} = {value!r} is not a count")
     return number
 
 
@@ -128,7 +134,7 @@ def _float(generation_config: dict[str, Any], key: str, default: float) -> float
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ModelLoadError(f"generation_config.json: {key} = {value!r} is not a number")
+        raise ValueError(f"{key} = {value!r} is not a number")
     return float(value)
 
 
@@ -139,14 +145,12 @@ def _early_stopping(generation_config: dict[str, Any]) -> bool | str:
     if isinstance(value, bool):
         return value
     if value != "never":
-        raise ModelLoadError(f"generation_config.json: early_stopping = {value!r}")
+        raise ValueError(f"early_stopping = {value!r}")
     return "never"
 
 
 def _penalty(generation_config: dict[str, Any]) -> float:
     value = _float(generation_config, "repetition_penalty", 1.0)
     if not 0.0 < value <= MAX_PENALTY:
-        raise ModelLoadError(
-            f"generation_config.json: repetition_penalty = {value} is not in (0, {MAX_PENALTY}]"
-        )
+        raise ValueError(f"repetition_penalty = {value} is not in (0, {MAX_PENALTY}]")
     return value
