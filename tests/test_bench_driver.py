@@ -222,3 +222,18 @@ def test_by_host_keeps_the_latest_full_run_of_each_host_and_reports_each(tmp_pat
         "| `scan` | Host A | 2026-01-03, `abc1234` | source x0.60 | **missed** |",
         "| `scan` | Host B | 2026-01-02, `abc1234` | source x0.95 | met |",
     ]
+
+
+def test_reuse_section_measures_what_it_names(broker: EmbeddedBroker, tmp_path: Path) -> None:
+    """The reuse figures compare the settings they name: the cached side took the shared
+    beginning from the prefix cache, the lookup side's runs gave at least a token each, and
+    the section reads back from its saved form."""
+    from benchmarks import reuse
+
+    result = reuse.measure(broker, tmp_path, quick=True)
+    assert result.cached_tokens == reuse.SHARED
+    assert result.tokens_a_run >= 1.0 and result.rounds == 5
+    assert result.first_token_ms > 0 and result.lookup_tokens_s > 0
+    lines = reuse.section(reuse.from_json(json.loads(json.dumps(reuse.to_json(result)))))
+    assert lines[0] == "## Reuse: the prefix cache and prompt lookup"
+    assert any(f"{reuse.SHARED} tokens from the cache" in line for line in lines)
