@@ -32,6 +32,7 @@ from agent.models.decoder_layout import DecoderLayout
 from agent.models.generate_config import MAX_LOOKUP
 
 __all__ = ["MAX_LOOKUP", "Lookup", "cut_cache"]
+
 MAX_PAUSE = 16  # the most runs a request waits to guess again after guesses that missed
 
 
