@@ -63,6 +63,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from optimum_export import generated  # this script's folder
+from optimum_export import greedy as greedy_with_gap
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "real" / "decoders"
 BUNDLED = REPO_ROOT / "models" / "writer" / "1"  # the README's example (config.toml kept)
@@ -143,8 +146,6 @@ def build(name: str, vocab: int, eos: int) -> Any:
 
 def greedy(model: Any, ids: list[int]) -> tuple[list[int], float]:
     """HF's greedy tokens, and the smallest top-1/top-2 logit gap along the path."""
-    from optimum_export import greedy as greedy_with_gap  # this script's folder
-
     return greedy_with_gap(model, ids, NEW_TOKENS)
 
 
@@ -153,8 +154,6 @@ BEAMS = {"num_beams": 3}
 
 def make_beams(out: Path) -> None:
     """The ``beam`` entries of ``gpt2`` and ``llama`` (see the module docstring)."""
-    import torch
-
     reference = json.loads((out / "reference.json").read_text(encoding="utf-8"))
     vocab, eos = reference["vocab"], reference["eos"]
     for name in ("gpt2", "llama"):
@@ -162,15 +161,8 @@ def make_beams(out: Path) -> None:
         for case in reference["models"][name]:
             if greedy(model, case["ids"])[0] != case["greedy"]:
                 raise SystemExit(f"{name}: the model built again is not the exported one")
-            with torch.no_grad():
-                out_ids = model.generate(
-                    torch.tensor([case["ids"]]),
-                    attention_mask=torch.ones(1, len(case["ids"]), dtype=torch.long),
-                    do_sample=False,
-                    max_new_tokens=NEW_TOKENS,
-                    **BEAMS,
-                )
-            tokens = out_ids[0, len(case["ids"]) :].tolist()
+            searched = generated(model, case["ids"], NEW_TOKENS, **BEAMS)
+            tokens = searched.sequences[0, len(case["ids"]) :].tolist()
             finish = "eos" if tokens and tokens[-1] == eos else "length"
             case["beam"] = {"tokens": tokens, "finish": finish}
             print(f"{name}: {case['prompt']!r} beams -> {tokens} {finish}")

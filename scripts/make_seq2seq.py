@@ -51,7 +51,7 @@ from typing import Any
 
 from make_decoders import byte_level_bpe  # this script's folder
 from make_real_models import _reexec_with_fixed_hash_seed  # optimum's merge: set order
-from optimum_export import ENCODER_DECODER_FILES, export_kept, pin_environment, signature
+from optimum_export import ENCODER_DECODER_FILES, export_kept, generated, pin_environment, signature
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "real" / "seq2seq"
@@ -198,17 +198,7 @@ def build(name: str, tokenizer: Any, seed: int) -> Any:
 def greedy(model: Any, ids: list[int]) -> tuple[list[int], list[list[float]], float]:
     """Hugging Face's greedy new tokens for the prompt `ids`, the raw logits of each step, and
     the smallest top-1/top-2 logit gap along the path (a forced first token left out)."""
-    import torch
-
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=NEW_TOKENS,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
+    out = generated(model, ids, NEW_TOKENS, output_logits=True)
     tokens = out.sequences[0, 1:].tolist()  # the decoder's start token first
     logits = [step[0] for step in out.logits]
     free = logits[1:] if model.generation_config.forced_bos_token_id is not None else logits
@@ -222,16 +212,7 @@ def ruled(model: Any, ids: list[int], settings: dict[str, Any]) -> tuple[list[in
     steps with one token left in reach left out)."""
     import torch
 
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=NEW_TOKENS,
-            output_scores=True,
-            return_dict_in_generate=True,
-            **settings,
-        )
+    out = generated(model, ids, NEW_TOKENS, output_scores=True, **settings)
     tokens = out.sequences[0, 1:].tolist()
     gaps = []
     for step in out.scores:
@@ -262,29 +243,21 @@ def make(name: str, out: Path, seed: int) -> dict[str, Any]:
     cases = []
     for prompt in PROMPTS:
         ids = tokenizer(prompt)["input_ids"]
+
+        def answer(tokens: list[int]) -> dict[str, Any]:
+            finish = "eos" if tokens[-1] == generation.eos_token_id else "length"
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            return {"greedy": tokens, "finish": finish, "text": text}
+
         tokens, _, gap = greedy(model, ids)
-        finish = "eos" if tokens[-1] == generation.eos_token_id else "length"
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
-        cases.append(
-            {"prompt": prompt, "ids": ids, "greedy": tokens, "finish": finish, "text": text}
-        )
-        cases[-1]["gap"] = gap
-        print(f"{name}: {prompt!r} -> {tokens} {finish} (min gap {gap:.4f})")
+        cases.append({"prompt": prompt, "ids": ids, **answer(tokens), "gap": gap})
+        print(f"{name}: {prompt!r} -> {tokens} {cases[-1]['finish']} (min gap {gap:.4f})")
         tokens, gap = ruled(model, ids, RULED[name])
-        finish = "eos" if tokens[-1] == generation.eos_token_id else "length"
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
-        cases[-1]["ruled"] = {"greedy": tokens, "finish": finish, "text": text, "gap": gap}
-        print(f"  ruled -> {tokens} {finish} (min gap {gap:.4f})")
-        tokens, _ = ruled(model, ids, BEAMS)
-        finish = "eos" if tokens[-1] == generation.eos_token_id else "length"
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
-        cases[-1]["beam"] = {"greedy": tokens, "finish": finish, "text": text}
-        print(f"  beam -> {tokens} {finish}")
-        tokens, _ = ruled(model, ids, TUNED_BEAMS[name])
-        finish = "eos" if tokens[-1] == generation.eos_token_id else "length"
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
-        cases[-1]["tuned_beam"] = {"greedy": tokens, "finish": finish, "text": text}
-        print(f"  tuned beam -> {tokens} {finish}")
+        cases[-1]["ruled"] = {**answer(tokens), "gap": gap}
+        cases[-1]["beam"] = answer(ruled(model, ids, BEAMS)[0])
+        cases[-1]["tuned_beam"] = answer(ruled(model, ids, TUNED_BEAMS[name])[0])
+        for kind in ("ruled", "beam", "tuned_beam"):
+            print(f"  {kind} -> {cases[-1][kind]['greedy']} {cases[-1][kind]['finish']}")
     return {
         "seed": seed,
         "vocab": len(tokenizer),

@@ -13,7 +13,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ENCODER_DECODER_FILES", "export_kept", "greedy", "pin_environment", "signature"]
+__all__ = [
+    "ENCODER_DECODER_FILES",
+    "export_kept",
+    "generated",
+    "greedy",
+    "pin_environment",
+    "signature",
+]
 
 # What a version folder keeps of optimum's export of an encoder-decoder, renamed: the merged
 # decoder is the version's model.onnx; the processor's file with the tokenizer's.
@@ -71,20 +78,27 @@ def signature(path: Path) -> dict[str, Any]:
     return {"inputs": described(session.get_inputs()), "outputs": described(session.get_outputs())}
 
 
-def greedy(model: Any, ids: list[int], new_tokens: int) -> tuple[list[int], float]:
-    """A decoder's Hugging Face greedy tokens (`generate(do_sample=False)`) after `ids`, and
-    the smallest top-1/top-2 logit gap along the path (a tie would make greedy ill-defined)."""
+def generated(model: Any, ids: list[int], new_tokens: int, **settings: Any) -> Any:
+    """Hugging Face's `generate` of at most `new_tokens` after the prompt `ids` (a mask of
+    ones, no sampling unless `settings` say), its output as a dict (`sequences`, and the
+    `scores` or `logits` that `settings` ask for)."""
     import torch
 
     with torch.no_grad():
-        out = model.generate(
+        return model.generate(
             torch.tensor([ids]),
             attention_mask=torch.ones(1, len(ids), dtype=torch.long),
             do_sample=False,
             max_new_tokens=new_tokens,
-            output_scores=True,
             return_dict_in_generate=True,
+            **settings,
         )
+
+
+def greedy(model: Any, ids: list[int], new_tokens: int) -> tuple[list[int], float]:
+    """A decoder's Hugging Face greedy tokens (`generate(do_sample=False)`) after `ids`, and
+    the smallest top-1/top-2 logit gap along the path (a tie would make greedy ill-defined)."""
+    out = generated(model, ids, new_tokens, output_scores=True)
     tokens = [int(t) for t in out.sequences[0, len(ids) :]]
     gaps = []
     for scores in out.scores:
