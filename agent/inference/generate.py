@@ -156,10 +156,8 @@ class _Recording:
         log_mel, tokenizer, speech_prompt = setup.log_mel, setup.tokenizer, setup.speech
         assert log_mel is not None
         samples, self.rest = self.rest[: log_mel.samples], self.rest[log_mel.samples :]
-        inputs: dict[str, Any] = {speech.SAMPLES: samples}
         previous = tokenizer.decode(ended.tokens).strip() if tokenizer is not None else ""
-        if previous and speech_prompt is not None:
-            inputs[speech.PREVIOUS_TEXT] = np.array(speech.tail(previous, setup), dtype=object)
+        inputs = speech.window_inputs(samples, previous if speech_prompt else "", setup)
         params = dict(self.params)
         language = speech_prompt.language_in(self.ask.prompt) if speech_prompt else None
         if language is not None:

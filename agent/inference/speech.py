@@ -137,6 +137,15 @@ def tail(previous: str, setup: Generation) -> str:
     return text
 
 
+def window_inputs(samples: np.ndarray[Any, Any], previous: str, setup: Generation) -> Arrays:
+    """A window's request inputs: its samples, and the previous window's text (its `tail`)
+    as the decoder's prompt where there is one."""
+    inputs: Arrays = {SAMPLES: samples}
+    if previous:
+        inputs[PREVIOUS_TEXT] = np.array(tail(previous, setup), dtype=object)
+    return inputs
+
+
 def refuse_prompt_params(params: Mapping[str, Any]) -> None:
     """`bad_request` for `params.language` or `params.task` sent to a model whose prompt
     they do not choose."""

@@ -33,7 +33,7 @@ from agent.sources.base import Reader, SourceError
 from agent.sources.frames import Frame
 from agent.sources.readers.pcm import PcmReader, PcmRecord, WindowPlan
 from agent.sources.runner import SourceRunner
-from agent.sources.transcribe import Transcriber, speech_window_plan
+from agent.sources.transcribe import Transcriber, extractor_rate_problem, speech_window_plan
 
 # `[defaults]` inputs that hold a sample rate: the source's `sample_rate` must match them.
 SAMPLE_RATE_NAMES = frozenset({"sr", "sample_rate", "sampling_rate", "samplerate", "rate"})
@@ -64,7 +64,8 @@ def window_plan(config: SourceConfig, loaded: LoadedVersion) -> WindowPlan:
         raise SourceError(f"model '{config.model}' has no input '{scan.input}' ([scan] input)")
     assert config.channels is not None
     _check_layout(config, spec, scan.axis)
-    problem = sample_rate_problem(config, model.defaults) or _extractor_rate_problem(config, loaded)
+    rate = loaded.audio.sample_rate if loaded.audio is not None else None
+    problem = sample_rate_problem(config, model.defaults) or extractor_rate_problem(config, rate)
     if problem is not None:
         raise SourceError(problem)
     unfed = sorted(set(specs) - {scan.input} - set(model.stream.state) - set(model.defaults))
@@ -116,19 +117,6 @@ def sample_rate_problem(config: SourceConfig, defaults: Mapping[str, Any]) -> st
                 "command"
             )
     return None
-
-
-def _extractor_rate_problem(config: SourceConfig, loaded: LoadedVersion) -> str | None:
-    """A speech encoder's feature extractor says the rate it was trained at
-    (`preprocessor_config.json`'s `sampling_rate`): the source's must be it."""
-    rate = loaded.audio.sample_rate if loaded.audio is not None else None
-    if rate is None or rate == config.sample_rate:
-        return None
-    return (
-        f"sample_rate = {config.sample_rate} does not match model '{config.model}' (its "
-        f"preprocessor_config.json: sampling_rate {rate}): record at {rate} Hz or resample "
-        "in the command"
-    )
 
 
 def zero_state(

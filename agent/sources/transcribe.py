@@ -34,9 +34,7 @@ from agent.protocol.errors import WireError
 from agent.sources.base import SourceError
 from agent.sources.readers.pcm import PcmRecord, WindowPlan
 
-__all__ = ["Transcriber", "speech_window_plan"]
-
-SAMPLES = "input_values"
+__all__ = ["Transcriber", "extractor_rate_problem", "speech_window_plan"]
 
 
 def speech_window_plan(config: SourceConfig, loaded: LoadedVersion) -> WindowPlan:
@@ -56,18 +54,28 @@ def speech_window_plan(config: SourceConfig, loaded: LoadedVersion) -> WindowPla
         )
     if config.channels != 1 or config.windows_per_chunk not in (None, 1):
         raise SourceError(f"{name} transcribes mono windows, one a message")
-    if config.sample_rate != log_mel.sample_rate:
-        raise SourceError(
-            f"sample_rate = {config.sample_rate} does not match {name} (its "
-            f"preprocessor_config.json: sampling_rate {log_mel.sample_rate}): record at "
-            f"{log_mel.sample_rate} Hz or resample in the command"
-        )
+    problem = extractor_rate_problem(config, log_mel.sample_rate)
+    if problem is not None:
+        raise SourceError(problem)
+    silence = np.zeros(config.window, np.float32)
     try:  # the params every window will be asked with, checked once
-        ask_of({SAMPLES: np.zeros(config.window, np.float32)}, config.params or {}, generation)
+        ask_of(speech.window_inputs(silence, "", generation), config.params or {}, generation)
     except WireError as e:
         raise SourceError(f"params: {e.message}") from None
     window = config.window
-    return WindowPlan(SAMPLES, window, config.hop or window, 0, "pad", 1, mono_rank1=True)
+    return WindowPlan(speech.SAMPLES, window, config.hop or window, 0, "pad", 1, mono_rank1=True)
+
+
+def extractor_rate_problem(config: SourceConfig, rate: int | None) -> str | None:
+    """A speech encoder's feature extractor says the rate it was trained at
+    (`preprocessor_config.json`'s `sampling_rate`, `rate`): the source's must be it."""
+    if rate is None or rate == config.sample_rate:
+        return None
+    return (
+        f"sample_rate = {config.sample_rate} does not match model '{config.model}' (its "
+        f"preprocessor_config.json: sampling_rate {rate}): record at {rate} Hz or resample "
+        "in the command"
+    )
 
 
 class Transcriber:
@@ -92,9 +100,8 @@ class Transcriber:
             self.previous = ""
             empty = np.zeros(0, dtype=np.int64)
             return {"tokens": empty}, {"finish_reason": None, "text": "", "silent": True}
-        inputs: dict[str, Any] = {SAMPLES: window}
-        if self.config.previous_text is not False and self.previous:
-            inputs["prompt"] = np.array(speech.tail(self.previous, generation), dtype=object)
+        previous = self.previous if self.config.previous_text is not False else ""
+        inputs = speech.window_inputs(window, previous, generation)
         ask = ask_of(inputs, self.config.params or {}, generation)
         _transcribed(loaded, ask)
         text = ask.text.sent if ask.text is not None else None  # the stream's, all of it
@@ -105,7 +112,7 @@ class Transcriber:
             extra["language"] = language
         if text is not None:
             extra["text"] = text
-        return {"tokens": np.array(ask.tokens, dtype=np.int64)}, extra
+        return ask.outputs(), extra
 
     def _silent(self, window: np.ndarray[Any, Any]) -> bool:
         """Whether the window is quieter than `silence_dbfs` (never, without one)."""
