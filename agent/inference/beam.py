@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from agent.inference.generate_inputs import USE_CACHE
 from agent.inference.generate_lockstep import on_host
 from agent.inference.modes import Arrays, Piece, Run
 from agent.inference.token_rules import TokenRules
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
 __all__ = ["BeamDecoding"]
 
 _LOST = np.float32(-1e9)  # `generate`'s score of a row that cannot win
-_ON = np.ones((1,), dtype=np.bool_)  # `use_cache_branch` after the prefill
 
 
 class BeamDecoding:
@@ -190,7 +190,7 @@ class BeamDecoding:
             dtype = layout.int_dtypes[layout.position_ids]
             inputs[layout.position_ids] = np.full((self.beams, 1), self.length - 1, dtype=dtype)
         if layout.cache_branch is not None:
-            inputs[layout.cache_branch] = _ON
+            inputs[layout.cache_branch] = USE_CACHE
         inputs.update(self.cross)
         for slot in layout.cache:
             value = outputs[slot.output]

@@ -67,7 +67,7 @@ class _Decoding:
     the step inputs made once (the mask a view of one row of ones as long as the generation
     can grow; the new token and its position written in place before each run)."""
 
-    def __init__(self, ask: GenerateAsk, cross: Arrays, prefill: Arrays) -> None:
+    def __init__(self, ask: GenerateAsk, cross: Arrays, prefill: Arrays, alone: bool) -> None:
         self.ask = ask
         # An encoder-decoder's decoder inputs of its encoder's run, and its cross-attention
         # cache once the first run made it: the same at every run.
@@ -84,7 +84,10 @@ class _Decoding:
         if layout.attention_mask is not None:
             longest = len(ask.prompt) + ask.max_new_tokens
             self.mask = np.ones((1, longest), dtype=layout.int_dtypes[layout.attention_mask])
-        self.lookup = prompt_lookup.Lookup(ask.lookup, ask.decoder_ids) if ask.lookup else None
+        # Prompt lookup's guesses: only for a member alone in its run (lock-step reads one
+        # token a row).
+        guessing = ask.lookup and alone
+        self.lookup = prompt_lookup.Lookup(ask.lookup, ask.decoder_ids) if guessing else None
         ask.sampler.see(ask.decoder_ids)  # as `generate` sees the decoder's input_ids
         _rules(ask).start(ask.decoder_ids)
 
@@ -104,7 +107,7 @@ def _decoding(run: Run, ask: GenerateAsk) -> _Decoding | BeamDecoding:
         prefill = {**prefill_inputs(ask), **cross}
     if ask.beams > 1:
         return BeamDecoding(ask, prefill, cross)
-    return _Decoding(ask, cross, prefill)
+    return _Decoding(ask, cross, prefill, alone=len(run.members) == 1)
 
 
 class _Recording:
@@ -184,12 +187,16 @@ def generate(run: Run) -> Iterator[list[Piece]]:
                 pieces.append(piece)
         if pieces:
             yield pieces
-        pasts = [_past(state.ask) for state in states.values()]
-        layout = _ask(run, 0).setup.layout
-        if lockstep and len(states) > 1 and LockstepBatch.joins(layout, pasts):
+        if lockstep and len(states) > 1 and _joins(run, states):
             plains = cast(dict[int, _Decoding], states)  # `lockstep`: every state is one
             yield from _lockstep(run, plains)  # the prefills are done: the rest in lock-step
             return
+
+
+def _joins(run: Run, states: dict[int, Any]) -> bool:
+    """Whether the members left can now step in lock-step (their prefills done)."""
+    pasts = [_past(state.ask) for state in states.values()]
+    return LockstepBatch.joins(_ask(run, 0).setup.layout, pasts)
 
 
 def _lockstep(run: Run, states: dict[int, _Decoding]) -> Iterator[list[Piece]]:
@@ -264,7 +271,7 @@ def _advance(run: Run, position: int, state: _Decoding | BeamDecoding | _Recordi
     ask, store = state.ask, state.ask.setup.prefix_cache
     if store is not None and not ask.tokens:  # a decoder alone (`Generation.prefix_cache`)
         state.inputs = cached_prefill(ask, store, state.inputs)
-    if state.lookup is not None and ask.tokens and len(run.members) == 1:  # no lock-step
+    if state.lookup is not None and ask.tokens:  # a member alone in its run
         guessed = state.lookup.guesses(ask.max_new_tokens - len(ask.tokens) - 1)
         if guessed:
             return _advance_guessed(run, position, state, guessed)

@@ -25,16 +25,16 @@ from agent.inference.token_rules import TokenRules
 from agent.models.chat_template import ChatRefused
 from agent.models.decoder_layout import Generation
 from agent.models.generate_config import MAX_LOOKUP
+from agent.models.token_settings import MAX_BEAMS
 from agent.models.tokenizer import too_long
 from agent.protocol.errors import WireError
 
-__all__ = ["MAX_BEAMS", "GenerateAsk", "Recording", "ask_of"]
+__all__ = ["GenerateAsk", "Recording", "ask_of"]
 
 MAX_STOPS = 16
 MAX_MESSAGES = 256  # rows of a conversation (`inputs.messages`)
 MAX_STOP_CHARS = 256
 MAX_TOKENS_PER_CHUNK = 4096
-MAX_BEAMS = 16
 
 
 @dataclass

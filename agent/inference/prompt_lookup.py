@@ -17,7 +17,7 @@ a Slice run on the device, `agent.models.backends.ort_cut`), in a run of its own
 lock-step). The strategy (`agent.inference.generate`) runs the checks; this module finds the
 guesses and cuts the cache.
 
-Imports only numpy and `agent.models` (the layout, the config, the backends' protocols).
+Imports only `agent.models` (the layout, the prefix cache's cut, the backends' protocols).
 """
 
 from __future__ import annotations
@@ -25,13 +25,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from agent.models.backends.base import DeviceCut
 from agent.models.decoder_layout import DecoderLayout
-from agent.models.generate_config import MAX_LOOKUP
+from agent.models.prefix_cache import cut_past
 
-__all__ = ["MAX_LOOKUP", "Lookup", "cut_cache"]
+__all__ = ["Lookup", "cut_cache"]
 
 MAX_PAUSE = 16  # the most runs a request waits to guess again after guesses that missed
 
@@ -98,21 +96,9 @@ class Lookup:
 def cut_cache(
     layout: DecoderLayout, outputs: Mapping[str, Any], tokens: int, device: DeviceCut | None
 ) -> dict[str, Any]:
-    """`outputs` with every cache output cut to its first `tokens` along its past axis (a
-    contiguous copy where it holds more; the arrays themselves where it holds exactly); a
-    value kept on the device is cut there, by `device`."""
+    """`outputs` with every cache output cut to its first `tokens` along its past axis
+    (`prefix_cache.cut_past`: on the device for a value kept there, by `device`)."""
     cut = dict(outputs)
     for slot in layout.cache:
-        array = outputs[slot.output]
-        if not isinstance(array, np.ndarray):
-            assert device is not None  # `Generation.cuttable`: a device cache is cut there
-            cut[slot.output] = device.cut_kept(array, slot.past_axis, tokens)
-            continue
-        if array.shape[slot.past_axis] == tokens:
-            continue
-        index = tuple(
-            slice(0, tokens) if axis == slot.past_axis else slice(None)
-            for axis in range(array.ndim)
-        )
-        cut[slot.output] = np.ascontiguousarray(array[index])
+        cut[slot.output] = cut_past(outputs[slot.output], slot.past_axis, tokens, device)
     return cut

@@ -29,7 +29,7 @@ import numpy as np
 
 from agent.models.backends.base import DeviceCut
 
-__all__ = ["PrefixCache", "PrefixHit"]
+__all__ = ["PrefixCache", "PrefixHit", "cut_past"]
 
 Arrays = Mapping[str, Any]  # numpy arrays, or a device session's values
 MIN_SHARED = 4  # fewer shared tokens than this: a fresh prefill (the cut costs about as much)
@@ -117,17 +117,20 @@ class PrefixCache:
             self._bytes = 0
 
     def _cut(self, name: str, array: Any, tokens: int) -> Any:
-        """`array`'s first `tokens` along its past axis: the array itself where it holds no
-        more, else a contiguous copy (the entry stays as it was), made on the device for a
-        value kept there."""
-        axis = self._past_axes[name]
-        if _shape(array)[axis] == tokens:
-            return array
-        if not isinstance(array, np.ndarray):
-            assert self._device is not None  # only a device session's values are not arrays
-            return self._device.cut_kept(array, axis, tokens)
-        index = tuple(slice(0, tokens) if a == axis else slice(None) for a in range(array.ndim))
-        return np.ascontiguousarray(array[index])
+        """`array`'s first `tokens` along its past axis (the entry stays as it was)."""
+        return cut_past(array, self._past_axes[name], tokens, self._device)
+
+
+def cut_past(array: Any, axis: int, tokens: int, device: DeviceCut | None) -> Any:
+    """A cache tensor's first `tokens` along its past `axis`: the array itself where it holds
+    no more, else a contiguous copy; a value kept on the device is cut there, by `device`."""
+    if _shape(array)[axis] == tokens:
+        return array
+    if not isinstance(array, np.ndarray):
+        assert device is not None  # only a device session's values are not arrays
+        return device.cut_kept(array, axis, tokens)
+    index = tuple(slice(0, tokens) if a == axis else slice(None) for a in range(array.ndim))
+    return np.ascontiguousarray(array[index])
 
 
 def _shape(value: Any) -> tuple[int, ...]:
