@@ -20,7 +20,7 @@ import numpy as np
 
 from agent.inference.images import decode_image
 from agent.models.encoders import PIXELS
-from agent.models.preprocess import PreprocessConfig, PreprocessError, preprocess_image
+from agent.models.preprocess import PreprocessConfig, PreprocessError, preprocess
 from agent.protocol.errors import WireError
 from agent.protocol.images import EncodedImage
 
@@ -51,8 +51,7 @@ def pixels_of(inputs: Mapping[str, Any], image: PreprocessConfig) -> np.ndarray[
             f"inputs.{PIXELS} must be a JPEG or PNG, an image H x W x 3 uint8, or pixel values "
             "[1, 3, H, W]",
         )
-    try:
-        pixels, _ = preprocess_image(value, image, bgr=bgr)
+    try:  # the image processor's [preprocess] is batched: NCHW, [1, 3, H, W]
+        return preprocess(value, image, bgr=bgr)
     except PreprocessError as e:
         raise WireError("bad_request", f"inputs.{PIXELS}: {e}") from None
-    return pixels if pixels.ndim == 4 else pixels[None]

@@ -162,7 +162,7 @@ def detect_language(run: Run, ask: GenerateAsk, first: Arrays) -> Arrays:
     assert setup.speech is not None and ask.language_at is not None  # `prompt_of` asked
     outputs = run.model(first, setup.device_cache)
     logits = outputs[setup.layout.logits]
-    languages = np.array(sorted(setup.speech.languages.values()))
+    languages = setup.speech.language_ids
     row = logits[0, -1]
     ask.prompt.insert(ask.language_at, int(languages[np.argmax(row[languages])]))
     ask.language_at = None

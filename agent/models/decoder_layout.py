@@ -58,7 +58,7 @@ from agent.models.generate_config import GenerateConfig
 from agent.models.hf_files import context_of, model_max_length, read_json, whole_number
 from agent.models.log_mel import LogMel
 from agent.models.prefix_cache import PrefixCache
-from agent.models.preprocess import PreprocessConfig, preprocess_image
+from agent.models.preprocess import PreprocessConfig, preprocess
 from agent.models.speech_prompt import SpeechPrompt
 from agent.models.token_settings import TokenSettings, first_number, token_settings_of, unapplied
 from agent.models.tokenizer import TextCodec, open_tokenizer
@@ -132,10 +132,15 @@ class DecoderLayout:
         An encoder-decoder's decoders all start from one token, so their own caches line up
         as they are; their encoders' outputs are padded on the right and masked, which needs
         the decoder's `encoder_attention_mask`."""
-        axes = bool(self.cache) and all(slot.past_axis > 0 for slot in self.cache)
         if self.cross is not None:
-            return axes and self.cross.mask is not None
-        return axes and self.attention_mask is not None and self.position_ids is not None
+            return self.cache_pads and self.cross.mask is not None
+        return self.cache_pads and self.attention_mask is not None and self.position_ids is not None
+
+    @property
+    def cache_pads(self) -> bool:
+        """Whether there is a cache and each of its tensors has a batch axis before its past
+        axis (rows of different lengths can be padded to one)."""
+        return bool(self.cache) and all(slot.past_axis > 0 for slot in self.cache)
 
 
 @dataclass(frozen=True)
@@ -189,10 +194,9 @@ class Generation:
         """Whether requests can step in lock-step (`DecoderLayout.batchable`). A speech
         recogniser's encoder reads a fixed window, so its outputs are all one length and need
         no mask: its decoders join without `encoder_attention_mask` (Whisper has none)."""
-        layout = self.layout
         if self.log_mel is not None or self.image is not None:
-            return bool(layout.cache) and all(slot.past_axis > 0 for slot in layout.cache)
-        return layout.batchable
+            return self.layout.cache_pads
+        return self.layout.batchable
 
     def encoder_warm_up_inputs(self) -> dict[str, Any] | None:
         """What the encoder runs on at load: silence, or a few start tokens."""
@@ -202,7 +206,7 @@ class Generation:
             return {FEATURES: self.log_mel.features(np.zeros(0, dtype=np.float32))}
         if self.image is not None:
             blank = np.zeros((32, 32, 3), dtype=np.uint8)
-            return {self.encoder.input.name: preprocess_image(blank, self.image)[0]}
+            return {self.encoder.input.name: preprocess(blank, self.image)}
         if self.decoder_start is None:
             return None
         return self.encoder.inputs([self.decoder_start] * 4)

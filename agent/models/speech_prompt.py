@@ -16,9 +16,12 @@ An English-only checkpoint (no `lang_to_id`) takes neither parameter. Imports on
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from agent.models.backends.base import ModelLoadError
 from agent.models.hf_files import whole_number
@@ -65,6 +68,11 @@ class SpeechPrompt:
             ids.append(self.no_timestamps)
         detect = self.detects(ids)
         return [i for at, i in enumerate(ids) if i is not None or (detect and at == 1)]
+
+    @functools.cached_property
+    def language_ids(self) -> np.ndarray[Any, Any]:
+        """The language tokens' ids, sorted (detection's candidates)."""
+        return np.array(sorted(self.languages.values()), dtype=np.int64)
 
     def language_in(self, ids: list[int]) -> str | None:
         """The code of the language token after the start token of the prompt `ids` (asked,

@@ -59,6 +59,7 @@ class TextCodec:
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
+        self._special: frozenset[int] | None = None  # `special_ids`, read on first use
 
     @property
     def vocab_size(self) -> int:
@@ -109,9 +110,12 @@ class TextCodec:
         return int(found) if found is not None else None
 
     def special_ids(self) -> frozenset[int]:
-        """The ids of the tokenizer's special added tokens (`<|endoftext|>`, `[CLS]`, ...)."""
-        added = self._tokenizer.get_added_tokens_decoder()
-        return frozenset(int(i) for i, token in added.items() if token.special)
+        """The ids of the tokenizer's special added tokens (`<|endoftext|>`, `[CLS]`, ...),
+        read once (a Whisper's tokenizer adds some 1,600)."""
+        if self._special is None:
+            added = self._tokenizer.get_added_tokens_decoder()
+            self._special = frozenset(int(i) for i, token in added.items() if token.special)
+        return self._special
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
