@@ -342,7 +342,10 @@ def _with_encoder(
         session.close()
         raise
     return dataclasses.replace(
-        generation, encoder=encoder, decoder_start=start, **encoder_reads(encoder, folder, configs)
+        generation,
+        encoder=encoder,
+        decoder_start=start,
+        **encoder_reads(encoder, folder, configs, start),
     )
 
 

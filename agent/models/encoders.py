@@ -89,13 +89,14 @@ class Encoder:
 
 
 def encoder_reads(
-    encoder: Encoder, folder: Path, configs: tuple[dict[str, Any], dict[str, Any]]
+    encoder: Encoder, folder: Path, configs: tuple[dict[str, Any], dict[str, Any]], start: int
 ) -> dict[str, Any]:
     """The `Generation` fields of what a speech or image encoder reads (`log_mel` and
-    `speech`, or `image`); none for a text encoder. ModelLoadError where the folder's
+    `speech`, a Whisper's prompt after the decoder's `start` token, or `image`); none for a
+    text encoder. ModelLoadError where the folder's
     preprocessor is not one the agent applies, or its sizes are not the encoder's."""
     if encoder.kind == "speech":
-        return _speech_of(encoder, folder, configs)
+        return _speech_of(encoder, folder, configs, start)
     if encoder.kind == "image":
         image = processor_preprocess([encoder.input], folder)
         if image is None:
@@ -109,7 +110,7 @@ def encoder_reads(
 
 
 def _speech_of(
-    encoder: Encoder, folder: Path, configs: tuple[dict[str, Any], dict[str, Any]]
+    encoder: Encoder, folder: Path, configs: tuple[dict[str, Any], dict[str, Any]], start: int
 ) -> dict[str, Any]:
     """A speech encoder's feature extractor and prompt rules (`Generation.log_mel`,
     `Generation.speech`); ModelLoadError where the folder's extractor is not one the agent
@@ -126,4 +127,4 @@ def _speech_of(
             f"{ENCODER_FILE}: {FEATURES} {encoder.input.describe()} is not [batch, "
             f"{log_mel.mels}, {log_mel.frames}] as preprocessor_config.json makes them"
         )
-    return {"log_mel": log_mel, "speech": speech_prompt_of(configs)}
+    return {"log_mel": log_mel, "speech": speech_prompt_of(configs, start)}

@@ -103,17 +103,15 @@ class SpeechPrompt:
         return self.tasks[task]
 
 
-def speech_prompt_of(configs: tuple[dict[str, Any], dict[str, Any]]) -> SpeechPrompt | None:
-    """The prompt rules of `configs` (generation_config.json, config.json), None where they
-    are not a Whisper's (no `no_timestamps_token_id` nor `lang_to_id`)."""
+def speech_prompt_of(
+    configs: tuple[dict[str, Any], dict[str, Any]], start: int
+) -> SpeechPrompt | None:
+    """The prompt rules of `configs` (generation_config.json, config.json), the decoder
+    starting from `start` (their `decoder_start_token_id`); None where they are not a
+    Whisper's (no `no_timestamps_token_id` nor `lang_to_id`)."""
     generation, hf_config = configs
     if "no_timestamps_token_id" not in generation and "lang_to_id" not in generation:
         return None
-    start = whole_number(generation.get("decoder_start_token_id"))
-    if start is None:
-        start = whole_number(hf_config.get("decoder_start_token_id"))
-    if start is None:
-        raise ModelLoadError("generation_config.json: no decoder_start_token_id")
     languages = {
         str(token).removeprefix("<|").removesuffix("|>"): _id(value, "lang_to_id")
         for token, value in _table(generation, "lang_to_id").items()
