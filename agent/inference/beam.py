@@ -71,6 +71,13 @@ class BeamDecoding:
         self.cross = {name: np.repeat(on_host(value), k, axis=0) for name, value in cross.items()}
         self.sent = 0  # tokens already in pieces
         self.finished = False
+        # The rules every row shares where they keep no n-grams (their state is then the
+        # count of new tokens alone): made once, told of each step. None: each row replays
+        # its own sequence (its n-grams are its own).
+        self._shared_rules: TokenRules | None = None
+        if not self.settings.no_repeat_ngram:
+            self._shared_rules = TokenRules(self.settings, self.eos, ask.max_new_tokens)
+            self._shared_rules.start(self.start)
 
     def advance(self, run: Run, position: int) -> Piece | None:
         """One run of the decoder and one step of the search; the piece of the tokens it
@@ -110,6 +117,8 @@ class BeamDecoding:
         self.running[:, :used], self.scores = candidates[nxt], running_scores[nxt]
         self._finish(candidates, top_scores, ends)
         self.length += 1
+        if self._shared_rules is not None:  # the token's value is not read without n-grams
+            self._shared_rules.see(int(self.running[0, self.length - 1]))
         self._check_improvable()
         open_rows = not (self.done.all() and self.settings.early_stopping is True)
         if not (self.improvable and open_rows and not ends.all()):
@@ -127,10 +136,7 @@ class BeamDecoding:
         out: np.ndarray[Any, Any] = log_probs.copy()
         for row in range(self.beams):
             sequence = self.running[row, : self.length]
-            rules = TokenRules(settings, self.eos, self.ask.max_new_tokens)
-            rules.start(self.start)
-            for token in sequence[len(self.start) :]:
-                rules.see(int(token))
+            rules = self._shared_rules or self._replayed(sequence)
             values = out[row]
             if penalty != 1.0:
                 seen = np.unique(sequence)
@@ -142,6 +148,14 @@ class BeamDecoding:
                 values[forced] = 0.0
             out[row] = rules.allowed(values)
         return out
+
+    def _replayed(self, sequence: np.ndarray[Any, Any]) -> TokenRules:
+        """The rules of one row, its n-grams read from its `sequence`."""
+        rules = TokenRules(self.settings, self.eos, self.ask.max_new_tokens)
+        rules.start(self.start)
+        for token in sequence[len(self.start) :]:
+            rules.see(int(token))
+        return rules
 
     def _finish(
         self, candidates: np.ndarray[Any, Any], scores: np.ndarray[Any, Any], ends: Any
