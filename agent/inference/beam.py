@@ -207,12 +207,13 @@ class BeamDecoding:
             inputs[layout.cache_branch] = USE_CACHE
         inputs.update(self.cross)
         for slot in layout.cache:
+            if slot.fixed and slot.input in self.cross:  # made by the first run, kept
+                continue
             value = outputs[slot.output]
             if value.shape[0] == 1:  # the prefill's one row: every beam's
                 value = np.repeat(value, self.beams, axis=0)
             if slot.fixed:  # the cross-attention's: made once, the same in every row
-                self.cross.setdefault(slot.input, value)
-                inputs[slot.input] = self.cross[slot.input]
+                inputs[slot.input] = self.cross[slot.input] = value
             else:
                 inputs[slot.input] = np.take(value, rows, axis=0)
         return inputs
