@@ -89,7 +89,9 @@ class _Decoding:
         guessing = ask.lookup and alone
         self.lookup = prompt_lookup.Lookup(ask.lookup, ask.decoder_ids) if guessing else None
         ask.sampler.see(ask.decoder_ids)  # as `generate` sees the decoder's input_ids
-        _rules(ask).start(ask.decoder_ids)
+        # What the configs force or bar at each token, on this member's own sequence.
+        self.rules = TokenRules(ask.setup.token_settings, ask.setup.eos, ask.max_new_tokens)
+        self.rules.start(ask.decoder_ids)
 
 
 def _decoding(run: Run, ask: GenerateAsk) -> _Decoding | BeamDecoding:
@@ -243,11 +245,6 @@ def _gone(run: Run, position: int, piece: Piece | None) -> bool:
     return position in run.failed or (piece is not None and piece.last)
 
 
-def _rules(ask: GenerateAsk) -> TokenRules:
-    assert ask.rules is not None  # `ask_of` made them
-    return ask.rules
-
-
 def _ask(run: Run, position: int) -> GenerateAsk:
     ask = run.members[position].generation
     assert isinstance(ask, GenerateAsk)  # the runner made it (agent.inference.runner)
@@ -363,7 +360,7 @@ def _chose(state: _Decoding, logits: np.ndarray[Any, Any]) -> int:
     """The member's next token chosen from its row of logits and noted (`ask.finish_reason`
     set where it ended the generation)."""
     ask = state.ask
-    rules = _rules(ask)
+    rules = state.rules
     token = rules.forced()
     if token is None:
         token = ask.sampler.choose(rules.allowed(logits))

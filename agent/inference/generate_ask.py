@@ -5,8 +5,8 @@ version's `Generation` (`bad_request` for what it cannot take): the prompt's ids
 `input_ids`, a text (`prompt`, through the tokenizer), a conversation (`messages`, through the
 chat template) or a recording (a speech recogniser's: `agent.inference.speech`); the room the
 context leaves; `max_new_tokens`, `tokens_per_chunk`, the stop strings, the sampler, the
-configs' token rules and the number of beams. The strategy that runs it is
-`agent.inference.generate`'s.
+number of beams and prompt lookup's guesses. The strategy that runs it is
+`agent.inference.generate`'s (which applies the configs' token rules).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from agent.inference import modes, pictures, speech
 from agent.inference.modes import Arrays
 from agent.inference.sampling import Sampler, SamplingParams
 from agent.inference.text_stream import TextStream
-from agent.inference.token_rules import TokenRules
 from agent.models.chat_template import ChatRefused
 from agent.models.decoder_layout import Generation
 from agent.models.generate_config import MAX_LOOKUP
@@ -61,7 +60,6 @@ class GenerateAsk:
     # Whisper's is to be detected.
     encoder_input: np.ndarray[Any, Any] | None = None
     language_at: int | None = None
-    rules: TokenRules | None = None  # what the configs impose (made by `ask_of`)
     beams: int = 1  # above 1: beam search (`agent.inference.beam`)
     lookup: int = 0  # above 0: tokens guessed a run (`agent.inference.prompt_lookup`)
     # A speech recogniser's recording longer than its encoder's window: the samples after
@@ -144,7 +142,6 @@ def ask_of(inputs: Mapping[str, Any], params: Mapping[str, Any], setup: Generati
     sampler = Sampler(SamplingParams.parse(params, settings.repetition_penalty))
     ask = GenerateAsk(setup, prompt, min(asked, room), sampler, per_chunk, text)
     ask.encoder_input, ask.language_at = encoder_input, language_at
-    ask.rules = TokenRules(settings, setup.eos, ask.max_new_tokens)
     ask.beams = _beams(params, setup, sampler.params.temperature > 0, bool(stops))
     ask.lookup = _lookup(params, setup, sampler.params.temperature > 0 or ask.beams > 1)
     if rest is not None:  # a recording longer than the encoder's window: one after another
