@@ -24,10 +24,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from agent.inference.modes import Arrays, Run
+from agent.models.audio_inputs import AUDIO_INPUT
 from agent.models.decoder_layout import Generation
 from agent.models.encoders import FEATURES
 from agent.models.log_mel import LogMel
 from agent.models.speech_prompt import PromptRefused
+from agent.models.text_inputs import TEXT_INPUT
 from agent.protocol.errors import WireError
 
 if TYPE_CHECKING:
@@ -35,8 +37,8 @@ if TYPE_CHECKING:
 
 __all__ = ["detect_language", "features_of", "prompt_of", "refuse_prompt_params", "tail"]
 
-SAMPLES = "input_values"  # what a request names its recording (as wav2vec2's input is named)
-PREVIOUS_TEXT = "prompt"  # the text the decoder reads before its prompt of special tokens
+SAMPLES = AUDIO_INPUT  # what a request names its recording (as wav2vec2's input is named)
+PREVIOUS_TEXT = TEXT_INPUT  # the text the decoder reads before its prompt of special tokens
 PREVIOUS_TOKEN = "<|startofprev|>"
 MAX_PREVIOUS_CHARS = 4096
 DEFAULT_CONTEXT = 448  # Whisper's max_target_positions, where the version names none

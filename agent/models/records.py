@@ -17,14 +17,15 @@ from typing import Any, Literal
 
 import cbor2
 
-from agent.models.audio_inputs import AudioNormalization
+from agent.models.audio_inputs import AUDIO_INPUT, AudioNormalization
 from agent.models.backends.base import Dim, Session, TensorSpec, session_metadata
 from agent.models.decoder_layout import Generation
+from agent.models.encoders import FEATURES, PIXELS
 from agent.models.model_config import BatchingConfig, ModelConfig, StreamConfig
 from agent.models.postprocess import Postprocessor
 from agent.models.preprocess import PreprocessConfig, image_input
 from agent.models.signature import request_inputs
-from agent.models.text_inputs import TextInputs
+from agent.models.text_inputs import TEXT_INPUT, TextInputs
 
 __all__ = [
     "INVENTORY_DETAIL_BYTES",
@@ -334,9 +335,9 @@ def text_inputs_of(loaded: LoadedVersion) -> list[str]:
     generation = loaded.generation
     if generation is not None:
         if generation.log_mel is not None:  # a speech recogniser: a recording (or its features)
-            return ["input_values", "input_features", "prompt"]
+            return [AUDIO_INPUT, FEATURES, TEXT_INPUT]
         if generation.image is not None:  # image to text: a picture
-            return ["pixel_values"]
+            return [PIXELS]
         if generation.tokenizer is None:
             return []
         return ["prompt", "messages"] if generation.chat is not None else ["prompt"]
