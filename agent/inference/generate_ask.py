@@ -199,10 +199,7 @@ def _prompt_ids(inputs: Mapping[str, Any], setup: Generation) -> list[int]:
     if names == ["prompt"]:
         if setup.tokenizer is None:
             raise WireError("bad_request", "inputs.prompt needs a model with a tokenizer.json")
-        value = inputs["prompt"]
-        if not (isinstance(value, np.ndarray) and value.size == 1 and value.dtype.kind in "OU"):
-            raise WireError("bad_request", "inputs.prompt must be one text")
-        text = value.reshape(()).item()
+        text = modes.one_text(inputs["prompt"], "prompt")
         if not isinstance(text, str):
             raise WireError("bad_request", "inputs.prompt must be one text")
         _refuse_long(text, setup, "inputs.prompt")

@@ -369,6 +369,14 @@ def max_steps(config: StreamConfig, params: Mapping[str, Any]) -> int:
     return integer_param(params, "max_steps", limit, low=1, high=limit)
 
 
+def one_text(value: Any, name: str) -> object:
+    """The item of a request's `inputs.NAME` that must hold one text (`bad_request` where it
+    is not a one-element string tensor); the caller checks what the item is."""
+    if not (isinstance(value, np.ndarray) and value.size == 1 and value.dtype.kind in "OU"):
+        raise WireError("bad_request", f"inputs.{name} must be one text")
+    return value.reshape(()).item()
+
+
 def integer_param(
     params: Mapping[str, Any], key: str, default: int, *, low: int = 0, high: int
 ) -> int:

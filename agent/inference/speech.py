@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from agent.inference.modes import Arrays, Run
+from agent.inference.modes import Arrays, Run, one_text
 from agent.models.audio_inputs import AUDIO_INPUT
 from agent.models.decoder_layout import Generation
 from agent.models.encoders import FEATURES
@@ -103,10 +103,7 @@ def _previous_ids(inputs: Mapping[str, Any], setup: Generation) -> list[int]:
     """`inputs.prompt`'s ids as `get_prompt_ids` makes them (none without one)."""
     if PREVIOUS_TEXT not in inputs:
         return []
-    value = inputs[PREVIOUS_TEXT]
-    if not (isinstance(value, np.ndarray) and value.size == 1 and value.dtype.kind in "OU"):
-        raise WireError("bad_request", f"inputs.{PREVIOUS_TEXT} must be one text")
-    text = value.reshape(()).item()
+    text = one_text(inputs[PREVIOUS_TEXT], PREVIOUS_TEXT)
     if not isinstance(text, str) or len(text) > MAX_PREVIOUS_CHARS:
         raise WireError(
             "bad_request",
