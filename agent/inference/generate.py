@@ -93,6 +93,11 @@ class _Decoding:
         self.rules = TokenRules(ask.setup.token_settings, ask.setup.eos, ask.max_new_tokens)
         self.rules.start(ask.decoder_ids)
 
+    def cancel(self, position: int) -> Piece:
+        """The last piece of a generation cancelled by `ROOT/cancel`: what is pending."""
+        self.ask.finish_reason = "cancelled"
+        return _piece(position, self)
+
 
 def _decoding(run: Run, ask: GenerateAsk) -> _Decoding | BeamDecoding:
     """A member's loop state, its encoder run (an encoder-decoder's) and its language
@@ -260,11 +265,11 @@ def _advance(run: Run, position: int, state: _Decoding | BeamDecoding | _Recordi
     """One new token of one member (one step of its search); its piece where one is due."""
     if isinstance(state, _Recording):
         return state.advance(run, position)
-    if isinstance(state, BeamDecoding):
-        return _advance_beams(run, position, state)
     leaving, piece = _leaving(run, position, state)
     if leaving:
         return piece
+    if isinstance(state, BeamDecoding):
+        return state.advance(run, position)
     ask, store = state.ask, state.ask.setup.prefix_cache
     if store is not None and not ask.tokens:  # a decoder alone (`Generation.prefix_cache`)
         state.inputs = cached_prefill(ask, store, state.inputs)
@@ -320,30 +325,17 @@ def _keep(ask: GenerateAsk, store: PrefixCache, outputs: Arrays) -> None:
     store.keep([*ask.decoder_ids, *ask.tokens[:-1]], cache)
 
 
-def _advance_beams(run: Run, position: int, state: BeamDecoding) -> Piece | None:
-    member = run.members[position]
-    if position in run.failed:
-        return None
-    if member.cancelled.is_set():
-        if not member.cancelled.by_request:
-            run.failed[position] = Cancelled()
-            return None
-        return state.cancel(position)
-    return state.advance(run, position)
-
-
-def _leaving(run: Run, position: int, state: _Decoding) -> tuple[bool, Piece | None]:
+def _leaving(run: Run, position: int, state: _Decoding | BeamDecoding) -> tuple[bool, Piece | None]:
     """Before a member's next run: (True, its last piece or None) where it leaves the run
     (failed meanwhile, cancelled: by `ROOT/cancel` with a last piece, by a stop without)."""
-    member, ask = run.members[position], state.ask
+    member = run.members[position]
     if position in run.failed:
         return True, None
     if member.cancelled.is_set():
         if not member.cancelled.by_request:
             run.failed[position] = Cancelled()
             return True, None
-        ask.finish_reason = "cancelled"
-        return True, _piece(position, state)
+        return True, state.cancel(position)
     return False, None
 
 
