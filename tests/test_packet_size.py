@@ -21,7 +21,6 @@ from agent.delivery.packet_limit import NO_LIMIT, PacketLimit, publish_size
 from agent.delivery.spool import Spool
 from agent.demo import models as demo_models
 from agent.demo.broker import EmbeddedBroker
-from agent.mqtt import poison
 from agent.mqtt.oversize import packet_bytes, too_large_error
 from tests.conftest import agent_config
 
@@ -134,10 +133,6 @@ def test_a_too_large_chunk_is_replaced_by_a_too_large_error() -> None:
     assert (decoded["seq"], decoded["model"], decoded["version"]) == (4, "m", 3)
     assert error.stream is None  # never spooled: it answers for what is gone
     assert too_large_error(OutMessage("t", b"\xff", 1, rid="r1", seq=4), 1, 1) is None
-
-
-def test_a_message_that_caused_two_disconnects_is_the_poison() -> None:
-    assert poison.SUSPECT_DROPS == 2
 
 
 # --------------------------------------------------------------------------- a real broker

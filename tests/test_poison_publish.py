@@ -47,12 +47,24 @@ def _spool_with(path: Path, messages: list[tuple[str, bytes]]) -> list[int]:
         spool.close()
 
 
-def _events(broker: EmbeddedBroker, device: str) -> tuple[AgentClient, queue.Queue[dict[str, Any]]]:
-    """A client listening on the device's events before the agent starts."""
+def _events(
+    broker: EmbeddedBroker, device: str, topic: str | None = None
+) -> tuple[AgentClient, queue.Queue[dict[str, Any]], queue.Queue[bytes]]:
+    """A client listening on the device's events (and on `topic`) before the agent starts."""
     client = AgentClient(broker.host, broker.port, device_id=device).connect()
     got: queue.Queue[dict[str, Any]] = queue.Queue()
     client.listen(f"edge/{device}/events", lambda t, m, raw: got.put(m or {}))
-    return client, got
+    payloads: queue.Queue[bytes] = queue.Queue()
+    if topic is not None:
+        client.listen(topic, lambda t, m, raw: payloads.put(raw))
+    return client, got, payloads
+
+
+def _started(agents: list[Agent], config: Any) -> Agent:
+    agent = Agent(config)
+    agents.append(agent)
+    agent.start()
+    return agent
 
 
 def _wait_event(events: queue.Queue[dict[str, Any]], kind: str, timeout: float) -> dict[str, Any]:
@@ -81,13 +93,9 @@ def test_a_poison_topic_in_the_spool_is_quarantined_and_the_box_stays_online(
     assert config.spool.path is not None
     good_topic = f"{config.root_topic}/result/decoder/old-good"
     poison_id, good_id = _spool_with(config.spool.path, [(POISON, b"poison"), (good_topic, b"ok")])
-    client, events = _events(broker, config.device_id)
-    good: queue.Queue[bytes] = queue.Queue()
-    client.listen(good_topic, lambda t, m, raw: good.put(raw))
+    client, events, good = _events(broker, config.device_id, good_topic)
     try:
-        agent = Agent(config)
-        agents.append(agent)
-        agent.start()
+        agent = _started(agents, config)
         assert agent.wait_ready(10)
         assert agent.transport.fast_path is (paho_kind == "fast")
         event = _wait_event(events, "publish_refused", 10)
@@ -112,23 +120,22 @@ def test_an_unknown_poison_is_quarantined_after_two_lost_connections(
     broker, repository, tmp_path, paho_kind, agents, monkeypatch
 ):
     """A message that drops the connection though no check knows it (here: the topic check
-    switched off) is the suspect once it was in flight at two losses in a row."""
+    switched off) is a suspect once in flight at a loss, and the poison once alone in flight
+    at two more."""
     monkeypatch.setattr(poison, "topic_problem", lambda topic: None)
     config = agent_config(
         tmp_path, broker, repository, MQTT__RECONNECT_MIN_S="0.05", MQTT__RECONNECT_MAX_S="0.2"
     )
     assert config.spool.path is not None
     (poison_id,) = _spool_with(config.spool.path, [(POISON, b"poison")])
-    client, events = _events(broker, config.device_id)
+    client, events, _ = _events(broker, config.device_id)
     try:
-        agent = Agent(config)
-        agents.append(agent)
-        agent.start()
+        agent = _started(agents, config)
         event = _wait_event(events, "publish_refused", 20)
         assert event["topic"] == POISON and "lost connections" in event["reason"]
         assert agent.wait_ready(10)
         reconnects = agent.transport.reconnects
-        assert reconnects == poison.SUSPECT_DROPS
+        assert reconnects == 1 + poison.ALONE_LOSSES
         assert _answered(client) == 3
         time.sleep(1.0)
         assert agent.transport.reconnects == reconnects  # the loop is over
@@ -181,16 +188,118 @@ def test_a_quarantined_spooled_message_leaves_the_spool(tmp_path):
         spool.close()
 
 
-def test_the_suspect_is_cleared_by_its_acknowledgement_or_by_a_loss_without_it():
+CLOSED = (0x80, "Unspecified error")  # paho's reason for a socket the broker closed
+
+
+def test_a_suspect_is_convicted_only_alone_in_flight_and_cleared_by_its_acknowledgement():
     quarantine = poison.Quarantine(lambda spool_id: None)
     first = OutMessage("a/b", b"", 1, spool_id=5)
     later = OutMessage("a/b", b"", 1, spool_id=6)
-    quarantine.connection_lost([later, first])
-    assert quarantine.suspect == 5
-    quarantine.cleared()  # acknowledged on the next connection
-    quarantine.connection_lost([first])
-    quarantine.connection_lost([])  # a loss with nothing in flight: not in a row
-    quarantine.connection_lost([first])
+    quarantine.connection_lost([later, first], *CLOSED)
+    assert quarantine.suspects == {5: 0, 6: 0}
+    quarantine.connection_lost([first, later], *CLOSED)  # not alone: not judged
+    assert quarantine.count == 0 and quarantine.suspects == {5: 0, 6: 0}
+    quarantine.connection_lost([first], *CLOSED)  # out alone, once
+    quarantine.acknowledged(5)  # acknowledged on the next connection: no suspect
+    assert quarantine.suspects == {6: 0}
+    quarantine.connection_lost([first], *CLOSED)  # in flight at a loss: a suspect again
+    quarantine.connection_lost([], *CLOSED)  # a loss with nothing in flight
+    assert not quarantine.suspects
+    quarantine.connection_lost([first], *CLOSED)
+    quarantine.connection_lost([first], *CLOSED)
     assert quarantine.count == 0
-    quarantine.connection_lost([first])  # the second loss in a row with it in flight
-    assert quarantine.count == 1 and quarantine.suspect is None
+    quarantine.connection_lost([first], 0x81, "Malformed packet")  # alone at a second loss
+    assert quarantine.count == 1 and not quarantine.suspects
+
+
+@pytest.mark.parametrize(
+    "code, reason",
+    [(0x8D, "Keep alive timeout"), (0x8E, "Session taken over"), (0x8B, "Server shutting down")],
+)
+def test_a_loss_no_message_can_cause_makes_no_suspect(code, reason):
+    quarantine = poison.Quarantine(lambda spool_id: None)
+    message = OutMessage("a/b", b"", 1, spool_id=5)
+    for _ in range(3):
+        quarantine.connection_lost([message], code, reason)
+    assert quarantine.count == 0 and not quarantine.suspects
+    quarantine.connection_lost([message], *CLOSED)
+    quarantine.connection_lost([message], code, reason)  # the link, not the message
+    assert quarantine.count == 0 and quarantine.suspects == {5: 0}
+
+
+class _Wire:
+    """The paho client's part the window uses: every publish succeeds, mids count up."""
+
+    def __init__(self) -> None:
+        self.published: list[bytes] = []
+
+    def want_write(self) -> bool:
+        return False
+
+    def publish_fast(
+        self, topic: str, payload: bytes, qos: int, retain: bool, properties: Any
+    ) -> tuple[Any, int]:
+        from paho.mqtt.enums import MQTTErrorCode
+
+        self.published.append(payload)
+        return MQTTErrorCode.MQTT_ERR_SUCCESS, len(self.published)
+
+
+def test_a_suspect_goes_out_alone_after_the_messages_before_it():
+    outbox = Outbox(100)
+    window = Window(10, outbox)
+    wire = _Wire()
+    for n in range(4):
+        outbox.put(OutMessage("a/b", b"%d" % n, 1, spool_id=10 + n))
+    window.quarantine.suspects[12] = 0
+    PUBACK = ReasonCode(PacketTypes.PUBACK, "Success")
+    window.publish_batch(wire)  # type: ignore[arg-type]
+    assert wire.published == [b"0", b"1"] and window.full()  # the suspect waits for them
+    window.acknowledged(1, PUBACK)
+    window.publish_batch(wire)  # type: ignore[arg-type]
+    assert wire.published == [b"0", b"1"]
+    window.acknowledged(2, PUBACK)
+    assert not window.full()
+    window.publish_batch(wire)  # type: ignore[arg-type]
+    assert wire.published == [b"0", b"1", b"2"] and window.full()  # alone
+    window.publish_batch(wire)  # type: ignore[arg-type]
+    assert wire.published == [b"0", b"1", b"2"]
+    window.acknowledged(3, PUBACK)
+    assert not window.quarantine.suspects and not window.full()
+    window.publish_batch(wire)  # type: ignore[arg-type]
+    assert wire.published == [b"0", b"1", b"2", b"3"]
+
+
+def test_only_the_poison_is_quarantined_when_innocent_messages_are_in_flight_before_it(
+    broker, repository, tmp_path, paho_kind, agents, monkeypatch
+):
+    """Mosquitto closes the connection at the poison with the acknowledgements of the messages
+    before it possibly unread: each of those is a suspect in turn, and goes out alone, so only
+    the poison is convicted and every message before and after it arrives."""
+    monkeypatch.setattr(poison, "topic_problem", lambda topic: None)
+    config = agent_config(
+        tmp_path, broker, repository, MQTT__RECONNECT_MIN_S="0.05", MQTT__RECONNECT_MAX_S="0.2"
+    )
+    assert config.spool.path is not None
+    good_topic = f"{config.root_topic}/result/decoder/before"
+    sent = [(good_topic, b"%d" % n) for n in range(40)]
+    sent += [(POISON, b"poison")] + [(good_topic, b"%d" % n) for n in range(40, 80)]
+    _spool_with(config.spool.path, sent)
+    client, events, good = _events(broker, config.device_id, good_topic)
+    try:
+        agent = _started(agents, config)
+        event = _wait_event(events, "publish_refused", 60)
+        assert event["topic"] == POISON and "lost connections" in event["reason"]
+        assert agent.wait_ready(10)
+        received: set[bytes] = set()
+        deadline = time.monotonic() + 20
+        while len(received) < 80 and time.monotonic() < deadline:
+            try:
+                received.add(good.get(timeout=0.5))
+            except queue.Empty:
+                continue
+        assert received == {b"%d" % n for n in range(80)}
+        assert agent.counters["messages_quarantined"] == 1
+        assert agent.transport.reconnects == 1 + poison.ALONE_LOSSES  # one round finds it
+    finally:
+        client.close()

@@ -10,7 +10,7 @@ requests off the socket and publishing what the outbox holds within the broker's
 * `messages`: `Incoming`, `RequestProperties`, `parse_publish`, `correlation_properties`;
 * `epoch`: `EpochStore`; `reconnect`: backoff, password, TLS, a new client's settings;
 * `poison`: the quarantine of messages never to be published again (a topic the broker
-  refuses, a permanent refusal, the suspect of repeated lost connections);
+  refuses, a permanent refusal, a suspect of lost connections, published alone);
 * `paho_fast`: the fast client and `new_client`, the only module using paho's private
   names, checked at import against the paho versions it was written for (2.1, 2.2);
   `paho_plain`: paho's own client behind the same interface, the fallback.

@@ -414,7 +414,8 @@ class Transport:
             if not self._stop.is_set():
                 self._note_error(f"connection lost: {reason}")
                 if not self._leaving:
-                    self._window.connection_lost()  # the oldest in flight may be a poison
+                    # what was in flight may hold a poison
+                    self._window.connection_lost(int(reason.value), str(reason))
         elif not self._stop.is_set() and self.last_error is None:
             self._note_error(closed_early_text(reason, self.mqtt5))
         self._disconnected.set()

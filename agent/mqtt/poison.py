@@ -11,8 +11,15 @@ Three ways in, one way out:
   topic name invalid, packet too large, payload format invalid) is not retried; a transient
   one (quota exceeded, unspecified, ...) leaves the message pending in the spool: it is
   published again after the next reconnect, never in a loop on one connection;
-* the oldest spooled message in flight at `SUSPECT_DROPS` lost connections in a row (not
-  acknowledged in between) is the suspect of an unknown poison.
+* a message that was in flight when the broker ended the connection for a reason a message
+  can cause (`MESSAGE_FAULTS`: the socket closed or reset, a malformed packet, ...; not a
+  keepalive timeout nor a session taken over) is a suspect until it is acknowledged. A
+  suspect goes out alone on the next connections (`agent.mqtt.window`); a suspect alone in
+  flight at `ALONE_LOSSES` more such losses is the poison. Mosquitto may close the connection
+  before the acknowledgements of the messages ahead of a poison are read, so every message
+  in flight is a suspect, and going out one at a time tells them apart: an innocent message
+  is convicted only if the broker ends the connection while it is in flight, and then twice
+  more in the round trips it spends alone in flight (decision 0055).
 
 Each is quarantined: forgotten by the spool (deleted, never marked acknowledged, so neither
 a reconnect nor a resend brings it back), counted, logged once per topic with the topic
@@ -35,7 +42,13 @@ log = logging.getLogger(__name__)
 
 # MQTT 5 reason codes that refuse this message whatever the time or the connection.
 PERMANENT_REFUSALS = frozenset({0x87, 0x90, 0x95, 0x99})
-SUSPECT_DROPS = 2  # lost connections in a row with the same oldest message in flight
+# DISCONNECT reasons (the broker's, or paho's 0x80 for a closed or reset socket) that a
+# published message can cause: unspecified, malformed packet, protocol error, implementation
+# specific, not authorized, topic name invalid, packet too large, payload format invalid,
+# retain not supported, QoS not supported.
+MESSAGE_FAULTS = frozenset({0x80, 0x81, 0x82, 0x83, 0x87, 0x90, 0x95, 0x99, 0x9A, 0x9B})
+ALONE_LOSSES = 2  # a suspect alone in flight at this many losses is the poison
+MAX_SUSPECTS = 1 << 16  # past this many, the suspects are forgotten (each costs a round trip)
 REMEMBERED = 1024  # topics remembered as checked (good) or reported (bad), then forgotten
 TRANSIENT_LOG_S = 30.0  # a transient refusal is logged again at most this often
 
@@ -57,8 +70,10 @@ class Quarantine:
         self._forget = forget
         self.on_refused: Callable[[str, str, bool], None] = _no_report
         self.count = 0  # messages quarantined
-        self.suspect: int | None = None  # the spool id of the oldest in flight at the last loss
-        self._drops = 0
+        # Spool id -> losses it was alone in flight at, for the messages in flight at a loss a
+        # message can cause, unacknowledged since: each goes out alone. Changed in place
+        # (never replaced): the window holds it too.
+        self.suspects: dict[int, int] = {}
         # Topics checked and found good (a stream publishes many messages to one); emptied,
         # never replaced, when full: the window reads it directly.
         self.good: set[str] = set()
@@ -103,8 +118,7 @@ class Quarantine:
         self.count += 1
         if message.spool_id is not None:
             self._forget(message.spool_id)
-            if message.spool_id == self.suspect:
-                self.cleared()
+            self.suspects.pop(message.spool_id, None)
         topic = message.topic
         first = topic not in self._reported
         if first:
@@ -121,27 +135,34 @@ class Quarantine:
         except Exception:
             log.exception("mqtt: reporting a quarantined message failed")
 
-    def cleared(self) -> None:
-        """The suspect was acknowledged (or is gone): no suspect."""
-        self.suspect = None
-        self._drops = 0
+    def acknowledged(self, spool_id: int) -> None:
+        """The broker acknowledged a spooled message: it is no suspect."""
+        self.suspects.pop(spool_id, None)
 
-    def connection_lost(self, in_flight: Iterable[OutMessage]) -> None:
-        """The broker or the network ended the connection (not the agent) with `in_flight`
-        unacknowledged: the oldest spooled one is the suspect; at `SUSPECT_DROPS` losses in a
-        row with the same suspect it is quarantined."""
+    def connection_lost(self, in_flight: Iterable[OutMessage], code: int, reason: str) -> None:
+        """The broker or the network ended the connection (not the agent) with DISCONNECT
+        reason `code` (named `reason`) and `in_flight` unacknowledged. For a reason a message
+        can cause, every spooled message in flight is a suspect, and a suspect alone in flight
+        (out alone, as suspects go) at `ALONE_LOSSES` more losses is quarantined. A loss with
+        nothing spooled in flight clears the suspects."""
+        if code not in MESSAGE_FAULTS:
+            return  # the link or the broker's own state, not what we published
         spooled = [m for m in in_flight if m.spool_id is not None]
         if not spooled:
-            self.cleared()
+            self.suspects.clear()
             return
-        oldest = min(spooled, key=lambda m: m.spool_id or 0)
-        if oldest.spool_id == self.suspect:
-            self._drops += 1
-        else:
-            self.suspect, self._drops = oldest.spool_id, 1
-        if self._drops >= SUSPECT_DROPS:
-            reason = f"in flight at {SUSPECT_DROPS} lost connections in a row, unacknowledged"
-            self.quarantine(oldest, reason)
+        suspects = self.suspects
+        alone = spooled[0].spool_id if len(spooled) == 1 else None
+        if alone is not None and alone in suspects:  # out alone as a suspect: a loss it caused?
+            suspects[alone] += 1
+            if suspects[alone] >= ALONE_LOSSES:
+                why = f"alone in flight at {ALONE_LOSSES} lost connections ({reason}, 0x{code:02x})"
+                self.quarantine(spooled[0], why)
+            return
+        if len(suspects) + len(spooled) > MAX_SUSPECTS:
+            suspects.clear()
+        for message in spooled:
+            suspects.setdefault(message.spool_id or 0, 0)
 
 
 def _shown(topic: str) -> str:

@@ -5,12 +5,15 @@ At most min(`max_inflight`, the broker's Receive Maximum) QoS 1/2 publishes are 
 at a time (the broker would otherwise disconnect us, MQTT 5), and nothing is published above
 the broker's Maximum QoS. On MQTT 3.1.1, where nothing announces a limit, no QoS 1/2 publish
 goes out while `qos2_limit` QoS 2 flows are unfinished: Mosquitto acknowledges and drops any
-QoS 1/2 publish past its quota of unreleased QoS 2 messages (decision 0024). A message the
-broker would refuse, or has refused for good, or that was in flight at two lost connections in
-a row, is quarantined (`agent.mqtt.poison`); so is one too large for the broker's packet limit
-(its Maximum Packet Size, `[mqtt] max_packet_bytes`: the agent's shared `PacketLimit`, set here
-at every CONNACK), its stream ended (`agent.mqtt.oversize`). Used by the holder of the
-transport's io lock only.
+QoS 1/2 publish past its quota of unreleased QoS 2 messages (decision 0024).
+
+A message the broker would refuse, or has refused for good, is quarantined
+(`agent.mqtt.poison`); so is one too large for the broker's packet limit (its Maximum Packet
+Size, `[mqtt] max_packet_bytes`: the agent's shared `PacketLimit`, set here at every CONNACK),
+its stream ended (`agent.mqtt.oversize`). A suspect of a lost connection (in flight when it was
+lost) is published alone: after the messages before it are acknowledged, and nothing after it
+until its own acknowledgement; found alone in flight at the next loss, it is quarantined.
+Used by the holder of the transport's io lock only.
 """
 
 from __future__ import annotations
@@ -64,6 +67,9 @@ class Window:
         self._ack_listeners: list[Callable[[float], None]] = []
         self.quarantine = Quarantine(outbox.forget)
         self._good_topics = self.quarantine.good  # the same set: one lookup per message
+        self._suspects = self.quarantine.suspects  # the same dict: empty but after a loss
+        self._alone: int | None = None  # the mid of a suspect out alone
+        self._suspect_waits = False  # a suspect waits for the window to empty
         self.packet_limit = packet_limit or PacketLimit()
         self.oversize = Oversize(self.packet_limit, self.quarantine, outbox.put_nowait_reserved)
 
@@ -85,8 +91,14 @@ class Window:
             log.info("mqtt: the broker accepts QoS <= %d", self.max_qos)
 
     def full(self) -> bool:
-        """No QoS 1/2 publish may go out now (the window or the QoS 2 quota is taken)."""
-        return len(self.pending) >= self.limit or len(self.qos2) >= self.qos2_limit
+        """No QoS 1/2 publish may go out now (the window or the QoS 2 quota is taken, or a
+        suspect is out alone or waits to be)."""
+        return (
+            len(self.pending) >= self.limit
+            or len(self.qos2) >= self.qos2_limit
+            or self._alone is not None
+            or (self._suspect_waits and bool(self.pending))
+        )
 
     def new_connection(self) -> None:
         """A new client: what was in flight is published again from the spool; the QoS 2
@@ -96,6 +108,8 @@ class Window:
         self.unreleased |= self.qos2
         self.qos2.clear()
         self.pending.clear()
+        self._alone = None
+        self._suspect_waits = False
 
     def oldest_sent(self) -> float | None:
         """The publish time of the oldest message awaiting its acknowledgement."""
@@ -104,7 +118,7 @@ class Window:
     def publish_batch(self, client: Client) -> bool:
         """Publish what the outbox holds, up to the window; True when more may be waiting."""
         room = self.limit - len(self.pending)
-        if room <= 0 or client.want_write():
+        if room <= 0 or self._alone is not None or client.want_write():
             # The window is full, or the socket has not taken the last write yet: messages
             # stay in the outbox, whose bound pushes back on the producers (QoS 0 has no
             # window, so a stalled broker would otherwise grow paho's buffer without end).
@@ -112,12 +126,32 @@ class Window:
         messages = self._outbox.take(min(PUBLISH_BATCH, room))
         if not messages:
             return False
+        suspects = self._suspects
         for n, message in enumerate(messages):
+            if suspects and message.spool_id in suspects:
+                return self._publish_alone(client, messages[n:])
             if not self._publish(client, message):
-                for back in reversed(messages[n:]):
-                    self._outbox.unget(back)
+                self._unget(messages[n:])
                 return False
         return True
+
+    def _publish_alone(self, client: Client, messages: list[OutMessage]) -> bool:
+        """`messages[0]` is a suspect: published once nothing is in flight, and nothing after
+        it until its acknowledgement (or the connection's loss). False: wait."""
+        suspect = messages[0]
+        self._suspect_waits = bool(self.pending)
+        if self._suspect_waits or not self._publish(client, suspect):
+            self._unget(messages)
+            return False
+        self._unget(messages[1:])
+        if suspect.spool_id not in self._suspects:
+            return True  # settled as it went: quarantined, or sent at QoS 0
+        self._alone = next(reversed(self.pending))  # its mid: the latest in flight
+        return False
+
+    def _unget(self, messages: list[OutMessage]) -> None:
+        for back in reversed(messages):
+            self._outbox.unget(back)
 
     def _publish(self, client: Client, message: OutMessage) -> bool:
         """False when the connection is gone or the QoS 2 quota is taken (the message goes
@@ -150,6 +184,7 @@ class Window:
         if qos == 0:
             if message.spool_id is not None:
                 self._outbox.acknowledged(message.spool_id)  # downgraded to QoS 0: sent is all
+                self._suspects.pop(message.spool_id, None)
         else:
             # Acknowledgements are read by this thread only after this returns: no race.
             self.pending[mid] = (sent, message)
@@ -164,6 +199,8 @@ class Window:
             return  # not ours, or not on this connection: nothing to settle
         sent, message = pending
         self.qos2.discard(mid)
+        if mid == self._alone:
+            self._alone = None
         if reason.is_failure:
             # A permanent refusal is quarantined (resending it would only loop); a transient
             # one (quota) stays pending in the spool, published again after a reconnect.
@@ -173,14 +210,16 @@ class Window:
         spool_id = message.spool_id
         if spool_id is not None:
             self._outbox.acknowledged(spool_id)
-            if spool_id == self.quarantine.suspect:
-                self.quarantine.cleared()
+            if self._suspects:
+                self.quarantine.acknowledged(spool_id)
         self.acked += 1
         latency = time.monotonic() - sent
         for listener in self._ack_listeners:
             listener(latency)
 
-    def connection_lost(self) -> None:
-        """The broker or the network ended the connection: what was in flight tells the
-        quarantine its suspect (`Quarantine.connection_lost`)."""
-        self.quarantine.connection_lost(message for _, message in self.pending.values())
+    def connection_lost(self, code: int, reason: str) -> None:
+        """The broker or the network ended the connection (DISCONNECT reason `code`, named
+        `reason`): what was in flight tells the quarantine its suspects
+        (`Quarantine.connection_lost`)."""
+        in_flight = [message for _, message in self.pending.values()]
+        self.quarantine.connection_lost(in_flight, code, reason)
