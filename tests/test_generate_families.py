@@ -5,8 +5,8 @@ models (tests/fixtures/real/families, made by scripts/make_decoder_families.py; 
 multi-query attention, fused qkv, ALiBi, soft-capping, a sliding window, partial rotary,
 learned positions, multipliers). The agent's tokens are Hugging Face's greedy
 `generate(do_sample=False)` ones, a request alone and, where the export takes
-`position_ids`, three prompts in lock-step; over a broker, the streamed text is the
-tokenizer's decode of them."""
+`position_ids` or its positions are ALiBi's, three prompts in lock-step; over a broker, the
+streamed text is the tokenizer's decode of them."""
 
 from __future__ import annotations
 
@@ -32,12 +32,14 @@ FAMILIES = DECODERS.parent / "families"
 REFERENCE: dict[str, Any] = json.loads((FAMILIES / "reference.json").read_text(encoding="utf-8"))
 NEW = int(REFERENCE["new_tokens"])
 TOKENIZER = DECODERS / "gpt2" / "tokenizer.json"  # the families' ids are its ids
-# Without `position_ids` (ALiBi; gemma2's export derives positions itself) a row cannot be
-# left-padded: these generate a request at a time.
-NOT_BATCHABLE = {"gemma2", "bloom", "mpt"}
+# Without `position_ids` a row cannot be left-padded (gemma2's export derives its positions
+# from the cache's length): its requests generate one at a time. Bloom and MPT take none
+# either, but their positions are ALiBi biases, which the padding leaves as they are.
+NOT_BATCHABLE = {"gemma2"}
+ALIBI = {"bloom", "mpt"}
 NAMES = sorted(REFERENCE["families"])
 BATCHABLE = [name for name in NAMES if name not in NOT_BATCHABLE]
-BATCHING = "[batching]\nmax_batch = 3\n"
+BATCHING = "[batching]\nmax_batch = 3\nmax_queue_delay_us = 200000\n"
 SERVED = ["bloom", "qwen2"]  # over the broker: one without position_ids, one with
 
 
@@ -76,9 +78,9 @@ def test_the_fixtures_are_the_twelve_families() -> None:
 
 @pytest.mark.parametrize("family", NAMES)
 def test_layout_and_batchability_follow_the_exports_inputs(family: str) -> None:
-    """Every export has `attention_mask` and a key and a value per layer; those without
-    `position_ids` (gemma2, bloom, mpt) are not batchable (a version of them with
-    `[batching]` is refused at load: below); the others are."""
+    """Every export has `attention_mask` and a key and a value per layer; gemma2, bloom and
+    mpt have no `position_ids`: gemma2 is not batchable (a version of it with `[batching]` is
+    refused at load: below), bloom and mpt are by their ALiBi positions, the others are."""
     session, setup = _open(family)
     recorded = REFERENCE["families"][family]["inputs"]
     assert [spec.name for spec in session.inputs] == recorded
@@ -88,9 +90,9 @@ def test_layout_and_batchability_follow_the_exports_inputs(family: str) -> None:
     assert setup.eos == frozenset({REFERENCE["eos"]})
     # The context from each config's own key (MPT's `max_seq_len`); ALiBi's bloom names none.
     assert setup.context == (None if family == "bloom" else 64)
-    if family in NOT_BATCHABLE:
+    if family in NOT_BATCHABLE | ALIBI:
         assert "position_ids" not in recorded and layout.position_ids is None
-        assert not setup.batchable
+        assert setup.batchable is (family in ALIBI) is layout.alibi
     else:
         assert layout.position_ids == "position_ids"
         assert setup.batchable
@@ -138,19 +140,48 @@ def agent_client(
         shutil.copytree(FAMILIES / family, root / family / "1")
         shutil.copy(TOKENIZER, root / family / "1" / "tokenizer.json")
         (root / family / "config.toml").write_text(GENERATE)
-    shutil.copytree(FAMILIES / "bloom", root / "bloom_batched" / "1")
-    (root / "bloom_batched" / "config.toml").write_text(GENERATE + BATCHING)
+    for family in ("bloom", "gemma2"):
+        shutil.copytree(FAMILIES / family, root / f"{family}_batched" / "1")
+        shutil.copy(TOKENIZER, root / f"{family}_batched" / "1" / "tokenizer.json")
+        (root / f"{family}_batched" / "config.toml").write_text(GENERATE + BATCHING)
     yield from serve_agent(broker, agent_config(tmp, broker, root), 20)
 
 
 def test_the_served_versions_load(agent_client: tuple[Agent, AgentClient]) -> None:
-    """SERVED load; a family without `position_ids` under `[batching]` fails, saying why."""
+    """SERVED load, and bloom under `[batching]`; gemma2 under `[batching]` fails, saying
+    why."""
     agent, _ = agent_client
     models = agent.models.inventory()["models"]
-    assert sorted(models) == sorted([*SERVED, "bloom_batched"])
-    assert all(models[name]["versions"]["1"]["state"] == "ready" for name in SERVED)
-    batched = models["bloom_batched"]["versions"]["1"]
+    assert sorted(models) == sorted([*SERVED, "bloom_batched", "gemma2_batched"])
+    for name in [*SERVED, "bloom_batched"]:
+        assert models[name]["versions"]["1"]["state"] == "ready"
+    batched = models["gemma2_batched"]["versions"]["1"]
     assert batched["state"] == "failed" and "position_ids" in batched["error"]
+
+
+def test_alibi_prompts_queued_together_step_in_lock_step_over_the_broker(
+    agent_client: tuple[Agent, AgentClient],
+) -> None:
+    """Bloom's three prompts at once under `[batching]`: one run, the shorter caches
+    left-padded with no `position_ids`; each gets Hugging Face's tokens and their text."""
+    agent, client = agent_client
+    cases, limits = REFERENCE["families"]["bloom"]["cases"], [NEW, 7, 12]
+    replies = [
+        client.request(
+            "bloom_batched", {"prompt": c["prompt"]}, params={"max_new_tokens": n}, timeout=30
+        )
+        for c, n in zip(cases, limits, strict=True)
+    ]
+    codec = Tokenizer.from_file(str(TOKENIZER))
+    for case, n, reply in zip(cases, limits, replies, strict=True):
+        chunks = list(reply)
+        assert tokens_of(chunks) == case["greedy"][:n], case["prompt"]
+        assert "".join(str(c.text) for c in chunks) == codec.decode(case["greedy"][:n])
+        assert reply.end is not None and reply.end.finish_reason == "length"
+    samples = agent.metrics.registry.get_sample_value
+    runs = samples("edge_agent_batch_requests_count", {"model": "bloom_batched"})
+    requests = samples("edge_agent_batch_requests_sum", {"model": "bloom_batched"})
+    assert (runs, requests) == (1, 3)  # all three in one run
 
 
 @pytest.mark.parametrize(("family", "case"), [(f, k) for f in SERVED for k in range(3)])

@@ -9,7 +9,9 @@ with left padding:
 * the shorter caches are padded with zeros on the left of the past axis up to the longest,
   and those positions are masked (`attention_mask` 0), so no row attends to them;
 * `position_ids` are each row's own (its prompt and tokens so far), not the padded index: the
-  layout must have both inputs (`DecoderLayout.batchable`), else the members interleave;
+  layout must have both inputs (`DecoderLayout.batchable`), else the members interleave; a
+  model whose positions are ALiBi biases (Bloom, MPT) takes none, and needs none: the biases
+  of the keys a row attends to are those of its own, unpadded, sequence;
 * after a step the cache is the batch's `present.*` as it is, the mask one column longer;
 * a member that finishes or leaves takes its row out of every input, and the padding no row
   needs any more (the longest row left) out of the mask and the caches.
@@ -65,7 +67,7 @@ class LockstepBatch:
         tokens its cache holds): the caches left-padded to the longest, the padding masked."""
         if layout.cross is not None:
             return cls._align_encoded(layout, rows)
-        assert layout.attention_mask is not None and layout.position_ids is not None
+        assert layout.attention_mask is not None
         width = max(past for _, _, past in rows)
         mask = np.zeros((len(rows), width + 1), dtype=layout.int_dtypes[layout.attention_mask])
         for row, (_, _, past) in enumerate(rows):
@@ -74,8 +76,10 @@ class LockstepBatch:
         inputs: Arrays = {
             layout.input_ids: np.concatenate([on_host(i[layout.input_ids]) for _, i, _ in rows]),
             layout.attention_mask: mask,
-            layout.position_ids: np.array(pasts, dtype=layout.int_dtypes[layout.position_ids]),
         }
+        if layout.position_ids is not None:
+            dtype = layout.int_dtypes[layout.position_ids]
+            inputs[layout.position_ids] = np.array(pasts, dtype=dtype)
         if layout.cache_branch is not None:
             inputs[layout.cache_branch] = rows[0][1][layout.cache_branch]
         for slot in layout.cache:
@@ -126,11 +130,12 @@ class LockstepBatch:
                 if not slot.fixed:
                     inputs[slot.input] = outputs[slot.output]
             return
-        assert layout.attention_mask is not None and layout.position_ids is not None
+        assert layout.attention_mask is not None
         mask = inputs[layout.attention_mask]
         ones = np.ones((mask.shape[0], 1), dtype=mask.dtype)
         inputs[layout.attention_mask] = np.concatenate([mask, ones], axis=1)
-        inputs[layout.position_ids] = inputs[layout.position_ids] + 1
+        if layout.position_ids is not None:
+            inputs[layout.position_ids] = inputs[layout.position_ids] + 1
         for slot in layout.cache:
             inputs[slot.input] = outputs[slot.output]
 

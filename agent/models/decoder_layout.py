@@ -55,7 +55,13 @@ from agent.models.chat_template import ChatTemplate, open_chat_template
 from agent.models.encoders import ENCODER_FILE, FEATURES, Encoder, encoder_reads
 from agent.models.genai_config import GENAI_CONFIG, GenaiConfig, read_genai_config
 from agent.models.generate_config import GenerateConfig
-from agent.models.hf_files import context_of, model_max_length, read_json, whole_number
+from agent.models.hf_files import (
+    alibi_positions,
+    context_of,
+    model_max_length,
+    read_json,
+    whole_number,
+)
 from agent.models.log_mel import LogMel
 from agent.models.prefix_cache import PrefixCache
 from agent.models.preprocess import PreprocessConfig, preprocess
@@ -123,18 +129,23 @@ class DecoderLayout:
     # An encoder-decoder's decoder: its `encoder_attention_mask` input, where it has one
     # (`ENCODER_STATES` is its other input of the encoder's run); None: a decoder alone.
     cross: CrossInputs | None = None
+    # Positions made inside the graph as ALiBi biases, which padding on the left leaves as
+    # they are (`config.json`: `hf_files.alibi_positions`): rows pad without `position_ids`.
+    alibi: bool = False
 
     @property
     def batchable(self) -> bool:
         """Whether several generations can share runs, a row each
         (`agent.inference.generate_lockstep`): left padding needs the mask and explicit
-        positions, a cache to pad, and every cache tensor a batch axis before its past axis.
+        positions (or ALiBi's, which padding leaves as they are), a cache to pad, and every
+        cache tensor a batch axis before its past axis.
         An encoder-decoder's decoders all start from one token, so their own caches line up
         as they are; their encoders' outputs are padded on the right and masked, which needs
         the decoder's `encoder_attention_mask`."""
         if self.cross is not None:
             return self.cache_pads and self.cross.mask is not None
-        return self.cache_pads and self.attention_mask is not None and self.position_ids is not None
+        positioned = self.position_ids is not None or self.alibi
+        return self.cache_pads and self.attention_mask is not None and positioned
 
     @property
     def cache_pads(self) -> bool:
@@ -233,6 +244,8 @@ def open_generation(
     config = _named_by(config or GenerateConfig(), genai)
     layout = recognise(session.inputs, session.outputs, config)
     hf_config = read_json(folder / "config.json") or genai.hf_config
+    if layout.position_ids is None and alibi_positions(hf_config):
+        layout = dataclasses.replace(layout, alibi=True)
     generation_file = "generation_config.json"
     generation_config = read_json(folder / generation_file)
     if not generation_config and genai.generation_config:

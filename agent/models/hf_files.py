@@ -98,3 +98,14 @@ def context_of(config: dict[str, Any]) -> int | None:
         if value is not None and value > 0:
             return value
     return None
+
+
+# Families whose positions are ALiBi biases made inside the graph, unchanged by padding on the
+# left (Bloom's from the attention mask; MPT's from key distances, where the padding is masked):
+# their exports take no `position_ids`, and need none to run rows of different lengths together.
+ALIBI_FAMILIES = frozenset({"bloom", "mpt"})
+
+
+def alibi_positions(config: dict[str, Any]) -> bool:
+    """Whether `config.json` names a family of `ALIBI_FAMILIES`."""
+    return config.get("model_type") in ALIBI_FAMILIES

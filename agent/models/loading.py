@@ -184,6 +184,7 @@ def _check_generate_batching(generation: Generation, backend: str | None) -> Non
     if not generation.batchable:
         raise ModelLoadError(
             "[batching] of a generate model needs attention_mask and position_ids inputs "
-            "(rows are left-padded; an encoder-decoder's: encoder_attention_mask) and a cache "
+            "(rows are left-padded; position_ids may be left out by ALiBi models, Bloom and "
+            "MPT; an encoder-decoder's: encoder_attention_mask) and a cache "
             "(past_key_values.N.*) with a batch axis before each cache's past"
         )
