@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import onnxruntime as ort
@@ -154,3 +155,48 @@ def test_stop_waits_for_a_job_run_here():
     scheduler.stop(5)
     assert finished.is_set()  # its reply is out before the agent closes the connection
     holder.join(5)
+
+
+def test_a_request_run_on_the_network_thread_never_waits_for_room_only_it_makes(
+    broker, repository, make_agent, make_client, monkeypatch
+):
+    """A short request passes the room check, then workers' streams fill a small spool
+    (`reject_new`) before it puts its reply: waiting there, on the thread that holds the
+    connection, nobody would read the acknowledgements that free the room. Its reply is put
+    at once instead; the check's start is slowed here to widen that gap."""
+    run_here = Scheduler.run_here
+
+    def slowly(self: Scheduler, job: object) -> bool:
+        time.sleep(0.03)  # the workers run meanwhile
+        return run_here(self, job)
+
+    monkeypatch.setattr(Scheduler, "run_here", slowly)
+    agent = make_agent(
+        broker, repository, "[scheduler]\ninline_max_ms = 50\n[spool]\nmax_messages = 16\n"
+    )
+    client = make_client(broker, agent)
+    image = np.zeros((1, 3, 32, 32), np.float32)
+    token = {"token": np.array([[1]], dtype=np.int64)}
+    stop = threading.Event()
+    failures: list[Exception] = []
+
+    def keep_asking(ask: Callable[[], object]) -> None:
+        while not stop.is_set():
+            try:
+                ask()
+            except Exception as e:  # a request stuck past its timeout
+                failures.append(e)
+                return
+
+    asks = [lambda: client.infer("decoder", token, params={"max_steps": 32}, timeout=10)]
+    asks += [lambda: client.infer("classifier", {"image": image}, timeout=10)] * 3
+    threads = [threading.Thread(target=keep_asking, args=(ask,)) for ask in asks]
+    for thread in threads:
+        thread.start()
+    time.sleep(4)
+    stop.set()
+    for thread in threads:
+        thread.join(15)
+    assert not failures
+    assert agent.telemetry()["counters"].get("requests_inline", 0) >= 1
+    client.infer("classifier", {"image": image}, timeout=10)

@@ -144,6 +144,21 @@ class Outbox:
             for message in messages:
                 self._put_locked(message, None)
 
+    def put_many_now(self, messages: Sequence[OutMessage]) -> None:
+        """`put_many` that never waits: for the thread that holds the connection (a short
+        request run on it), which alone makes room, by publishing and by reading the
+        acknowledgements. What it puts was sized by `has_room` before the run; other threads
+        may have taken that room since, so the bounds and the spool's caps are passed by at
+        most that much (the spool writes every batch it is given). Raises OutboxClosed."""
+        with self._lock:
+            if self._closed:
+                raise OutboxClosed
+            for message in messages:
+                if self._durable(message):
+                    self._put_durable(message, stored_bytes(message))
+                else:
+                    self._append_volatile(message)
+
     def _put_locked(self, message: OutMessage, deadline: float | None) -> None:
         durable = self._durable(message)
         size = stored_bytes(message) if durable else 0

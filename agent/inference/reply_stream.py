@@ -23,12 +23,13 @@ instead, for the driver to end the stream with an `error`, like :class:`ReplyToo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -409,13 +410,27 @@ class ReplySender:
         self._outbox = outbox
         self._metrics = metrics
         self._counters = counters
+        self._thread = threading.local()  # `.holds_connection`: see `holding_connection`
+
+    @contextlib.contextmanager
+    def holding_connection(self) -> Iterator[None]:
+        """Within it, this thread's `send` never waits for room (`Outbox.put_many_now`): it
+        holds the connection, and room comes only from its publishing and reading."""
+        self._thread.holds_connection = True
+        try:
+            yield
+        finally:
+            self._thread.holds_connection = False
 
     def send(self, messages: Sequence[OutMessage], *, kick: bool = True) -> None:
         """Raises OutboxClosed once the outbox closed (the agent is stopping). `kick=False`:
         queued, published by the next `kick()` (or anyone's publishing round before it)."""
         if not messages:
             return
-        self._outbox.put_many(messages)
+        if getattr(self._thread, "holds_connection", False):
+            self._outbox.put_many_now(messages)
+        else:
+            self._outbox.put_many(messages)
         self._metrics.reply_sent(sum(len(m.payload) for m in messages), len(messages))
         if kick:
             self._outbox.kick()

@@ -279,7 +279,7 @@ class Ingress:
         deadline = None if request.deadline_ms is None else request.deadline_ms / 1000.0
         batch = batching.batch_spec(request, outcome.serving)
         short = batch is None and not replay and self._short(job, outcome.serving)
-        if short and self._scheduler.run_here(job):
+        if short and self._run_here(job):
             self._counters.add("requests_inline")  # it ran here, on the network thread
             return
         if not self._scheduler.submit(job, request.priority, deadline, batch):
@@ -287,6 +287,13 @@ class Ingress:
             self._metrics.request_done(model, None, "overloaded")
             job.reply.error("overloaded", "the request queue is full; retry later")
             self._sender.send_now(job.reply.drain())
+
+    def _run_here(self, job: Job) -> bool:
+        """Run `job` on this thread, which holds the connection, if a worker slot is free: its
+        replies are queued without waiting for room (`ReplySender.holding_connection`), which
+        only this thread could make, by publishing and reading acknowledgements."""
+        with self._sender.holding_connection():
+            return self._scheduler.run_here(job)
 
     def _ignore_retained(self, incoming: Incoming) -> None:
         """A retained request or resend would run again at every start and reconnect: it is
