@@ -189,6 +189,7 @@ def test_a_quarantined_spooled_message_leaves_the_spool(tmp_path):
 
 
 CLOSED = (0x80, "Unspecified error")  # paho's reason for a socket the broker closed
+PUBACK = ReasonCode(PacketTypes.PUBACK, "Success")
 
 
 def test_a_suspect_is_convicted_only_alone_in_flight_and_cleared_by_its_acknowledgement():
@@ -252,7 +253,6 @@ def test_a_suspect_goes_out_alone_after_the_messages_before_it():
     for n in range(4):
         outbox.put(OutMessage("a/b", b"%d" % n, 1, spool_id=10 + n))
     window.quarantine.suspects[12] = 0
-    PUBACK = ReasonCode(PacketTypes.PUBACK, "Success")
     window.publish_batch(wire)  # type: ignore[arg-type]
     assert wire.published == [b"0", b"1"] and window.full()  # the suspect waits for them
     window.acknowledged(1, PUBACK)
@@ -303,3 +303,33 @@ def test_only_the_poison_is_quarantined_when_innocent_messages_are_in_flight_bef
         assert agent.transport.reconnects == 1 + poison.ALONE_LOSSES  # one round finds it
     finally:
         client.close()
+
+
+def test_a_resend_copy_of_a_suspect_is_judged_as_the_stored_message():
+    """A subscriber's resend asks may send a suspect's copy before the spool reads the stored
+    message back: the copy goes out alone, counts against it and clears it when acknowledged,
+    so asking cannot put off the poison's quarantine (nor wipe the suspects)."""
+    forgotten: list[int] = []
+    quarantine = poison.Quarantine(forgotten.append)
+    stored = OutMessage("a/b", b"p", 1, spool_id=5)
+    copy = OutMessage("a/b", b"p", 1, copy_of=5)
+    quarantine.connection_lost([stored, OutMessage("a/b", b"", 1, spool_id=6)], *CLOSED)
+    quarantine.connection_lost([copy], *CLOSED)
+    assert quarantine.suspects == {5: 1, 6: 0}
+    quarantine.connection_lost([copy], *CLOSED)
+    assert quarantine.count == 1 and forgotten == [5] and quarantine.suspects == {6: 0}
+
+    outbox = Outbox(100)
+    window = Window(10, outbox)
+    wire = _Wire()
+    window.quarantine.suspects[7] = 0
+    outbox.put(OutMessage("a/b", b"live", 1, spool_id=8))
+    outbox.put_background(OutMessage("a/b", b"copy", 1, copy_of=7))
+    window.publish_batch(wire)  # type: ignore[arg-type]
+    window.publish_batch(wire)  # type: ignore[arg-type]
+    assert wire.published == [b"live"] and window.full()  # the copy waits to go out alone
+    window.acknowledged(1, PUBACK)
+    window.publish_batch(wire)  # type: ignore[arg-type]
+    assert wire.published == [b"live", b"copy"] and window.full()
+    window.acknowledged(2, PUBACK)
+    assert not window.quarantine.suspects and not window.full()

@@ -135,7 +135,7 @@ def test_a_stream_longer_than_the_message_bucket_is_resent_in_pieces(tmp_path):
     from agent.delivery.spool import Spool
 
     spool = Spool(tmp_path / "s.sqlite", max_bytes=1 << 24, max_messages=100_000)
-    _held_stream(spool, "long", range(30))
+    ids = _held_stream(spool, "long", range(30))
     sent: list[OutMessage] = []
     resender = Resender(
         spool, lambda m: sent.append(m) or True, lambda c: None,
@@ -143,6 +143,8 @@ def test_a_stream_longer_than_the_message_bucket_is_resent_in_pieces(tmp_path):
     )  # fmt: skip
     resender.handle(ResendRequest("long", 0, None, None))
     assert [m.payload for m in sent] == [b"%d" % s for s in range(12)]
+    # Copies, never stored again, judged as their stored messages (`agent.mqtt.poison`).
+    assert [(m.spool_id, m.copy_of) for m in sent] == [(None, i) for i in ids[:12]]
     resender.handle(ResendRequest("long", 12, None, None))  # at once: the bucket is empty
     assert len(sent) == 12 and resender.limited == 1
     time.sleep(1.1)  # 12 tokens a second

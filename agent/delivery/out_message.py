@@ -11,10 +11,12 @@ class OutMessage:
 
     `stream` names the stream a QoS 1/2 message belongs to (spooled when set); `finishes` is
     the key of the stored request this message answers for the last time; `spool_id` is set
-    when the message is queued for the spool. A plain class with slots: one is made per chunk.
+    when the message is queued for the spool; `copy_of` is the spool id of the stored message
+    a resend copies (`stored_id`: either). A plain class with slots: one is made per chunk.
     """
 
     __slots__ = (
+        "copy_of",
         "correlation",
         "finishes",
         "payload",
@@ -41,6 +43,7 @@ class OutMessage:
         correlation: bytes | None = None,
         rid: str | None = None,  # the reply stream's id and seq, for application-level resend
         seq: int | None = None,
+        copy_of: int | None = None,
     ) -> None:
         self.topic = topic
         self.payload = payload
@@ -53,6 +56,12 @@ class OutMessage:
         self.correlation = correlation
         self.rid = rid
         self.seq = seq
+        self.copy_of = copy_of
+
+    @property
+    def stored_id(self) -> int | None:
+        """The spool id of the stored message this is, or copies."""
+        return self.spool_id if self.spool_id is not None else self.copy_of
 
     def __repr__(self) -> str:
         return (

@@ -228,7 +228,10 @@ class Resender:
             self._make_properties(message.correlation) if message.correlation is not None else None
         )
         # Volatile: it is already stored; a lost resend is asked for again by the subscriber.
-        return OutMessage(message.topic, message.payload, message.qos, False, properties)
+        # `copy_of`: a copy of a suspect of lost connections is judged as the stored message.
+        return OutMessage(
+            message.topic, message.payload, message.qos, False, properties, copy_of=message.id
+        )
 
     def _say_gone(self, request: ResendRequest) -> None:
         if request.topic is None:

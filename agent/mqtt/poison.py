@@ -116,9 +116,10 @@ class Quarantine:
     def quarantine(self, message: OutMessage, reason: str) -> None:
         """Never publish `message` again: forgotten by the spool, counted, reported."""
         self.count += 1
-        if message.spool_id is not None:
-            self._forget(message.spool_id)
-            self.suspects.pop(message.spool_id, None)
+        stored = message.stored_id  # a resend's copy: the stored message it copies
+        if stored is not None:
+            self._forget(stored)
+            self.suspects.pop(stored, None)
         topic = message.topic
         first = topic not in self._reported
         if first:
@@ -142,27 +143,27 @@ class Quarantine:
     def connection_lost(self, in_flight: Iterable[OutMessage], code: int, reason: str) -> None:
         """The broker or the network ended the connection (not the agent) with DISCONNECT
         reason `code` (named `reason`) and `in_flight` unacknowledged. For a reason a message
-        can cause, every spooled message in flight is a suspect, and a suspect alone in flight
-        (out alone, as suspects go) at `ALONE_LOSSES` more losses is quarantined. A loss with
-        nothing spooled in flight clears the suspects."""
+        can cause, every spooled message in flight (or a resend's copy of one) is a suspect,
+        and a suspect alone in flight (out alone, as suspects go) at `ALONE_LOSSES` more losses
+        is quarantined. A loss with nothing stored in flight clears the suspects."""
         if code not in MESSAGE_FAULTS:
             return  # the link or the broker's own state, not what we published
-        spooled = [m for m in in_flight if m.spool_id is not None]
-        if not spooled:
+        stored = [m for m in in_flight if m.stored_id is not None]  # spooled, or copies
+        if not stored:
             self.suspects.clear()
             return
         suspects = self.suspects
-        alone = spooled[0].spool_id if len(spooled) == 1 else None
+        alone = stored[0].stored_id if len(stored) == 1 else None
         if alone is not None and alone in suspects:  # out alone as a suspect: a loss it caused?
             suspects[alone] += 1
             if suspects[alone] >= ALONE_LOSSES:
                 why = f"alone in flight at {ALONE_LOSSES} lost connections ({reason}, 0x{code:02x})"
-                self.quarantine(spooled[0], why)
+                self.quarantine(stored[0], why)
             return
-        if len(suspects) + len(spooled) > MAX_SUSPECTS:
+        if len(suspects) + len(stored) > MAX_SUSPECTS:
             suspects.clear()
-        for message in spooled:
-            suspects.setdefault(message.spool_id or 0, 0)
+        for message in stored:
+            suspects.setdefault(message.stored_id or 0, 0)
 
 
 def _shown(topic: str) -> str:

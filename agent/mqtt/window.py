@@ -128,7 +128,7 @@ class Window:
             return False
         suspects = self._suspects
         for n, message in enumerate(messages):
-            if suspects and message.spool_id in suspects:
+            if suspects and message.stored_id in suspects:
                 return self._publish_alone(client, messages[n:])
             if not self._publish(client, message):
                 self._unget(messages[n:])
@@ -144,7 +144,7 @@ class Window:
             self._unget(messages)
             return False
         self._unget(messages[1:])
-        if suspect.spool_id not in self._suspects:
+        if suspect.stored_id not in self._suspects:
             return True  # settled as it went: quarantined, or sent at QoS 0
         self._alone = next(reversed(self.pending))  # its mid: the latest in flight
         return False
@@ -184,7 +184,8 @@ class Window:
         if qos == 0:
             if message.spool_id is not None:
                 self._outbox.acknowledged(message.spool_id)  # downgraded to QoS 0: sent is all
-                self._suspects.pop(message.spool_id, None)
+            if self._suspects:
+                self._suspects.pop(message.stored_id or 0, None)
         else:
             # Acknowledgements are read by this thread only after this returns: no race.
             self.pending[mid] = (sent, message)
@@ -210,8 +211,8 @@ class Window:
         spool_id = message.spool_id
         if spool_id is not None:
             self._outbox.acknowledged(spool_id)
-            if self._suspects:
-                self.quarantine.acknowledged(spool_id)
+        if self._suspects:
+            self.quarantine.acknowledged(message.stored_id or 0)
         self.acked += 1
         latency = time.monotonic() - sent
         for listener in self._ack_listeners:
