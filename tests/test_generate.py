@@ -17,6 +17,7 @@ import pytest
 
 from agent.client import AgentClient, AgentError
 from agent.demo.broker import EmbeddedBroker
+from agent.inference import sampling
 from agent.models.tokenizer import open_tokenizer
 from agent.service.agent import Agent
 from tests.generate_helpers import DECODERS, EOS, REFERENCE, serve
@@ -275,6 +276,21 @@ def test_bad_requests_are_refused(
     with pytest.raises(AgentError, match=match) as raised:
         generate(client, "gpt2", inputs, **params)
     assert raised.value.code == "bad_request"
+
+
+def test_sampling_without_a_seed_follows_the_request_id(
+    agent_client: tuple[Agent, AgentClient],
+) -> None:
+    """A sampled request that names no seed is seeded from its id, so run again under that
+    id (a stored request after a crash: the same path) it samples the same tokens, and the
+    messages a subscriber kept by (id, seq) stay one sample; another id samples otherwise."""
+    _, client = agent_client
+    params = {"max_new_tokens": 16, "temperature": 1.5}
+    unseeded = tokens_of(generate(client, "gpt2", {"prompt": "hi"}, "sampled-1", **params)[1])
+    other = tokens_of(generate(client, "gpt2", {"prompt": "hi"}, "sampled-2", **params)[1])
+    seeded = {**params, "seed": int(sampling.replayable(params, "sampled-1")["seed"])}
+    named = tokens_of(generate(client, "gpt2", {"prompt": "hi"}, "sampled-3", **seeded)[1])
+    assert unseeded == named != other
 
 
 def test_three_concurrent_requests_get_their_own_tokens(

@@ -13,7 +13,7 @@ import pytest
 
 from agent.inference import generate
 from agent.inference.modes import Member, Run
-from agent.inference.sampling import Sampler, SamplingParams
+from agent.inference.sampling import Sampler, SamplingParams, replayable
 from agent.inference.text_stream import TextStream
 from agent.models.backends.base import BackendOptions, ModelLoadError, TensorSpec
 from agent.models.backends.onnxruntime import OnnxRuntimeBackend, OnnxSession
@@ -93,6 +93,15 @@ def test_seeded_sampling_repeats_and_top_k_1_is_greedy() -> None:
         t in np.argsort(-row)[:5]
         for t, row in zip(draw(temperature=2.0, top_k=5, seed=1), logits, strict=True)
     )
+
+
+def test_a_sampling_request_without_a_seed_gets_one_from_its_id() -> None:
+    sampled = {"temperature": 0.8}
+    seeded = replayable(sampled, "r-1")
+    assert seeded == {"temperature": 0.8, "seed": seeded["seed"]} == replayable(sampled, "r-1")
+    assert 0 <= seeded["seed"] < 2**63 and seeded != replayable(sampled, "r-2")
+    for params in ({}, {"temperature": 0}, {"temperature": True}, {"temperature": 1, "seed": 4}):
+        assert replayable(params, "r-1") is params  # greedy, or a seed of its own
 
 
 def test_repetition_penalty_lowers_seen_tokens() -> None:

@@ -26,7 +26,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from agent.delivery.outbox import OutboxClosed
-from agent.inference import batching, generate, images, modes, texts
+from agent.inference import batching, generate, images, modes, sampling, texts
 from agent.inference.job import Cancelled, Job
 from agent.inference.modes import Arrays, Member, Piece, Run
 from agent.inference.reply_stream import ReplyRefused, ReplySender
@@ -138,7 +138,8 @@ class Runner:
         job.reply.version = loaded.version
         try:
             if loaded.generation is not None:  # mode = "generate": its own inputs and params
-                ask = generate.ask_of(request.inputs, request.params, loaded.generation)
+                params = sampling.replayable(request.params, request.id)
+                ask = generate.ask_of(request.inputs, params, loaded.generation)
                 images.bind_compression(job)
                 return Member({}, 1, job.cancelled, generation=ask)
             inputs = _checked_inputs(job, loaded)

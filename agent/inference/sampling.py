@@ -3,7 +3,9 @@
 Greedy (the arg max, Hugging Face's `do_sample=False`) unless `params.temperature` > 0; then
 the logits are divided by the temperature, cut to the `top_k` best and to the smallest set
 whose probability reaches `top_p`, and a token is drawn from what is left with numpy's
-generator seeded by `params.seed` (the same seed gives the same tokens; no seed: a fresh one).
+generator seeded by `params.seed` (the same seed gives the same tokens). A request that names no
+seed gets one made from its id (`replayable`): a stored request run again after a crash samples
+the tokens it sampled before, so the messages its subscriber kept by (id, seq) still agree.
 `repetition_penalty` (CTRL's, as `transformers` applies it) divides the positive logits of
 tokens already in the prompt or the output by the penalty and multiplies the negative ones,
 before either rule. Hand-written: a few numpy lines, where a library would add a framework.
@@ -11,6 +13,7 @@ before either rule. Hand-written: a few numpy lines, where a library would add a
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +23,19 @@ import numpy as np
 from agent.inference.modes import integer_param
 from agent.protocol.errors import WireError
 
-__all__ = ["Sampler", "SamplingParams"]
+__all__ = ["Sampler", "SamplingParams", "replayable"]
+
+
+def replayable(params: Mapping[str, Any], request_id: str) -> Mapping[str, Any]:
+    """`params`, with a `seed` made from `request_id` where they sample and name none."""
+    temperature = params.get("temperature")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        return params  # greedy (or not a number: `SamplingParams.parse` says so)
+    if temperature <= 0 or params.get("seed") is not None:
+        return params
+    digest = hashlib.blake2b(request_id.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return {**params, "seed": int.from_bytes(digest, "big") >> 1}  # within 2**63 - 1
+
 
 MAX_TOP_K = 1 << 20
 
