@@ -5,6 +5,7 @@ published, without a reconnect (decision 0023)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,11 @@ from agent.delivery.spool import Spool
 from agent.demo import models as demo_models
 from agent.demo.broker import EmbeddedBroker
 from agent.mqtt.oversize import packet_bytes, too_large_error
+from agent.protocol.payload import encode_payload
 from tests.conftest import agent_config
 
 LIMIT = 65536
+TERMINALS = ("end", "result", "error")
 WIDTH = 16  # the model's input row
 TILES = 4096  # each output row: WIDTH * TILES float32 = 256 KiB, four packets' worth
 BIG_CONFIG = """\
@@ -192,14 +195,56 @@ def test_a_part_made_for_a_larger_limit_ends_its_stream_with_too_large(
     shared = agent.reader.packet_limit
     agent.reader.packet_limit = PacketLimit(0)  # streams made now are sized for no limit
     client = make_client(small_broker, agent)
+    seen = _listening(client, f"{agent.root}/result/big/sized-before")
     with pytest.raises(AgentError) as raised:
-        list(client.request("big", _inputs(2, seed=7), timeout=20))
+        list(client.request("big", _inputs(2, seed=7), timeout=20, request_id="sized-before"))
     assert raised.value.code == "too_large"
+    time.sleep(1.0)  # the request ran on: none of its later messages goes out
+    assert [m["type"] for m in seen if m["type"] in TERMINALS] == ["error"]
+    assert seen[-1]["type"] == "error"
     assert agent.transport.quarantined >= 1
     assert agent.transport.reconnects == 0
     agent.reader.packet_limit = shared
     assert _answered(client)  # the next request is served, sized right
     assert agent.transport.reconnects == 0
+
+
+def test_a_stored_request_runs_again_sized_by_the_limit_its_first_connack_announces(
+    small_broker, big_repository, tmp_path, start_agent, make_client
+):
+    """Run again after a crash, a stored request's reply is sized once the broker announced
+    its Maximum Packet Size (MQTT 5), not for no limit before it: its parts all go out and
+    its stream ends once, complete."""
+    config = agent_config(tmp_path, small_broker, big_repository)
+    assert config.spool.path is not None
+    inputs = _inputs(2, seed=3)
+    spool = Spool(config.spool.path, max_bytes=1 << 26, max_messages=100_000)
+    try:
+        payload = encode_payload({"id": "stored-1", "inputs": inputs})
+        topic = f"{config.root_topic}/infer/big"
+        assert spool.store_request("big/stored-1", topic, payload, 1, None, None)
+    finally:
+        spool.close()
+    watcher = AgentClient(small_broker.host, small_broker.port, device_id=config.device_id)
+    seen = _listening(watcher.connect(), f"{config.root_topic}/result/big/stored-1")
+    try:
+        agent = start_agent(config)
+        deadline = time.monotonic() + 20
+        while not any(m["type"] in TERMINALS for m in seen) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+    finally:
+        watcher.close()
+    assert [m["type"] for m in seen if m["type"] in TERMINALS] == ["end"]
+    assert agent.transport.quarantined == 0 and agent.transport.reconnects == 0
+    assert [m["seq"] for m in seen] == list(range(len(seen)))
+
+
+def _listening(client: AgentClient, topic: str) -> list[dict[str, Any]]:
+    """The messages `client` gets on `topic`, as they come."""
+    seen: list[dict[str, Any]] = []
+    client.listen(topic, lambda t, m, raw: seen.append(m or {}))
+    return seen
 
 
 def _answered(client: AgentClient, **options: Any) -> int:

@@ -9,7 +9,9 @@ the window checks every message's packet size just before publishing it
 (:meth:`Oversize.refuses`): one that does not fit is quarantined (`agent.mqtt.poison`:
 forgotten by the spool, counted, `publish_refused`), and where it was a request's `chunk` or
 `result`, an `error` (`too_large`) takes its place and number, so the subscriber learns the
-stream ended instead of waiting for it. Used by the holder of the transport's io lock only.
+stream ended instead of waiting for it; the stream's later messages are dropped
+(:meth:`Oversize.drops`), so that error stays its one terminal message. Used by the holder of
+the transport's io lock only.
 """
 
 from __future__ import annotations
@@ -56,7 +58,9 @@ class Oversize:
         self._quarantine = quarantine
         self._put = put
         self.count = 0  # messages refused as too large
-        self._ended: set[tuple[str, str]] = set()  # (topic, id) of streams ended here
+        # (topic, id) of the streams ended here -> the error that ended each. Read directly by
+        # the window (empty but after a too large reply); changed in place, never replaced.
+        self.ended: dict[tuple[str, str], OutMessage] = {}
 
     def refuses(self, message: OutMessage, qos: int) -> bool:
         """Whether `message` is too large to publish at `qos` (then it is quarantined here
@@ -76,6 +80,17 @@ class Oversize:
         self._end_stream(message, size, limit)
         return True
 
+    def drops(self, message: OutMessage) -> bool:
+        """Whether `message` comes after the `too_large` error that ended its stream (a part,
+        or the `end`, of a request still running): then it is quarantined, never published."""
+        if message.rid is None:
+            return False
+        error = self.ended.get((message.topic, message.rid))
+        if error is None or error is message:
+            return False
+        self._quarantine.quarantine(message, "its stream was ended by a too large message")
+        return True
+
     def _end_stream(self, message: OutMessage, size: int, limit: int) -> None:
         """A request's `chunk` or `result` lost this way: its stream ends with an `error`
         (`too_large`) in its place, once a stream. Status, inventory, events and the
@@ -83,14 +98,14 @@ class Oversize:
         if message.rid is None or message.seq is None or _is_source(message):
             return
         key = (message.topic, message.rid)
-        if key in self._ended:
+        if key in self.ended:
             return
         error = too_large_error(message, size, limit)
         if error is None:
             return
-        if len(self._ended) >= ENDED_REMEMBERED:
-            self._ended.clear()
-        self._ended.add(key)
+        if len(self.ended) >= ENDED_REMEMBERED:
+            self.ended.clear()
+        self.ended[key] = error
         if not self._put(error):
             log.error("mqtt: no room for the too_large error of %s", message.rid)
 

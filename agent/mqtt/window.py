@@ -72,6 +72,7 @@ class Window:
         self._suspect_waits = False  # a suspect waits for the window to empty
         self.packet_limit = packet_limit or PacketLimit()
         self.oversize = Oversize(self.packet_limit, self.quarantine, outbox.put_nowait_reserved)
+        self._ended = self.oversize.ended  # the same dict: empty but after a too large reply
 
     def add_ack_listener(self, listener: Callable[[float], None]) -> None:
         """Called with the acknowledgement latency (seconds) of every QoS 1/2 publish."""
@@ -158,6 +159,8 @@ class Window:
         back to the outbox)."""
         if message.topic not in self._good_topics and self.quarantine.refuses(message):
             return True  # never published: a topic the broker would refuse
+        if self._ended and self.oversize.drops(message):
+            return True  # never published: its stream was ended as too large
         qos = message.qos
         if qos > self.max_qos:
             if not self._qos_warned:

@@ -118,6 +118,7 @@ class Agent:
             counters=self.counters,
             publish_event=self.publish_event,
             connected=lambda: self.transport.connected.is_set(),
+            replay=self._replay_stored_requests,
         )
         self.resender = self._make_resender()
         self.watcher = RepositoryWatcher(
@@ -248,7 +249,7 @@ class Agent:
 
     def start(self) -> None:
         private_dir(self.config.state_dir)
-        self.outbox.start()  # the spool writer: stored requests replayed below queue on it
+        self.outbox.start()  # the spool writer
         # A corrupt spool moved aside, an unreadable epoch file: events for the first connection.
         self.announcer.state_recovered(
             self.spool.quarantine if self.spool is not None else None, self.epoch_store.recovery
@@ -259,8 +260,7 @@ class Agent:
             # Watched before the first sync: a version written meanwhile is seen at once.
             self.watcher.start()
         self._load_models()
-        self.ingress.accepting = True
-        self._replay_stored_requests()
+        self.ingress.accepting = True  # the stored requests run at the first CONNACK (hooks)
         summary = summarize(self.models.inventory())
         log.info("models:\n%s", summary or f"(none found in {self.config.models.repository})")
         self.scheduler.start()
@@ -302,7 +302,8 @@ class Agent:
             again = self.models.sync()
 
     def _replay_stored_requests(self) -> None:
-        """Requests stored before a crash that never got their terminal message run again.
+        """Requests stored before a crash that never got their terminal message run again, at
+        the first connection (`ConnectionHooks.on_connected`, on the io thread).
 
         Their partial streams are dropped from the spool first, so each runs from seq 0 once
         more; a subscriber drops what it already had by (id, seq).

@@ -35,8 +35,10 @@ class ConnectionHooks:
         counters: Counters,
         publish_event: Callable[[dict[str, Any]], None],
         connected: Callable[[], bool],
+        replay: Callable[[], None] = lambda: None,
     ) -> None:
-        """`connected`: whether the broker is connected now (the transport's, set later)."""
+        """`connected`: whether the broker is connected now (the transport's, set later);
+        `replay`: runs the requests stored before a crash, once, at the first connection."""
         self.config = config
         self.epoch = 0
         self._outbox = outbox
@@ -45,12 +47,18 @@ class ConnectionHooks:
         self._counters = counters
         self._publish_event = publish_event
         self._connected = connected
+        self._replay: Callable[[], None] | None = replay
 
     def on_connected(self, epoch: int) -> None:
-        """Birth message and inventory go out before anything queued."""
+        """Birth message and inventory go out before anything queued. At the first
+        connection, the stored requests run again: after its CONNACK, which announces the
+        broker's packet limit (MQTT 5), that their replies' parts are sized by."""
         self.epoch = epoch
         self._outbox.unget(self._announcer.inventory_message(self._models.inventory()))
         self._outbox.unget(self._announcer.status_message("online", epoch))
+        replay, self._replay = self._replay, None
+        if replay is not None:
+            replay()
 
     def on_new_session(self, lost_at: float | None) -> None:
         """Before a new connection: what was in flight goes out again from the spool, and so
