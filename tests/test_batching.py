@@ -16,6 +16,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from agent.client.reply import AgentError
 from agent.demo import models as demo_models
 from agent.demo.run import DECODER_CONFIG
 from agent.inference import batching
@@ -255,3 +256,32 @@ def test_groups_keep_requests_whose_inputs_cannot_be_joined_apart():
     assert joined["x"].shape == (3, 4)
     parts = batching.split({"y": np.arange(3)}, [1, 2])
     assert [p["y"].tolist() for p in parts] == [[0], [1, 2]]
+
+
+def test_a_request_the_model_cannot_run_fails_alone_not_its_batch(
+    broker, models, make_agent, make_client
+):
+    """A token out of the embedding's range fails a joined run before it sends anything: its
+    requests run again each on its own, so only that one gets `model_error`."""
+    agent = make_agent(broker, models)
+    client = make_client(broker, agent)
+    starts = [1, 2**40, 4, 7]
+    replies = [
+        client.request(
+            "decoder", {"token": np.array([[t]], dtype=np.int64)}, params={"max_steps": 3}
+        )
+        for t in starts
+    ]
+    for t, reply in zip(starts, replies, strict=True):
+        if t == 2**40:
+            with pytest.raises(AgentError) as raised:
+                list(reply)
+            assert raised.value.code == "model_error"
+            continue
+        chunks = list(reply)
+        expected = decoder_reference(3, token=t)
+        for chunk, want in zip(chunks, expected, strict=True):
+            np.testing.assert_array_equal(chunk.outputs["next_token"], want)
+    runs, requests = batches_run(agent, "decoder")
+    assert runs >= 1 and requests >= 2  # the first run joined them
+    assert agent.counters["requests_ok"] == 3

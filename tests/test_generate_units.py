@@ -95,6 +95,22 @@ def test_seeded_sampling_repeats_and_top_k_1_is_greedy() -> None:
     )
 
 
+def test_a_tiny_temperature_or_penalty_draws_without_nan() -> None:
+    """Scores that overflow (5e-324 as the temperature, 1e-300 as the penalty) keep their
+    order: the best token is drawn, as greedy picks it; a request asking so is not a
+    model error (it failed every request run with it)."""
+    logits = np.random.default_rng(2).standard_normal((10, 50)).astype(np.float32)
+    greedy = [int(np.argmax(row)) for row in logits]
+    tiny = Sampler(SamplingParams.parse({"temperature": 5e-324, "seed": 1}))
+    assert [tiny.choose(row) for row in logits] == greedy
+    both = {"temperature": 1e-300, "repetition_penalty": 1e-300, "seed": 1}
+    penalised = Sampler(SamplingParams.parse(both))
+    penalised.see([int(np.argmin(logits[0])), greedy[0]])
+    assert 0 <= penalised.choose(logits[0]) < 50
+    masked = np.full(50, -np.inf, dtype=np.float32)
+    assert Sampler(SamplingParams.parse({"temperature": 1.0})).choose(masked) == 0
+
+
 def test_a_sampling_request_without_a_seed_gets_one_from_its_id() -> None:
     sampled = {"temperature": 0.8}
     seeded = replayable(sampled, "r-1")

@@ -193,6 +193,21 @@ def test_session_parameters_are_checked(scan_agent: tuple[Agent, AgentClient], s
         chunks_of(client, "vad", piece, session="x" * 65)
     with pytest.raises(AgentError, match=r"params\.final"):
         chunks_of(client, "vad", piece, session="a", final="yes")
+    chunks_of(client, "vad", piece, session="rows", final=False)
+    two = {"input": np.repeat(signal[None, 1000:2000], 2, axis=0)}
+    with pytest.raises(AgentError, match=r"bad_request: params\.session: samples of shape"):
+        chunks_of(client, "vad", two, session="rows")  # another batch than its first piece
+
+
+def test_a_recording_of_no_rows_is_refused_and_the_agent_serves_on(
+    scan_agent: tuple[Agent, AgentClient], signal: Any, expected: Any
+) -> None:
+    """ONNX Runtime aborts the process on silero given a batch of none: refused at arrival."""
+    agent, client = scan_agent
+    with pytest.raises(AgentError, match=r"bad_request: input 'input' has no rows"):
+        chunks_of(client, "vad", {"input": np.zeros((0, 2000), np.float32)})
+    check_windows(chunks_of(client, "vad", {"input": signal[None, :1200]}), expected)
+    assert agent.health_problem() is None
 
 
 # -- the session store ---------------------------------------------------------------------

@@ -182,10 +182,15 @@ class Runner:
         finished: set[int] = set()
         energy = self._metrics.energy.begin()  # None while the board's power is unknown
         try:
-            self._run_members(loaded, run, jobs, finished, batched=batched)
+            alone = self._run_members(loaded, run, jobs, finished, batched=batched)
         finally:
             self._metrics.energy.end(energy, loaded.model, run.infer_s, len(members))
             self._give_back(loaded.model, run, finished)
+        for index in alone:  # a joined run failed before it sent anything: each on its own
+            job = jobs[index][0]
+            member = self._member(job, loaded)  # made again: nothing of the failed run kept
+            if member is not None:
+                self._run_group(loaded, [member], [jobs[index]], batched=False)
 
     def _run_members(
         self,
@@ -195,9 +200,11 @@ class Runner:
         finished: set[int],
         *,
         batched: bool,
-    ) -> None:
+    ) -> list[int]:
         """The loop, the emit rule, the failure rule; `finished`: the members that ended
-        well."""
+        well. Returns the members to run again, each alone: those of a joined run that failed
+        before it sent anything (one request the model cannot run must not fail the others
+        it was batched with; a scan session's are not: their state went with the run)."""
         members = run.members
         if batched:
             self._metrics.batch_run(loaded.model, len(members))
@@ -206,8 +213,10 @@ class Runner:
         # a fast step's messages join the next's write; a slow one's go by the io thread
         sender = self._sender
         hold = SendHold(sender.kick, sender.hand_off, drive=sender.drive)
+        emitted = False
         try:
             for pieces in run.pieces():
+                emitted = True
                 ended = self._emit_all(pieces, jobs, run, collected)
                 finished.update(ended)
                 self._publish(loaded, jobs, [jobs[i] for i in ended], run.infer_s, hold)
@@ -217,7 +226,7 @@ class Runner:
             finished.update(left)
             self._publish(loaded, jobs, [jobs[i] for i in left], run.infer_s)
         except OutboxClosed:
-            return  # stopping: nothing can be sent any more
+            return []  # stopping: nothing can be sent any more
         except WireError as e:
             failure = (e.code, e.message)
         except InferenceError as e:
@@ -226,6 +235,15 @@ class Runner:
             log.exception("run of %d request(s) to %s failed", len(members), loaded.model)
             failure = ("model_error", f"{type(e).__name__}: {e}")
         hold.release()
+        sessions = any(member.session is not None for member in members)
+        if failure is not None and not emitted and len(jobs) > 1 and not (run.failed or sessions):
+            log.info(
+                "a run of %d requests to %s failed (%s); each runs again alone",
+                len(jobs),
+                loaded.model,
+                failure[1][:200],
+            )
+            return list(range(len(jobs)))
         for index, (job, queued) in enumerate(jobs):
             if index in run.failed:
                 why = run.failed[index]
@@ -237,6 +255,7 @@ class Runner:
             elif index not in finished and failure is not None:
                 self._fail(job, *failure)
         self._send_quietly([job for job, _ in jobs])  # after what the run made before failing
+        return []
 
     def _give_back(self, model: str, run: Run, finished: set[int]) -> None:
         """Scan sessions of the run's members: kept for their next piece where the member

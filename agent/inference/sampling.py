@@ -38,6 +38,7 @@ def replayable(params: Mapping[str, Any], request_id: str) -> Mapping[str, Any]:
 
 
 MAX_TOP_K = 1 << 20
+_LARGEST = float(np.finfo(np.float64).max)
 
 
 @dataclass(frozen=True)
@@ -95,12 +96,21 @@ class Sampler:
         if self._penalised and self._seen:
             seen = self._seen_ids[(self._seen_ids >= 0) & (self._seen_ids < scores.shape[0])]
             picked = scores[seen]
-            scores[seen] = np.where(
-                picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty
-            )
+            with np.errstate(over="ignore"):  # a tiny penalty: the seen tokens go to +-inf
+                scores[seen] = np.where(
+                    picked > 0,
+                    picked / params.repetition_penalty,
+                    picked * params.repetition_penalty,
+                )
         if self._rng is None:
             return int(np.argmax(scores))
-        return self._draw(scores / params.temperature)
+        # A tiny penalty or temperature overflows. The best score is taken off first (NaN and
+        # +inf made finite, so no inf - inf), so the best token stays at 0 and the others go
+        # to -inf, as they do at the limit: greedy's token.
+        scores = np.nan_to_num(scores, nan=-np.inf, posinf=_LARGEST, neginf=-np.inf)
+        with np.errstate(over="ignore", invalid="ignore"):
+            scaled = (scores - scores.max()) / params.temperature
+        return self._draw(np.nan_to_num(scaled, nan=-np.inf))
 
     def _draw(self, scores: np.ndarray[Any, Any]) -> int:
         assert self._rng is not None
@@ -109,7 +119,10 @@ class Sampler:
         if params.top_k:
             order = order[: params.top_k]
         kept = scores[order]
-        probs = np.exp(kept - kept[0])
+        if not np.isfinite(kept[0]):
+            return int(order[0])  # nothing to draw from (every score masked, or NaN)
+        with np.errstate(invalid="ignore", over="ignore"):
+            probs = np.exp(kept - kept[0])
         probs /= probs.sum()
         if params.top_p < 1.0:
             reach = int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1

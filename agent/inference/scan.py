@@ -48,7 +48,10 @@ class ScanCursor:
     def windows(self, config: ScanConfig, signal: Array, *, final: bool) -> list[tuple[int, Array]]:
         """The windows `signal` completes (with the samples kept from before), and for the
         recording's last piece its partial window as `[scan] tail` says."""
-        found = self.windower.push(signal)
+        try:
+            found = self.windower.push(signal)
+        except ValueError as e:  # a session's piece of another batch or channel count
+            raise WireError("bad_request", f"params.session: {e}") from None
         if final:
             found += self.windower.finish(config.tail)
         return found

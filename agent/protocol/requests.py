@@ -274,6 +274,14 @@ def validate_inputs(
                 f"expected rank {len(spec.shape)} ({spec.describe()})",
             )
         shape = arr.shape
+        if shape and shape[0] == 0 and not isinstance(spec.shape[0], int):
+            # No row to run: a request carries at least one (and ONNX Runtime aborts the
+            # whole process on some models given none: an LSTM's, silero-vad's).
+            raise _bad(
+                request_id,
+                f"{_input(spec.name)} has no rows (shape {format_dims(shape)}): a request "
+                "carries at least one",
+            )
         for axis, dim in _fixed_dims(spec.shape):
             if shape[axis] != dim:
                 raise _bad(
