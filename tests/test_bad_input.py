@@ -12,6 +12,7 @@ import numpy as np
 
 from agent.client import REPLY_LIMITS
 from agent.protocol.errors import ERROR_CODES
+from agent.protocol.payload import encode_payload
 
 
 def _rss_bytes() -> int:
@@ -165,3 +166,27 @@ def test_oversized_payload_is_refused_before_decoding(broker, repository, make_a
     else:
         raise AssertionError("an oversized request was accepted")
     assert REPLY_LIMITS.max_payload_bytes > 4096
+
+
+def test_model_levels_no_model_has_get_no_reply_on_a_topic_with_such_a_level(
+    broker, repository, make_agent, make_client
+):
+    """`ROOT/infer/..` (or `.`, or empty) names no model, and a reply topic has no such level:
+    the request is counted, not answered; a resend naming such a model is not answered."""
+    agent = make_agent(broker, repository)
+    client = make_client(broker, agent)
+    replies: queue.Queue[str] = queue.Queue()
+    client.listen(f"{agent.root}/result/#", lambda t, m, raw: replies.put(t))
+    body = encode_payload({"id": "status", "inputs": {"token": np.array([[1]], dtype=np.int64)}})
+    for level in ("..", ".", ""):
+        client.publish_raw(f"{agent.root}/infer/{level}", body, qos=1)
+    resend = encode_payload({"id": "status", "from_seq": 0, "model": ".."})
+    client.publish_raw(f"{agent.root}/resend", resend, qos=1)
+    deadline = time.monotonic() + 5
+    while agent.counters["rejected_unknown_model"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert agent.counters["rejected_unknown_model"] == 3
+    assert len(list(client.request("decoder", {"token": np.array([[1]], dtype=np.int64)}))) == 32
+    time.sleep(0.3)
+    topics = [replies.get_nowait() for _ in range(replies.qsize())]
+    assert topics and all("/result/decoder/" in t for t in topics)  # the good request's

@@ -4,14 +4,18 @@ unknown ids and malformed cancels change nothing."""
 
 from __future__ import annotations
 
+import queue
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from agent.client import AgentClient
 from agent.demo.broker import EmbeddedBroker
+from agent.protocol.payload import encode_payload
 from agent.service.agent import Agent
 from tests.conftest import agent_config, serve_agent, write_long_decoder
 from tests.generate_helpers import REFERENCE, write_decoder
@@ -85,3 +89,27 @@ def test_unknown_and_malformed_cancels_change_nothing(
     reply = client.request("llama", {"prompt": ref["prompt"]}, params={"max_new_tokens": 5})
     assert [int(t) for c in reply for t in c.outputs["tokens"]] == ref["greedy"][:5]
     assert reply.end is not None and reply.end.finish_reason == "length"
+
+
+def test_a_cancel_ends_the_requests_of_that_id_under_every_model(
+    one_worker: tuple[Agent, AgentClient],
+) -> None:
+    """One id may name a request of each model (their reply topics differ): a cancel of it
+    ends them all, not only the latest."""
+    _, client = one_worker
+    running = client.request(
+        "decoder", {"token": np.array([[1]], np.int64)}, request_id="both-c1", timeout=60
+    )
+    stream = iter(running)
+    next(stream)  # the only worker is busy with it
+    ends: queue.Queue[dict[str, Any]] = queue.Queue()
+    client.listen(f"{client.root}/result/llama/both-c1", lambda t, m, raw: ends.put(m or {}))
+    time.sleep(0.1)  # subscribed before the queued request can end
+    body = {"id": "both-c1", "inputs": {"prompt": "queued"}}
+    client.publish_raw(f"{client.root}/infer/llama", encode_payload(body), 1)
+    time.sleep(0.2)  # queued behind the running one
+    client.cancel("both-c1")
+    list(stream)
+    assert running.end is not None and running.end.finish_reason == "cancelled"
+    end = ends.get(timeout=10)
+    assert end["type"] == "end" and end["finish_reason"] == "cancelled"

@@ -302,6 +302,13 @@ def test_an_id_in_use_is_answered_not_dropped(broker, tmp_path, make_agent, make
     assert refusal is not None
     assert refusal["seq"] is None and refusal["code"] == "bad_request"
     assert "in use" in refusal["message"]
+    # A QoS 0 request is not stored, yet the agent knows the id runs: refused the same way
+    # (it would interleave a stream of its own from seq 0 with the running one).
+    client.publish_raw(f"{agent.root}/infer/decoder", _request("same-id"), 0)
+    again = messages.get(timeout=10)
+    while again.get("seq") is not None:  # the running stream's own chunks
+        again = messages.get(timeout=10)
+    assert again["type"] == "error" and "in use" in again["message"]
     client.cancel("same-id")
     rest = list(chunks)  # the running stream went on untouched until it was cancelled
     assert first.end is not None and first.end.finish_reason == "cancelled"

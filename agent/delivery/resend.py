@@ -131,8 +131,8 @@ def parse_resend(
         if problem is not None:
             raise WireError("bad_request", problem)
         topic = reply_to
-    elif isinstance(model, str) and ID_PATTERN.fullmatch(model):
-        topic = f"{root}/result/{model}/{request_id}"
+    elif isinstance(model, str) and ID_PATTERN.fullmatch(model) and model not in (".", ".."):
+        topic = f"{root}/result/{model}/{request_id}"  # no '.' or '..' level: no model has it
     return ResendRequest(
         request_id,
         from_seq,

@@ -161,7 +161,9 @@ class RequestReader:
         """The error reply, addressed with what was read before the request failed: the id
         the error names (or the decoded payload's), its reply topic where allowed, its QoS."""
         request_id = error.request_id or (read_request_id(payload) if payload else None)
-        if request_id is None:
+        if request_id is None or model in ("", ".", ".."):
+            # No reply topic to answer on (`ROOT/infer/..`: no model has such a name, and a
+            # reply topic has no empty, '.' or '..' level): counted, not answered.
             return Rejection(model, error.code, error.message, None)
         reply_to = qos = None
         if payload is not None:
@@ -242,7 +244,10 @@ class Ingress:
         self._resend_topic = f"{root}/resend"
         self._cancel_topic = f"{root}/cancel"
         # Admitted requests by id, for ROOT/cancel; a job leaves once nothing holds it.
-        self._jobs: weakref.WeakValueDictionary[str, Job] = weakref.WeakValueDictionary()
+        # (model, id) -> the request running (or queued) under it, while anything holds it
+        self._jobs: weakref.WeakValueDictionary[tuple[str, str], Job] = (
+            weakref.WeakValueDictionary()
+        )
         self._retained_seen: set[str] = set()  # topics of retained messages already logged
 
     def on_message(self, incoming: Incoming, replay: bool = False) -> None:
@@ -265,6 +270,10 @@ class Ingress:
             self._refuse(outcome)
             return
         job, request = outcome.job, outcome.job.request
+        if not replay and self._running_unstored(model, request.id, incoming.qos):
+            self._counters.add("requests_duplicate")
+            self._refuse_id_in_use(job)
+            return
         if self._spool is not None and incoming.qos > 0:
             key = request_key(model, request.id)
             if not replay and self._unstorable(job, incoming):
@@ -275,7 +284,7 @@ class Ingress:
                     self._refuse_id_in_use(job)
                 return
             job.reply.request_key = key
-        self._jobs[request.id] = job
+        self._jobs[(model, request.id)] = job
         deadline = None if request.deadline_ms is None else request.deadline_ms / 1000.0
         batch = batching.batch_spec(request, outcome.serving)
         short = batch is None and not replay and self._short(job, outcome.serving)
@@ -287,6 +296,14 @@ class Ingress:
             self._metrics.request_done(model, None, "overloaded")
             job.reply.error("overloaded", "the request queue is full; retry later")
             self._sender.send_now(job.reply.drain())
+
+    def _running_unstored(self, model: str, request_id: str, qos: int) -> bool:
+        """Whether a request the spool will not store (QoS 0, or no spool) names a request of
+        `model` still running: its stream would interleave with that one's. (A stored one is
+        refused by the spool, which tells the broker's redelivery apart.)"""
+        running = self._jobs.get((model, request_id))
+        unstored = self._spool is None or qos == 0
+        return unstored and running is not None and not running.reply.finished
 
     def _run_here(self, job: Job) -> bool:
         """Run `job` on this thread, which holds the connection, if a worker slot is free: its
@@ -409,9 +426,9 @@ class Ingress:
         except WireError as e:
             self._announcer.note_bad_request(f"cancel: {e.message}")
             return
-        job = self._jobs.get(request_id)
-        if job is not None:
-            job.cancelled.set(by_request=True)
+        for (_, running_id), job in list(self._jobs.items()):  # under every model
+            if running_id == request_id:
+                job.cancelled.set(by_request=True)
 
     def _on_resend(self, incoming: Incoming) -> None:
         """Validated and rate-limited like any outside input; bad ones are only counted."""
