@@ -272,10 +272,15 @@ def test_max_new_tokens_and_the_context(agent_client: tuple[Agent, AgentClient])
 def test_bad_requests_are_refused(
     agent_client: tuple[Agent, AgentClient], inputs: Any, params: Any, match: str
 ) -> None:
-    _, client = agent_client
+    """Refused with `bad_request`; bad params at arrival, before taking a queue slot (a
+    prompt's faults on the worker, which tokenizes it)."""
+    agent, client = agent_client
+    at_arrival = agent.counters["rejected_bad_request"]
     with pytest.raises(AgentError, match=match) as raised:
         generate(client, "gpt2", inputs, **params)
     assert raised.value.code == "bad_request"
+    arrived = agent.counters["rejected_bad_request"] - at_arrival
+    assert arrived == (1 if params else 0)
 
 
 def test_sampling_without_a_seed_follows_the_request_id(

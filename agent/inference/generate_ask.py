@@ -28,7 +28,7 @@ from agent.models.token_settings import MAX_BEAMS
 from agent.models.tokenizer import too_long
 from agent.protocol.errors import WireError
 
-__all__ = ["GenerateAsk", "Recording", "ask_of"]
+__all__ = ["AskedParams", "GenerateAsk", "Recording", "ask_of", "params_of"]
 
 MAX_STOPS = 16
 MAX_MESSAGES = 256  # rows of a conversation (`inputs.messages`)
@@ -99,19 +99,50 @@ class GenerateAsk:
         return {"tokens": np.array(self.tokens, dtype=np.int64)}
 
 
+@dataclass(frozen=True)
+class AskedParams:
+    """A generate request's params, checked (`params_of`)."""
+
+    max_new_tokens: int | None  # None: as many as the room allows
+    tokens_per_chunk: int
+    stops: list[str]
+    sampling: SamplingParams
+    beams: int
+    lookup: int
+
+
+def params_of(params: Mapping[str, Any], setup: Generation) -> AskedParams:
+    """A generate request's params checked against `setup` (`bad_request`): all but those a
+    prompt needs (a Whisper's language and task). Also run at arrival, so that a request
+    with bad params never takes a queue slot (`agent.service.ingress`)."""
+    if setup.log_mel is None:  # a speech recogniser's are read with its prompt
+        speech.refuse_prompt_params(params)
+    asked = params.get("max_new_tokens")
+    if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or asked < 1):
+        raise WireError("bad_request", "params.max_new_tokens must be a positive integer")
+    per_chunk = modes.integer_param(params, "tokens_per_chunk", 1, low=1, high=MAX_TOKENS_PER_CHUNK)
+    stops = _stops(params)
+    if stops and setup.tokenizer is None:
+        raise WireError("bad_request", "params.stop needs a model with a tokenizer.json")
+    sampling = SamplingParams.parse(params, setup.token_settings.repetition_penalty)
+    sampled = sampling.temperature > 0
+    beams = _beams(params, setup, sampled, bool(stops))
+    lookup = _lookup(params, setup, sampled or beams > 1)
+    return AskedParams(asked, per_chunk, stops, sampling, beams, lookup)
+
+
 def ask_of(inputs: Mapping[str, Any], params: Mapping[str, Any], setup: Generation) -> GenerateAsk:
     """A request's inputs and params checked against a generate version (`bad_request`)."""
     tokenizer = setup.tokenizer
+    asked = params_of(params, setup)
     encoder_input, language_at, rest = None, None, None
     if setup.log_mel is not None:
         encoder_input, rest = speech.features_of(inputs, setup.log_mel)
         prompt, language_at = speech.prompt_of(inputs, params, setup)
     elif setup.image is not None and setup.decoder_start is not None:
-        speech.refuse_prompt_params(params)
         encoder_input = pictures.pixels_of(inputs, setup.image)
         prompt = [setup.decoder_start]
     else:
-        speech.refuse_prompt_params(params)
         prompt = _prompt_ids(inputs, setup)
     room = setup.max_new_tokens
     if setup.context is not None and setup.encoder is not None and encoder_input is None:
@@ -130,20 +161,12 @@ def ask_of(inputs: Mapping[str, Any], params: Mapping[str, Any], setup: Generati
                 "with room for at least one new token",
             )
         room = min(room, setup.context - length)
-    asked = params.get("max_new_tokens", room)
-    if isinstance(asked, bool) or not isinstance(asked, int) or asked < 1:
-        raise WireError("bad_request", "params.max_new_tokens must be a positive integer")
-    per_chunk = modes.integer_param(params, "tokens_per_chunk", 1, low=1, high=MAX_TOKENS_PER_CHUNK)
-    stops = _stops(params)
-    if stops and tokenizer is None:
-        raise WireError("bad_request", "params.stop needs a model with a tokenizer.json")
+    stops = asked.stops
     text = TextStream(tokenizer, stops) if tokenizer is not None else None
-    settings = setup.token_settings
-    sampler = Sampler(SamplingParams.parse(params, settings.repetition_penalty))
-    ask = GenerateAsk(setup, prompt, min(asked, room), sampler, per_chunk, text)
+    limit = room if asked.max_new_tokens is None else min(asked.max_new_tokens, room)
+    ask = GenerateAsk(setup, prompt, limit, Sampler(asked.sampling), asked.tokens_per_chunk, text)
     ask.encoder_input, ask.language_at = encoder_input, language_at
-    ask.beams = _beams(params, setup, sampler.params.temperature > 0, bool(stops))
-    ask.lookup = _lookup(params, setup, sampler.params.temperature > 0 or ask.beams > 1)
+    ask.beams, ask.lookup = asked.beams, asked.lookup
     if rest is not None:  # a recording longer than the encoder's window: one after another
         if stops:
             raise WireError(

@@ -132,6 +132,8 @@ class Serving:
     defaults: tuple[str, ...] = ()  # inputs `[defaults]` gives: a request may leave them out
     image_input: str | None = None  # the `[preprocess]` input: may come as a JPEG/PNG
     takes_text: bool = False  # a tokenizer makes its token inputs: `prompt` may come instead
+    # a generate version's: its params are checked at arrival
+    generation: Generation | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def of(cls, loaded: LoadedVersion, config: ModelConfig) -> Serving:
@@ -145,6 +147,7 @@ class Serving:
             tuple(config.defaults),
             image_input(loaded.preprocess, loaded.session.inputs),
             loaded.text is not None,
+            loaded.generation,
         )
 
 

@@ -28,7 +28,7 @@ from agent.delivery.resend import Resender, parse_resend
 from agent.delivery.spool import Spool
 from agent.delivery.spool_items import AfterWrite, StoreRequest, request_key
 from agent.delivery.spool_writer import SpoolWriter
-from agent.inference import batching, images, short_runs, texts
+from agent.inference import batching, generate_ask, images, short_runs, texts
 from agent.inference.job import Job
 from agent.inference.reply_stream import ReplySender, ReplyStream
 from agent.inference.runner import required_inputs
@@ -138,6 +138,8 @@ class RequestReader:
             else:
                 message = f"model '{request.model}' has no ready version"
             raise WireError("unknown_model", message, request.id)
+        if request.version is None and serving.generation is not None:
+            generate_ask.params_of(request.params, serving.generation)  # the prompt: on a worker
         if request.version is not None or serving.stream.mode == "generate":
             # A pinned version is checked when it is leased; a prompt on a worker.
             return serving, None
