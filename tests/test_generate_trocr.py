@@ -142,6 +142,7 @@ def test_concurrent_requests_step_in_lock_step(agent_client: tuple[Agent, AgentC
         ({"prompt": "hello"}, {}, "takes inputs.pixel_values"),
         ({"pixel_values": np.zeros((1, 3, 32), np.float32)}, {}, "must be a JPEG or PNG"),
         ({"pixel_values": np.full((1, 3, 32, 32), np.nan, np.float32)}, {}, "finite floats"),
+        ({"pixel_values": np.zeros((1, 3, 7, 7), np.float32)}, {}, "[1, 3, 32, 32], the size"),
         ({"pixel_values": np.zeros((32, 32, 3), np.uint8)}, {"language": "en"}, "no params"),
     ],
 )

@@ -130,6 +130,13 @@ def test_wrong_types_of_known_keys(fields: dict[str, Any]) -> None:
     assert refused(request(**fields)).request_id == "req-1"
 
 
+def test_an_integer_past_64_bits_is_named_as_the_integer_it_is() -> None:
+    """CBOR carries 2**64 as a bignum (tag 2): the message shows the number, not the tag."""
+    big = cbor2.loads(cbor2.dumps(2**64))
+    error = refused(request(version=big))
+    assert "got 18446744073709551616" in error.message and "CBORTag" not in error.message
+
+
 def test_inputs_are_required_and_bounded() -> None:
     body = request()
     del body["inputs"]

@@ -346,6 +346,33 @@ def test_preprocess_resizes_with_opencv() -> None:
     np.testing.assert_array_equal(out[0], want)
 
 
+def test_a_gray_frame_for_a_color_model_is_its_gray_on_every_channel() -> None:
+    """H x W and H x W x 1 frames (documented as taken) were refused with the preprocessed
+    shape's channel count: the gray goes on each of the model's three channels."""
+    config = PreprocessConfig.model_validate({"scale": "1/255", "layout": "NCHW"})
+    gray = np.random.default_rng(3).integers(0, 256, (6, 8), dtype=np.uint8)
+    want = preprocess(np.repeat(gray[:, :, None], 3, axis=2), config)
+    np.testing.assert_array_equal(preprocess(gray, config), want)
+    np.testing.assert_array_equal(preprocess(gray[:, :, None], config), want)
+
+
+@needs_cv2
+def test_a_strip_is_resized_to_a_pixel_at_least_or_refused_when_too_long() -> None:
+    """A 1 x 10000 strip letterboxed to 64 x 64 rounds to a height of 0, which OpenCV
+    refuses with an assertion: it is a pixel high instead. Resized by its shortest edge to
+    224, it would take 224 x 2,240,000 pixels: refused, saying so."""
+    strip = np.full((1, 10000, 3), 200, dtype=np.uint8)
+    letterbox = PreprocessConfig.model_validate(
+        {"resize": [64, 64], "resize_mode": "letterbox", "layout": "NCHW"}
+    )
+    assert preprocess(strip, letterbox).shape == (1, 3, 64, 64)
+    crop = PreprocessConfig.model_validate(
+        {"resize": [224, 224], "resize_mode": "crop", "shortest_edge": 224, "layout": "NCHW"}
+    )
+    with pytest.raises(PreprocessError, match=r"1 x 10000 would be resized to 224 x 2240000"):
+        preprocess(strip, crop)
+
+
 def test_preprocess_section_is_checked_in_the_model_config() -> None:
     with pytest.raises(ModelConfigError, match=r"preprocess\.resize"):
         parse_model_config("[preprocess]\nresize = [32]\n", "config.toml")

@@ -42,6 +42,13 @@ def pixels_of(inputs: Mapping[str, Any], image: PreprocessConfig) -> np.ndarray[
     elif isinstance(value, np.ndarray) and value.dtype.kind == "f" and value.ndim == 4:
         if value.shape[:2] != (1, 3) or not np.isfinite(value).all():
             raise WireError("bad_request", f"inputs.{PIXELS} must be finite floats [1, 3, H, W]")
+        size = _processed_size(image)
+        if size is not None and value.shape[2:] != size:
+            raise WireError(
+                "bad_request",
+                f"inputs.{PIXELS} must be [1, 3, {size[0]}, {size[1]}], the size the image "
+                f"processor makes (got {list(value.shape)})",
+            )
         return value.astype(np.float32, copy=False)
     elif isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 3:
         bgr = False
@@ -55,3 +62,11 @@ def pixels_of(inputs: Mapping[str, Any], image: PreprocessConfig) -> np.ndarray[
         return preprocess(value, image, bgr=bgr)
     except PreprocessError as e:
         raise WireError("bad_request", f"inputs.{PIXELS}: {e}") from None
+
+
+def _processed_size(image: PreprocessConfig) -> tuple[int, int] | None:
+    """The height and width every picture is made into, where the processor fixes them (a
+    resize to a size, or a crop): the encoder's positions are that many."""
+    if image.resize is None or image.resize_mode not in ("stretch", "crop"):
+        return None
+    return image.resize[0], image.resize[1]

@@ -58,6 +58,9 @@ _INTERPOLATION = {"nearest": "INTER_NEAREST", "linear": "INTER_LINEAR"}
 _INTERPOLATION |= {"area": "INTER_AREA", "cubic": "INTER_CUBIC"}
 _GRAY_WEIGHTS_RGB = np.array([0.299, 0.587, 0.114], dtype=np.float32)
 _MAX_SIDE = 16384
+# Pixels an image may be resized to before its crop or pad (a 1 x 10000 strip resized to a
+# shortest edge of 256 would be 256 x 2,560,000: 2 GB of float32).
+MAX_RESIZED_PIXELS = 1 << 26
 
 
 class PreprocessError(ValueError):
@@ -234,6 +237,8 @@ def preprocess_image(
     image, plan, geometry = _placed(image, config)
     if config.color == "gray":
         image = _to_gray(image, bgr)
+    elif image.shape[2] < 3:  # a gray frame (and its alpha) for a color model: its gray thrice
+        image = np.repeat(image[:, :, :1], 3, axis=2)
     elif image.shape[2] >= 3:
         if image.shape[2] > 3:
             image = image[:, :, :3]  # drop alpha (a view)
@@ -286,6 +291,11 @@ def _placed(image: Array, config: PreprocessConfig) -> tuple[Array, ResizePlan, 
         multiple_of=config.multiple_of,
         shortest_edge=config.shortest_edge,
     )
+    if plan.height * plan.width > MAX_RESIZED_PIXELS:  # a strip, for a shortest-edge resize
+        raise PreprocessError(
+            f"an image of {height} x {width} would be resized to {plan.height} x {plan.width}: "
+            "its sides are too far apart for this model"
+        )
     if (plan.height, plan.width) != (height, width):
         image = _resize(image, plan.height, plan.width, config.interpolation)
     if plan.cropped:  # a view of the resized image's centre

@@ -116,7 +116,8 @@ def plan_resize(
     if mode == "letterbox" and resize is not None:
         target_h, target_w = resize
         ratio = min(target_h / height, target_w / width)
-        new_h, new_w = round(height * ratio), round(width * ratio)
+        # At least a pixel: a 1 x 10000 strip would round to a width of 0 (OpenCV refuses it).
+        new_h, new_w = max(1, round(height * ratio)), max(1, round(width * ratio))
         canvas_h, canvas_w = _ceil_to(target_h, multiple_of), _ceil_to(target_w, multiple_of)
         # Ultralytics' LetterBox: half the padding on each side, the odd pixel after.
         top = round((canvas_h - new_h) / 2 - 0.1)
@@ -145,7 +146,7 @@ def plan_resize(
             ratio = limit_side / max(height, width)
         elif limit_type == "min" and min(height, width) < limit_side:
             ratio = limit_side / min(height, width)
-        new_h, new_w = int(height * ratio), int(width * ratio)
+        new_h, new_w = max(1, int(height * ratio)), max(1, int(width * ratio))
     elif resize is not None:
         new_h, new_w = resize
     else:

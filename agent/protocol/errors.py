@@ -101,7 +101,11 @@ def _one_line(text: str) -> str:
 
 
 def show_value(value: object, limit: int = 64) -> str:
-    """A requester-supplied value quoted for a message: escaped (no newlines), and short."""
+    """A requester-supplied value quoted for a message: escaped (no newlines), and short. A
+    bignum (CBOR tags 2 and 3, kept as tags by the decoder) is shown as the integer it is."""
+    if isinstance(value, cbor2.CBORTag) and value.tag in (2, 3) and isinstance(value.value, bytes):
+        magnitude = int.from_bytes(value.value[:64], "big")  # 512 bits: more is only digits
+        value = magnitude if value.tag == 2 else -1 - magnitude
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
