@@ -125,17 +125,25 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _reload(agent: Any, args: argparse.Namespace) -> None:
+    """SIGHUP: the new configuration applied, or nothing of it; never the end of the run."""
     try:
         new = _with_overrides(load_config(Path(args.config) if args.config else None), args)
+        logs.add_secrets(logs.config_secrets(new))
     except ConfigError as e:
-        for problem in e.problems:
-            log.error("reload: %s", problem)
-        log.error("reload: the configuration has errors; still running with the previous one")
-        agent.metrics.reloads.labels("failed").inc()
-        agent.reporter.notifier.status("reload failed: still running the previous configuration")
+        _reload_failed(agent, e.problems)
         return
-    logs.add_secrets(logs.config_secrets(new))
+    except Exception as e:  # anything else the file causes: logged (redacted), not raised
+        _reload_failed(agent, [f"{type(e).__name__}: {e}"])
+        return
     agent.reload(new)
+
+
+def _reload_failed(agent: Any, problems: list[str]) -> None:
+    for problem in problems:
+        log.error("reload: %s", problem)
+    log.error("reload: the configuration has errors; still running with the previous one")
+    agent.metrics.reloads.labels("failed").inc()
+    agent.reporter.notifier.status("reload failed: still running the previous configuration")
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -144,21 +152,34 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     problems = []
     if not config.models.repository.is_dir():
         problems.append(f"models.repository: folder not found: {config.models.repository}")
-    tls = config.mqtt.tls
-    for key, path in (
-        ("ca_file", tls.ca_file),
-        ("cert_file", tls.cert_file),
-        ("key_file", tls.key_file),
-    ):
-        if tls.enabled and path is not None and not path.is_file():
-            problems.append(f"mqtt.tls.{key}: file not found")
-    if config.mqtt.password_file is not None and not config.mqtt.password_file.is_file():
-        problems.append("mqtt.password_file: file not found")
+    problems += _connection_file_problems(config)
     if not args.quiet:
         print(to_toml(masked_dict(config)))
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     return 2 if problems else 0
+
+
+def _connection_file_problems(config: Any) -> list[str]:
+    """What `run` would fail on at its first connection: the TLS files as the agent loads
+    them (a key that does not match its certificate, one with a passphrase, not PEM), the
+    password file as it reads it (never its value)."""
+    from agent.mqtt.reconnect import read_secret, tls_context
+
+    problems = []
+    mqtt_config = config.mqtt
+    try:
+        tls_context(mqtt_config)
+    except ConnectionError as e:
+        problems.append(str(e))
+    if mqtt_config.password_file is not None:
+        try:
+            read_secret(mqtt_config.password_file)
+        except ConnectionError as e:
+            problems.append(f"mqtt.password_file: {e}")
+        if mqtt_config.username is None:
+            problems.append("mqtt.password_file is set without mqtt.username: it is not sent")
+    return problems
 
 
 def cmd_health(args: argparse.Namespace) -> int:

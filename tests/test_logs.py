@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,12 +18,14 @@ from agent.ops import logs
 
 @pytest.fixture
 def restore_root() -> Iterator[None]:
-    """setup_logging replaces the root handlers: put pytest's back afterwards."""
+    """setup_logging replaces the root handlers (and the threads' excepthook): put pytest's
+    back afterwards."""
     root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
+    handlers, level, hook = root.handlers[:], root.level, threading.excepthook
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
+    threading.excepthook = hook
 
 
 def _emit(stream: io.StringIO, fmt: str, secrets: list[str]) -> list[str]:
@@ -55,6 +58,23 @@ def test_one_line_per_event_and_secrets_masked(fmt, restore_root):
         assert "ConnectionError: auth failed for ***" in entries[2]["exc"]
     else:
         assert " ERROR agent.test [" in lines[2] and "\\nTraceback" in lines[2]
+
+
+def test_a_thread_that_dies_is_one_redacted_log_line(restore_root):
+    """Not Python's raw traceback on stderr, where the secret filter does not reach."""
+    stream = io.StringIO()
+    logs.setup_logging("info", "json", secrets=["s3cr3t-pass"], stream=stream)
+
+    def fail() -> None:
+        raise OSError("cannot read s3cr3t-pass")
+
+    thread = threading.Thread(target=fail, name="mqtt-io")
+    thread.start()
+    thread.join()
+    (line,) = stream.getvalue().splitlines()
+    entry = json.loads(line)
+    assert entry["level"] == "critical" and entry["msg"] == "the mqtt-io thread died"
+    assert "OSError: cannot read ***" in entry["exc"] and "s3cr3t" not in line
 
 
 def test_journald_gets_syslog_priorities_and_no_timestamp(tmp_path, restore_root, monkeypatch):

@@ -212,3 +212,68 @@ def test_password_from_a_file_and_a_wrong_one(repository, tmp_path, make_client)
                 assert len(list(reply)) == 2
         finally:
             agent.stop()
+
+
+def test_a_tls_file_broken_at_a_reconnect_costs_attempts_not_the_connection_thread(
+    pki, repository, tmp_path
+):
+    """A botched rotation (the CA file overwritten with junk) while the broker restarts:
+    each attempt says which file cannot be used and backs off; once the file is mended the
+    agent connects again (the io thread died on it and the box stayed offline)."""
+    ca = tmp_path / "ca.pem"
+    ca.write_bytes(pki["ca"].read_bytes())
+    with _tls_broker(pki, mutual=False) as broker:
+        agent = _start(tmp_path, broker, repository, **_tls_env(pki, ca, client=False))
+        try:
+            assert agent.wait_ready(10), agent.transport.last_error
+            ca.write_text("not a certificate\n")
+            broker.stop()
+            broker.start()
+            assert _wait(lambda: "mqtt.tls.ca_file" in (agent.transport.last_error or ""))
+            time.sleep(0.5)  # attempts go on
+            assert agent.transport.thread_problem() is None
+            ca.write_bytes(pki["ca"].read_bytes())
+            assert _wait(lambda: agent.transport.connected.is_set(), 15)
+        finally:
+            agent.stop()
+
+
+def test_check_config_loads_the_tls_and_password_files_as_run_does(pki, tmp_path):
+    """`check-config` (systemd's ExecStartPre) fails on what `run` would: a key encrypted
+    with a passphrase (no prompt on a service), a key of another certificate, a CA that is
+    not PEM, a password file that is not text or has no username; one line each."""
+    from tests.test_cli import run_cli
+
+    encrypted = tmp_path / "encrypted.key"
+    encrypted.write_bytes(
+        _key().private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"passphrase"),
+        )
+    )
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not PEM\n")
+    binary = tmp_path / "password.bin"
+    binary.write_bytes(b"\xff\xfe\x00secret")
+    (tmp_path / "models").mkdir()
+    cases = {
+        "encrypted with a passphrase": (pki["client_cert"], encrypted, pki["ca"]),
+        "KEY_VALUES_MISMATCH": (pki["client_cert"], pki["server_key"], pki["ca"]),
+        "mqtt.tls.ca_file": (pki["client_cert"], pki["client_key"], junk),
+    }
+    for says, (cert, key, ca) in cases.items():
+        config = tmp_path / "agent.toml"
+        config.write_text(
+            f'[mqtt.tls]\nenabled = true\nca_file = "{ca}"\ncert_file = "{cert}"\n'
+            f'key_file = "{key}"\n[models]\nrepository = "{tmp_path / "models"}"\n'
+        )
+        result = run_cli("check-config", "--config", str(config), "--quiet")
+        assert result.returncode == 2 and says in result.stderr, (says, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1
+    config.write_text(
+        f'[mqtt]\npassword_file = "{binary}"\n[models]\nrepository = "{tmp_path / "models"}"\n'
+    )
+    result = run_cli("check-config", "--config", str(config), "--quiet")
+    assert result.returncode == 2 and "not UTF-8" in result.stderr
+    assert "without mqtt.username" in result.stderr and "secret" not in result.stderr

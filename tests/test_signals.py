@@ -234,6 +234,14 @@ def test_sighup_applies_log_level_and_qos_and_reports_what_needs_a_restart(
             client.request("decoder", {"token": token}, request_id="still", params={"max_steps": 2})
         )
         assert wait_until(lambda: len(replies.decoded("/still")) == 3, 5)
+        # A file that is not UTF-8 (a Latin-1 comment) stopped the daemon: now one error.
+        config.write_bytes(b"# caf\xe9\n" + changed.encode())
+        process.send_signal(signal.SIGHUP)
+        assert stderr.wait_for("not UTF-8 text")
+        list(
+            client.request("decoder", {"token": token}, request_id="latin", params={"max_steps": 2})
+        )
+        assert wait_until(lambda: len(replies.decoded("/latin")) == 3, 5)
         process.send_signal(signal.SIGTERM)
         process.wait(30)
     finally:

@@ -49,6 +49,8 @@ def load_config(path: Path | None, environ: Mapping[str, str] | None = None) -> 
             raise ConfigError([f"{source}: file not found"]) from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError([f"{source}: invalid TOML: {e}"]) from None
+        except UnicodeDecodeError as e:  # TOML is UTF-8: a Latin-1 comment, a binary file
+            raise ConfigError([f"{source}: not UTF-8 text (byte {e.start})"]) from None
         except OSError as e:
             raise ConfigError([f"{source}: cannot read: {e.strerror}"]) from None
     problems = _apply_environment(data, environ)

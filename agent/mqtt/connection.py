@@ -259,8 +259,11 @@ class Transport:
         and published again in order (paho's own resend after a reconnect is bypassed)."""
         try:
             client = self._make_client(self._client_id)
-        except ConnectionError as e:
+        except ConnectionError as e:  # a secret or TLS file that cannot be used (yet)
             self._note_error(str(e))
+            return False
+        except Exception as e:  # never the io thread: the next attempt may find it mended
+            self._note_error(f"cannot set up a client: {type(e).__name__}: {e}")
             return False
         self._window.new_connection()
         self._client = self._inbound.client = client

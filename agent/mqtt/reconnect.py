@@ -43,23 +43,54 @@ def next_attempt(attempt: int, lasted_s: float, reset_after_s: float = 60.0) -> 
 
 
 def read_secret(path: Path) -> str:
-    """A password from a file (or systemd's credentials folder); the value is never logged."""
+    """A password from a file (or systemd's credentials folder); the value is never logged.
+    ConnectionError where it cannot be read as text."""
     try:
-        return path.read_text().rstrip("\r\n")
+        return path.read_text(encoding="utf-8").rstrip("\r\n")
     except OSError as e:
         raise ConnectionError(f"cannot read password file {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConnectionError(f"password file {path} is not UTF-8 text") from None
 
 
 def tls_context(config: MqttConfig) -> ssl.SSLContext | None:
-    """The TLS context of `[mqtt.tls]`; None when TLS is off."""
+    """The TLS context of `[mqtt.tls]`; None when TLS is off. ConnectionError naming the
+    setting whose file cannot be used (missing, unreadable, not PEM, a key that does not
+    match its certificate, or one encrypted with a passphrase: no prompt on a service)."""
     tls = config.tls
     if not tls.enabled:
         return None
-    context = ssl.create_default_context(cafile=str(tls.ca_file) if tls.ca_file else None)
+    try:
+        context = ssl.create_default_context(cafile=str(tls.ca_file) if tls.ca_file else None)
+    except (OSError, ssl.SSLError, ValueError) as e:
+        raise ConnectionError(f"mqtt.tls.ca_file {tls.ca_file}: {_reason(e)}") from None
     if tls.cert_file:
-        context.load_cert_chain(str(tls.cert_file), str(tls.key_file) if tls.key_file else None)
+        key = str(tls.key_file) if tls.key_file else None
+        try:
+            context.load_cert_chain(str(tls.cert_file), key, password=_no_passphrase)
+        except (OSError, ssl.SSLError, ValueError, _Encrypted) as e:
+            raise ConnectionError(
+                f"mqtt.tls.cert_file {tls.cert_file} / key_file {tls.key_file}: {_reason(e)}"
+            ) from None
     context.check_hostname = tls.check_hostname
     return context
+
+
+class _Encrypted(Exception):
+    """The key asks for a passphrase."""
+
+
+def _no_passphrase() -> str:
+    raise _Encrypted("the key is encrypted with a passphrase; use an unencrypted key file")
+
+
+def _reason(error: Exception) -> str:
+    """What an OpenSSL or file error says, in a line."""
+    if isinstance(error, ssl.SSLError):
+        return f"{error.reason} ({error.library or 'SSL'})" if error.reason else "not PEM"
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return str(error) or type(error).__name__
 
 
 def prepare(client: mqtt.Client, config: MqttConfig) -> None:

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import sys
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TextIO
@@ -151,8 +152,8 @@ def config_secrets(config: AgentConfig) -> list[str]:
     secrets += [str(path) for path in paths]
     if mqtt.password_file is not None:
         try:
-            password = mqtt.password_file.read_text().rstrip("\r\n")
-        except OSError:
+            password = mqtt.password_file.read_text(encoding="utf-8").rstrip("\r\n")
+        except (OSError, UnicodeDecodeError):  # refused where it is read for a connection
             password = ""
         secrets.append(password)
     return secrets
@@ -181,7 +182,18 @@ def setup_logging(
     root.setLevel(level.upper())
     logging.getLogger("paho").setLevel(logging.WARNING)
     _current.update(format=fmt, stream=out, handler=handler)
+    threading.excepthook = _log_thread_death
     return handler
+
+
+def _log_thread_death(args: threading.ExceptHookArgs) -> None:
+    """A thread's uncaught exception as one log record (formatted, redacted), not Python's
+    raw traceback on stderr; the health check reports the dead thread."""
+    if args.exc_type is SystemExit:
+        return
+    name = args.thread.name if args.thread is not None else "a thread"
+    exc_info = (args.exc_type, args.exc_value or args.exc_type(), args.exc_traceback)
+    logging.getLogger("agent").critical("the %s thread died", name, exc_info=exc_info)
 
 
 def reconfigure(level: str, fmt: str) -> None:
