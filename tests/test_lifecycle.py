@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import queue
 import sys
 import threading
@@ -10,9 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 from agent.config import load_config
+from agent.demo import models as demo_models
 from agent.protocol.payload import encode_payload
+from agent.service import agent as agent_module
 from agent.service.agent import Agent, intra_op_threads
 from tests.conftest import agent_config
 
@@ -84,6 +88,55 @@ def test_running_request_is_cancelled_after_the_drain_timeout(
     assert messages and messages[-1]["type"] == "error"
     assert messages[-1]["code"] == "shutting_down"
     assert sum(m["type"] == "error" for m in messages) == 1
+
+
+def _slow_model(root: Path, steps: int = 600) -> Path:
+    """x [n, 512] -> y: `steps` MatMuls of one 512 x 512 weight, in one run of the model
+    (about a second on this machine): a run the drain cannot cut short."""
+    weight = numpy_helper.from_array(np.eye(512, dtype=np.float32), "w")
+    names = ["x", *[f"h{k}" for k in range(steps - 1)], "y"]
+    nodes = [helper.make_node("MatMul", [a, "w"], [b]) for a, b in itertools.pairwise(names)]
+    graph = helper.make_graph(
+        nodes,
+        "slow",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 512])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 512])],
+        initializer=[weight],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", demo_models.OPSET)])
+    model.ir_version = demo_models.IR_VERSION
+    (root / "slow" / "1").mkdir(parents=True)
+    demo_models.save(model, root / "slow" / "1" / "model.onnx")
+    return root
+
+
+def test_a_run_longer_than_the_drain_and_its_grace_is_answered_before_the_agent_goes(
+    broker, make_client, tmp_path, monkeypatch
+):
+    """One run of the model outlasts the drain and the grace after it: the request is
+    answered `shutting_down` before the connection closes, once (it went unanswered, and a
+    QoS 0 request was lost)."""
+    monkeypatch.setattr(agent_module, "CANCEL_GRACE_S", 0.0)
+    repository = _slow_model(tmp_path / "models")
+    config = agent_config(tmp_path, broker, repository, SCHEDULER__DRAIN_TIMEOUT_S="0")
+    agent = Agent(config)
+    agent.start()
+    assert agent.wait_ready(10)
+    client = make_client(broker, agent)
+    replies = _listen(client, f"{agent.root}/result/slow/long-run")
+    body = {"id": "long-run", "inputs": {"x": np.ones((256, 512), dtype=np.float32)}}
+    client.publish_raw(f"{agent.root}/infer/slow", encode_payload(body), qos=1)
+    deadline = time.monotonic() + 5
+    while agent.scheduler.busy == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    agent.stop()
+    messages = []
+    while True:
+        try:
+            messages.append(replies.get(timeout=1.0))
+        except queue.Empty:
+            break
+    assert [(m["type"], m.get("code")) for m in messages] == [("error", "shutting_down")]
 
 
 def test_events_and_telemetry(broker, repository, make_agent, make_client):

@@ -104,6 +104,17 @@ class Runner:
             for job in self._running:
                 job.cancelled.set()
 
+    def abandon_running(self) -> int:
+        """The agent stops and these still run (one run of the model outlasted the drain and
+        its grace): each is answered `shutting_down` now, before the connection closes; what
+        its run makes later finds its stream ended. Returns how many."""
+        with self._running_lock:
+            jobs = list(self._running)
+        for job in jobs:
+            self._fail(job, "shutting_down", STOPPED_MESSAGE)
+        self._send_quietly(jobs)
+        return len(jobs)
+
     # -- one lease, checks, groups -----------------------------------------------------------
 
     def _execute_leased(self, jobs: Sequence[tuple[Job, float]]) -> None:

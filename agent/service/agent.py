@@ -57,6 +57,10 @@ from agent.sources import SourceJob, SourceManager
 
 log = logging.getLogger(__name__)
 
+# After the drain timeout cancels the running requests (each ends at its next run of the
+# model), how long their current runs may take before they are answered `shutting_down`.
+CANCEL_GRACE_S = 5.0
+
 
 def intra_op_threads(config: AgentConfig) -> int:
     """Threads per ONNX Runtime session so that workers x threads <= cores."""
@@ -355,8 +359,15 @@ class Agent:
         cancel_timer = threading.Timer(drain, self.runner.cancel_running)
         cancel_timer.name = "drain-timer"
         cancel_timer.start()
-        self.scheduler.stop(drain + 5.0)
+        self.scheduler.stop(drain + CANCEL_GRACE_S)
         cancel_timer.cancel()
+        abandoned = self.runner.abandon_running()
+        if abandoned:
+            log.warning(
+                "stopping: %d request(s) still in a run of their model after the drain: "
+                "answered shutting_down",
+                abandoned,
+            )
         self.sources.close()  # waiting frames dropped, each stream's exact next seq saved
         self.runner.close()  # the scan sessions' samples and state
         self.housekeeping.join(5.0)
