@@ -27,6 +27,7 @@ from agent.demo import models as demo_models
 from agent.demo.broker import EmbeddedBroker
 from agent.models.model_config import ModelConfigError, parse_model_config
 from agent.models.preprocess import PreprocessConfig, PreprocessError, preprocess
+from agent.ops import logs
 from agent.protocol.errors import Limits
 from agent.protocol.payload import decode_payload
 from agent.protocol.tensors import decode_tensor, encode_tensor
@@ -860,6 +861,35 @@ def test_video_without_opencv_fails_cleanly_and_the_agent_serves(
     client = make_client(broker, agent)
     client.infer("mlp", {"x": np.zeros((1, 16), dtype=np.float32)}, timeout=10)
     assert agent.sources.runner("cam").snapshot()["state"] == "failed"
+
+
+CAMERA = "rtsp://admin:CamPa55word@127.0.0.1:1/stream1?token=TOK3N-abcdef"
+
+
+@needs_cv2
+def test_a_cameras_url_secrets_reach_no_event_log_or_printed_config(
+    broker: EmbeddedBroker,
+    slow_repository: tuple[Path, float],
+    tmp_path: Path,
+    make_agent: Callable[..., Agent],
+    subscribe: Callable[..., Subscriber],
+) -> None:
+    """An IP camera's URL carries its password (and often a token): the source's failure
+    event, check-config's output and the log's secrets mask them; user and host stay."""
+    repository, _ = slow_repository
+    toml = (
+        f'[[sources]]\nname = "cam"\nkind = "video"\nmodel = "net"\nurl = "{CAMERA}"\n'
+        "retry_min_s = 0.1\nretry_max_s = 0.2\n"
+    )
+    config = agent_config(tmp_path, broker, repository, toml)
+    events = subscribe(broker, f"{config.root_topic}/events")
+    make_agent(broker, repository, toml=toml, DEVICE_ID=f'"{config.device_id}"')
+    assert events.wait_for(lambda ms: any(m["type"] == "source_failed" for m in ms), 20)
+    failed = next(m for m in events.bodies() if m["type"] == "source_failed")
+    assert "rtsp://admin:***@127.0.0.1:1/stream1?token=***" in failed["error"]
+    printed = to_toml(masked_dict(config))
+    assert "CamPa55word" not in printed and "TOK3N" not in printed and "admin:***@" in printed
+    assert {"CamPa55word", "TOK3N-abcdef"} <= set(logs.config_secrets(config))
 
 
 # --------------------------------------------------------------------------- pipe

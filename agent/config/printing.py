@@ -1,11 +1,14 @@
 """Printing the configuration (`check-config`): as plain data with every secret masked, and
-as TOML. `SECRET_MASK` is also what the logs write in place of a secret (agent.ops.logs).
+as TOML. `SECRET_MASK` is also what the logs write in place of a secret (agent.ops.logs). A
+source's URL may carry secrets too (`rtsp://user:password@camera/stream?token=...`):
+`safe_url` masks its password and query values, `url_secrets` lists them for the logs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from agent.config.schema import AgentConfig
 
@@ -19,7 +22,13 @@ def masked_dict(config: AgentConfig) -> dict[str, Any]:
     def mask(node: Any) -> Any:
         if isinstance(node, dict):
             return {
-                k: (SECRET_MASK if k in SECRET_KEYS and v is not None else mask(v))
+                k: (
+                    SECRET_MASK
+                    if k in SECRET_KEYS and v is not None
+                    else safe_url(v)
+                    if k == "url" and isinstance(v, str)
+                    else mask(v)
+                )
                 for k, v in node.items()
             }
         if isinstance(node, list):
@@ -66,3 +75,31 @@ def _toml_value(value: Any) -> str:
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     text = str(value).replace("\\", "\\\\").replace('"', '\\"')
     return f'"{text}"'
+
+
+def safe_url(url: str) -> str:
+    """`url` with its password and its query's values masked (the user and host kept)."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return url
+    netloc = parts.netloc
+    if password is not None:
+        user = parts.username or ""
+        netloc = f"{user}:{SECRET_MASK}@{netloc.rpartition('@')[2]}"
+    query = "&".join(f"{key}={SECRET_MASK}" for key, _ in parse_qsl(parts.query, True))
+    return urlunsplit((parts.scheme, netloc, parts.path, query or parts.query, parts.fragment))
+
+
+def url_secrets(url: str) -> list[str]:
+    """The password and the token-like query values of `url`, for the logs to mask wherever
+    they appear (a reader's own error may quote the URL). Short values are left: masking
+    every "1" would blind the logs, and `safe_url` masks them where the URL is shown."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return []
+    tokens = [value for _, value in parse_qsl(parts.query) if len(value) >= 8]
+    return [*([password] if password and len(password) >= 3 else []), *tokens]

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from agent.config import SECRET_MASK, AgentConfig
+from agent.config.printing import url_secrets
 
 MAX_MESSAGE_CHARS = 4000
 # sd-daemon(3) prefixes: what journald turns into PRIORITY=.
@@ -141,7 +142,8 @@ class RedactFilter(logging.Filter):
 
 
 def config_secrets(config: AgentConfig) -> list[str]:
-    """What must never reach a log: the password itself and the paths of secret files.
+    """What must never reach a log: the password itself, the paths of secret files, and the
+    secrets in sources' URLs.
 
     The password is read from its file here, once, only to know what to mask; an unreadable
     file simply contributes its path.
@@ -156,6 +158,9 @@ def config_secrets(config: AgentConfig) -> list[str]:
         except (OSError, UnicodeDecodeError):  # refused where it is read for a connection
             password = ""
         secrets.append(password)
+    for source in config.sources:  # a camera's password, a token in its URL
+        if source.url is not None:
+            secrets += url_secrets(str(source.url))
     return secrets
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from agent.config import SourceConfig
+from agent.config.printing import safe_url
 from agent.models.backends.base import Array
 from agent.models.resize import Geometry
 from agent.protocol.errors import Limits
@@ -26,7 +27,9 @@ def describe_where(config: SourceConfig) -> str:
         return f"command {shlex.join(config.command)}"
     if config.device is not None:
         return f"camera {config.device}"
-    return str(config.path if config.path is not None else config.url)
+    if config.path is not None:
+        return str(config.path)
+    return safe_url(str(config.url))  # its password and query masked
 
 
 class SourceError(Exception):

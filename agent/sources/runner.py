@@ -13,7 +13,8 @@ from typing import Any, Literal, Protocol
 
 from prometheus_client import Histogram
 
-from agent.config import AgentConfig, SourceConfig
+from agent.config import SECRET_MASK, AgentConfig, SourceConfig
+from agent.config.printing import url_secrets
 from agent.delivery.outbox import OutboxClosed, OutMessage
 from agent.inference.send_hold import SendHold
 from agent.models.backends.base import Array, TensorSpec
@@ -197,6 +198,9 @@ class SourceRunner:
         return float(min(high, low * 2.0 ** min(attempt, 30)) * random.uniform(0.5, 1.0))
 
     def _failed(self, problem: str, delay: float) -> None:
+        url = self.config.url
+        for secret in url_secrets(str(url)) if url is not None else ():
+            problem = problem.replace(secret, SECRET_MASK)  # a reader's error quoting its URL
         self.state = "failed"
         self._errors.last_error = problem
         self.stats.failures += 1
