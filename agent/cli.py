@@ -6,22 +6,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import json
 import logging
 import os
 import queue
 import signal
+import sqlite3
 import sys
-import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from agent import __version__
-from agent.cli_values import describe_outputs, parse_inputs, parse_params
+from agent.cli_client import cmd_models, cmd_request, cmd_subscribe, load_or_exit
 from agent.config import AgentConfig, ConfigError, load_config, masked_dict, to_toml
 from agent.ops import logs
 from agent.ops.logs import JsonFormatter, setup_logging
@@ -31,13 +27,13 @@ __all__ = ["JsonFormatter", "build_parser", "main", "setup_logging"]
 log = logging.getLogger("agent")
 
 
-def _load(args: argparse.Namespace) -> AgentConfig:
-    try:
-        return load_config(Path(args.config) if args.config else None)
-    except ConfigError as e:
-        for problem in e.problems:
-            print(f"error: {problem}", file=sys.stderr)
-        raise SystemExit(2) from None
+def _positive_seconds(text: str) -> float:
+    """An argparse type: seconds, more than 0 (argparse turns the ValueError into a usage
+    error, not a traceback)."""
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
 
 
 # -- run -----------------------------------------------------------------------------------
@@ -71,7 +67,7 @@ def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
 def cmd_run(args: argparse.Namespace) -> int:
     """SIGTERM/SIGINT: drain and stop, exit 0. SIGHUP: reload what is safe, report the rest."""
     limit_malloc_arenas()  # first: before the agent's threads make their arenas
-    config = _with_overrides(_load(args), args)
+    config = _with_overrides(load_or_exit(args), args)
     setup_logging(config.log_level, config.log_format, secrets=logs.config_secrets(config))
     from agent.ops.systemd import Notifier
     from agent.service.agent import Agent
@@ -101,8 +97,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         agent.start()
     except Exception as e:
         # Logged (so redacted), not raised: a raw traceback could carry a secret's path.
-        if isinstance(e, OSError | ConnectionError):
-            log.error("cannot start: %s", e)  # an operator's problem: no traceback
+        if isinstance(e, OSError | ConnectionError | sqlite3.Error):
+            log.error("cannot start: %s", e)  # an operator's problem (a full disk): no traceback
         else:
             log.exception("cannot start")
         if agent is not None:
@@ -148,7 +144,7 @@ def _reload_failed(agent: Any, problems: list[str]) -> None:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     """Validate (also as systemd's ExecStartPre): one line per problem, exit 2 on any."""
-    config = _load(args)
+    config = load_or_exit(args)
     problems = []
     if not config.models.repository.is_dir():
         problems.append(f"models.repository: folder not found: {config.models.repository}")
@@ -187,7 +183,7 @@ def cmd_health(args: argparse.Namespace) -> int:
     import urllib.error
     import urllib.request
 
-    config = _load(args)
+    config = load_or_exit(args)
     metrics = config.metrics
     if not metrics.enabled or metrics.port == 0:
         print("error: [metrics] is off or on a random port: no /healthz to ask", file=sys.stderr)
@@ -205,159 +201,6 @@ def cmd_health(args: argparse.Namespace) -> int:
     except (urllib.error.URLError, OSError) as e:
         print(f"error: cannot reach {url}: {getattr(e, 'reason', e)}", file=sys.stderr)
         return 1
-
-
-# -- client commands ---------------------------------------------------------------------------
-
-
-def _client_settings(args: argparse.Namespace) -> dict[str, Any]:
-    config = load_config(Path(args.config)) if args.config else None
-    settings = {
-        "host": args.host or (config.mqtt.host if config else "127.0.0.1"),
-        "port": args.port or (config.mqtt.port if config else 1883),
-        "device_id": args.device or (config.device_id if config else "demo"),
-        "topic_prefix": args.prefix or (config.mqtt.topic_prefix if config else "edge"),
-        "protocol": args.protocol or (config.mqtt.protocol if config else "5"),
-    }
-    return settings
-
-
-def _connect(args: argparse.Namespace) -> Any:
-    from agent.client import AgentClient
-
-    try:
-        return AgentClient(**_client_settings(args)).connect()
-    except (ConnectionError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
-
-
-def cmd_request(args: argparse.Namespace) -> int:
-    from agent.client import AgentError
-
-    inputs = parse_inputs(args.input, args.text, args.message)
-    client = _connect(args)
-    try:
-        reply = client.request(
-            args.model,
-            inputs,
-            stream=not args.no_stream,
-            params=parse_params(args.param),
-            priority=args.priority,
-            version=args.version,
-            timeout=args.timeout,
-            compress=args.compress,
-        )
-        first = None
-        try:
-            for chunk in reply:
-                ms = (chunk.received - reply.sent_at) * 1000
-                first = first if first is not None else ms
-                print(
-                    f"{ms:9.2f} ms  chunk seq={chunk.seq} index={chunk.index} v{chunk.version}  "
-                    f"{describe_outputs(chunk.outputs)}"
-                    + (f"  text={chunk.text!r}" if chunk.text is not None else ""),
-                    flush=True,
-                )
-        except AgentError as e:
-            print(f"error {e.code}: {e.message}", file=sys.stderr)
-            return 1
-        total = (time.perf_counter() - reply.sent_at) * 1000
-        if reply.result is not None:
-            print(f"{total:9.2f} ms  result v{reply.version}  {describe_outputs(reply.result)}")
-        elif reply.end is not None:
-            end, why = reply.end, reply.end.finish_reason
-            print(
-                f"{total:9.2f} ms  end chunks={end.chunks}"
-                + (f"  {why} {end.usage}" if why else "")
-                + (f"  language={end.language}" if end.language else "")
-            )
-        print(
-            f"timing (agent): {json.dumps(dict(reply.timing or {}))}"
-            + (f"  first chunk {first:.2f} ms, last {total:.2f} ms" if first is not None else "")
-        )
-        if args.save:
-            np.savez(args.save, **reply.collect() if reply.result is None else reply.result)
-        return 0
-    finally:
-        client.close()
-
-
-def _summarize_message(topic: str, message: dict[str, Any] | None) -> str:
-    if message is None:
-        return "(not CBOR)"
-    kind = message.get("type") or message.get("state") or topic.rsplit("/", 1)[-1]
-    keep = {k: v for k, v in message.items() if k not in ("outputs", "data", "v", "ts")}
-    if "outputs" in message:
-        from agent.client import decode_outputs
-
-        try:
-            keep["outputs"] = describe_outputs(decode_outputs(message["outputs"]))
-        except Exception as e:
-            keep["outputs"] = f"(undecodable: {e})"
-    if "data" in message:
-        keep["data"] = f"{len(message['data'])} bytes"
-    return f"{kind:<8} {json.dumps(keep, default=str)[:400]}"
-
-
-def cmd_subscribe(args: argparse.Namespace) -> int:
-    client = _connect(args)
-    stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *a: stop.set())
-    signal.signal(signal.SIGTERM, lambda *a: stop.set())
-    count = 0
-
-    def show(topic: str, message: dict[str, Any] | None, raw: bytes) -> None:
-        nonlocal count
-        count += 1
-        stamp = time.strftime("%H:%M:%S")
-        print(f"{stamp} {topic}  {_summarize_message(topic, message)}", flush=True)
-        if args.count and count >= args.count:
-            stop.set()
-
-    pattern = f"{client.root}/#"
-    client.listen(pattern, show)
-    print(f"listening on {pattern} (Ctrl-C to stop)", file=sys.stderr, flush=True)
-    stop.wait(args.duration or None)
-    client.close()
-    return 0
-
-
-def cmd_models(args: argparse.Namespace) -> int:
-    if args.local:
-        from agent.models.repository import scan_repository
-
-        config = _load(args)
-        for name, info in sorted(scan_repository(config.models.repository).items()):
-            problem = f"  config error: {info.config_error}" if info.config_error else ""
-            print(f"{name}{problem}")
-            for number, version in sorted(info.versions.items()):
-                status = version.problem or "ok"
-                print(f"  v{number}  {version.backend or '-':<12} {version.model_file}  {status}")
-        return 0
-    client = _connect(args)
-    got = threading.Event()
-    inventory: dict[str, Any] = {}
-
-    def on_inventory(topic: str, message: dict[str, Any] | None, raw: bytes) -> None:
-        if message is not None:
-            inventory.update(message)
-            got.set()
-
-    client.listen(f"{client.root}/models", on_inventory)
-    if not got.wait(args.timeout):
-        print(f"error: no retained inventory on {client.root}/models", file=sys.stderr)
-        client.close()
-        return 1
-    client.close()
-    as_json = args.json if args.json is not None else not sys.stdout.isatty()
-    if as_json:
-        print(json.dumps(inventory, indent=2, default=str))
-    else:
-        from agent.models.records import format_inventory
-
-        print(format_inventory(inventory))
-    return 0
 
 
 # -- demo -----------------------------------------------------------------------------------
@@ -391,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     health = sub.add_parser("health", help="ask the running agent's /healthz (exit 0 = healthy)")
     health.add_argument("--config", "-c", help="TOML configuration file")
-    health.add_argument("--timeout", type=float, default=3.0)
+    health.add_argument("--timeout", type=_positive_seconds, default=3.0)
     health.set_defaults(func=cmd_health)
 
     def client_options(p: argparse.ArgumentParser) -> None:
@@ -401,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--device", help="device_id of the agent")
         p.add_argument("--prefix", help="topic prefix (default edge)")
         p.add_argument("--protocol", choices=["5", "3.1.1"])
-        p.add_argument("--timeout", type=float, default=30.0)
+        p.add_argument("--timeout", type=_positive_seconds, default=30.0)
 
     models = sub.add_parser("models", help="show the agent's model inventory")
     client_options(models)

@@ -213,8 +213,24 @@ def test_request_inputs_from_a_wav_file(tmp_path: Path):
 
 
 def test_subscribe_names_a_message_without_a_type_by_its_topic():
-    from agent.cli import _summarize_message
+    from agent.cli_client import _summarize_message
 
     assert _summarize_message("edge/x/telemetry", {"epoch": 1}).startswith("telemetry ")
     assert _summarize_message("edge/x/status", {"state": "online"}).startswith("online ")
     assert _summarize_message("edge/x/result/m/r1", {"type": "chunk"}).startswith("chunk ")
+
+
+def test_bad_arguments_are_one_line_not_a_traceback(tmp_path: Path):
+    """A negative timeout, a models folder that is not there, a backoff upside down: each a
+    one-line error (a ValueError or FileNotFoundError traceback before)."""
+    path = tmp_path / "agent.toml"
+    path.write_text('[models]\nrepository = "nowhere"\n')
+    timeout = run_cli("health", "--config", str(path), "--timeout", "-1")
+    assert timeout.returncode == 2 and "not a positive number of seconds" in timeout.stderr
+    local = run_cli("models", "--config", str(path), "--local")
+    assert local.returncode == 2 and "models.repository: folder not found" in local.stderr
+    assert "Traceback" not in timeout.stderr + local.stderr
+    path.write_text("[mqtt]\nreconnect_min_s = 10\nreconnect_max_s = 1\n")
+    upside_down = run_cli("check-config", "--config", str(path), "--quiet")
+    assert upside_down.returncode == 2
+    assert "reconnect_max_s must be >= reconnect_min_s" in upside_down.stderr

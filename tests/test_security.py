@@ -210,6 +210,17 @@ def test_password_from_a_file_and_a_wrong_one(repository, tmp_path, make_client)
                     "decoder", {"token": np.array([[1]], dtype=np.int64)}, params={"max_steps": 2}
                 )
                 assert len(list(reply)) == 2
+            # The client commands take the agent's config: its username and password file.
+            from tests.test_cli import run_cli
+
+            config = tmp_path / "client.toml"
+            config.write_text(
+                f'device_id = "{agent.config.device_id}"\n[mqtt]\nhost = "{broker.host}"\n'
+                f'port = {broker.port}\nusername = "agent"\npassword_file = "{good}"\n'
+            )
+            listed = run_cli("models", "-c", str(config), "--json")
+            assert listed.returncode == 0, listed.stderr
+            assert "decoder" in listed.stdout
         finally:
             agent.stop()
 

@@ -73,6 +73,12 @@ class MqttConfig(_Section):
     qos: QosConfig = QosConfig()
     tls: TlsConfig = TlsConfig()
 
+    @model_validator(mode="after")
+    def _backoff_in_order(self) -> MqttConfig:
+        if self.reconnect_max_s < self.reconnect_min_s:
+            raise ValueError("reconnect_max_s must be >= reconnect_min_s")
+        return self
+
     @field_validator("topic_prefix")
     @classmethod
     def _topic_prefix_is_plain(cls, value: str) -> str:
