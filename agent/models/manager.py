@@ -51,7 +51,7 @@ from agent.models.records import (
 )
 from agent.models.repository import ModelInfo, VersionInfo, scan_repository
 from agent.models.retirement import Retirement
-from agent.models.settling import SettleTracker, fingerprint_of
+from agent.models.settling import SettleTracker, fingerprint_of, warn_if_replaced
 from agent.models.trust import TrustPolicy
 from agent.protocol.errors import WireError
 
@@ -282,8 +282,8 @@ class ModelManager:
                 record.versions[number] = VersionRecord("unloaded", info.versions[number].backend)
         changed = bool(new)
         if info.config_error is not None:
-            for version in info.versions.values():
-                changed |= self._mark_failed(record, version, info.config_error)
+            for version in info.versions.values():  # tried again once the config is fixed
+                changed |= self._mark_failed(record, version, info.config_error, files=False)
             if changed:
                 self._on_inventory()
             return
@@ -300,19 +300,36 @@ class ModelManager:
     def _choose_and_load(self, record: ModelRecord, info: ModelInfo, config: ModelConfig) -> bool:
         """Bring the serving version to the policy's choice. True when anything changed."""
         changed = False
-        for number in config.policy.candidates(info.versions):
+        candidates = list(config.policy.candidates(info.versions))
+        if record.serving is None:  # the serving one was removed: a loaded one serves at once
+            fallback = next(
+                (
+                    record.versions[n].loaded
+                    for n in candidates
+                    if record.versions[n].state == "ready" and record.versions[n].loaded
+                ),
+                None,
+            )
+            if fallback is not None:
+                self._swap(record, fallback)
+                changed = True
+        for number in candidates:
             entry = record.versions[number]
+            version = info.versions[number]
+            fingerprint = fingerprint_of(version)
             if entry.state == "ready" and entry.loaded is not None:
+                warn_if_replaced(record.name, entry, fingerprint)
                 if record.serving is not entry.loaded:
                     self._swap(record, entry.loaded)
                     changed = True
                 break
-            version = info.versions[number]
-            fingerprint = fingerprint_of(version)
             if entry.state == "failed" and entry.fingerprint == fingerprint:
                 continue  # the same broken files: do not retry until they change
             if entry.state == "draining":
                 continue  # retired, still held by a request: not a candidate
+            if version.problem is not None:  # found by the scan (no model file, ...): no load
+                changed |= self._mark_failed(record, version, version.problem)
+                continue
             if not self._settling.settled(version, fingerprint):
                 continue  # still being written: a lower ready version keeps serving meanwhile
             engine = None
@@ -409,8 +426,12 @@ class ModelManager:
         )
         return loaded
 
-    def _mark_failed(self, record: ModelRecord, version: VersionInfo, error: str) -> bool:
-        fingerprint = fingerprint_of(version)
+    def _mark_failed(
+        self, record: ModelRecord, version: VersionInfo, error: str, *, files: bool = True
+    ) -> bool:
+        """`files`: the version's own files are at fault, so it is tried again once they
+        change (else, a config error: at the next sync that finds the config good)."""
+        fingerprint = fingerprint_of(version) if files else None
         with self._lock:
             entry = record.versions.setdefault(
                 version.version, VersionRecord("unloaded", version.backend)

@@ -102,6 +102,8 @@ class VersionRecord:
     backend: str | None
     error: str | None = None
     fingerprint: Fingerprint | None = None
+    # Files found changed under the loaded version (replaced in place): warned once each.
+    changed_files: Fingerprint | None = None
     loaded: LoadedVersion | None = None
     removed: bool = False  # the folder is gone: forget the entry once it is closed
     warmup: str | None = None  # "ok", "off" or "skipped: <reason>" (the inventory's `warmup`)

@@ -117,9 +117,15 @@ def _in_progress(name: str) -> bool:
     return name.startswith(".") or name.endswith(IN_PROGRESS_SUFFIXES)
 
 
-def _inside(path: Path, root: Path) -> bool:
-    """Links may point anywhere in the repository (2 -> 1), never out of it."""
-    return path.resolve().is_relative_to(root)
+def _outside(path: Path, root: Path) -> str | None:
+    """Links may point anywhere in the repository (2 -> 1), never out of it: why `path` is not
+    in it (it resolves outside, or is a loop of links: Python 3.11 raises RuntimeError for
+    that, later ones OSError); None where it is."""
+    try:
+        inside = path.resolve().is_relative_to(root)
+    except (RuntimeError, OSError):
+        return "is a loop of symbolic links"
+    return None if inside else "resolves outside the repository"
 
 
 def scan_repository(root: Path) -> dict[str, ModelInfo]:
@@ -136,13 +142,16 @@ def scan_repository(root: Path) -> dict[str, ModelInfo]:
         if not MODEL_NAME.match(name):
             _warn_once(f"{entry}: skipped, model names match {MODEL_NAME.pattern}")
             continue
-        if not _inside(entry, root_resolved):
-            _warn_once(f"{entry}: skipped, it resolves outside the repository {root_resolved}")
+        outside = _outside(entry, root_resolved)
+        if outside is not None:
+            _warn_once(f"{entry}: skipped, it {outside} ({root_resolved})")
             continue
         try:
             models[name] = _scan_model(entry, root_resolved)
-        except OSError as exc:
-            _warn_once(f"{entry}: skipped, cannot read: {exc.strerror or exc}")
+        except OSError as exc:  # kept as it is (not removed): a chmod may be under way
+            problem = f"cannot read the folder: {exc.strerror or exc}"
+            _warn_once(f"{entry}: {problem}; its loaded versions keep serving")
+            models[name] = ModelInfo(name, entry, None, problem, {})
     return models
 
 
@@ -152,8 +161,9 @@ def _scan_model(folder: Path, root: Path) -> ModelInfo:
     config_path = folder / CONFIG_FILE
     if config_path.exists() or config_path.is_symlink():
         try:
-            if not _inside(config_path, root):
-                raise ModelConfigError(f"{config_path}: resolves outside the repository")
+            outside = _outside(config_path, root)
+            if outside is not None:
+                raise ModelConfigError(f"{config_path}: {outside}")
             config = load_model_config(config_path)
         except ModelConfigError as exc:
             config, config_error = None, str(exc)
@@ -184,8 +194,9 @@ def _scan_version(
     def failed(problem: str, **found: Any) -> VersionInfo:
         return dataclasses.replace(info, problem=problem, **found)
 
-    if not _inside(folder, root):
-        return failed("the version folder resolves outside the repository")
+    outside = _outside(folder, root)
+    if outside is not None:
+        return failed(f"the version folder {outside}")
     if not folder.is_dir():
         return failed("not a folder")
     try:
@@ -246,8 +257,9 @@ def _file_problem(path: Path, root: Path) -> str | None:
     """A file the version needs is a dangling link, points outside the root, or is empty."""
     if not path.exists():
         return f"{path.name} is a broken symbolic link"
-    if not _inside(path, root):
-        return f"{path.name} resolves outside the repository"
+    outside = _outside(path, root)
+    if outside is not None:
+        return f"{path.name} {outside}"
     if not path.is_file():
         return f"{path.name} is not a regular file"
     if path.name != CHECKSUM_FILE and path.stat().st_size == 0:

@@ -10,14 +10,17 @@ another sync after the seconds :meth:`SettleTracker.finish_round` returns.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from pathlib import Path
 
-from agent.models.records import Fingerprint
+from agent.models.records import Fingerprint, VersionRecord
 from agent.models.repository import VersionInfo, file_fingerprint
 
-__all__ = ["SettleTracker", "fingerprint_of"]
+__all__ = ["SettleTracker", "fingerprint_of", "warn_if_replaced"]
+
+log = logging.getLogger(__name__)
 
 
 class SettleTracker:
@@ -34,9 +37,13 @@ class SettleTracker:
         self._next_check: float | None = None
 
     def mark_complete(self, version_folder: Path) -> None:
-        """A version folder was renamed into place: its files are complete at once."""
-        with self._lock:
-            self._complete.add(version_folder.resolve())
+        """A version folder was renamed into place: its files are complete at once (an empty
+        one is not: its files are still to be copied in, and settle as any)."""
+        folder = _resolved(version_folder)
+        with contextlib.suppress(OSError):
+            if folder is not None and any(folder.iterdir()):
+                with self._lock:
+                    self._complete.add(folder)
 
     def start_round(self) -> None:
         self._next_check = None
@@ -52,8 +59,10 @@ class SettleTracker:
         The newest mtime of the version's files must be `settle_s` old, and the fingerprint
         the same as at the previous look (a write in between restarts the wait).
         """
+        folder = _resolved(version.path)
         with self._lock:
-            if version.path.resolve() in self._complete:
+            if folder in self._complete:
+                self._complete.discard(folder)  # once: a folder made again later settles
                 return True
         key = (version.model, version.version)
         stamp = _newest_mtime(version.path)
@@ -79,9 +88,35 @@ def fingerprint_of(version: VersionInfo) -> Fingerprint | None:
         return None
     try:
         size, mtime_ns = file_fingerprint(version.model_file)
+        changed_ns = version.model_file.stat().st_ctime_ns  # a chmod that mends it, too
     except OSError:
         return None
-    return size, max(mtime_ns, _newest_mtime_ns(version.path))
+    return size, max(mtime_ns, changed_ns, _newest_mtime_ns(version.path))
+
+
+def warn_if_replaced(model: str, entry: VersionRecord, fingerprint: Fingerprint | None) -> None:
+    """A loaded version's files changed in place (its fingerprint is not the one it was
+    loaded with): it keeps serving what it loaded, and the next start loads the new files.
+    Warned once for each change."""
+    if entry.fingerprint in (None, fingerprint) or entry.changed_files == fingerprint:
+        return
+    entry.changed_files = fingerprint
+    version = entry.loaded.version if entry.loaded is not None else "?"
+    log.warning(
+        "model %s v%s: its files changed while it is loaded; it serves what it loaded, and "
+        "the next start loads the new files: put a new version in a folder of its own to "
+        "swap it in now",
+        model,
+        version,
+    )
+
+
+def _resolved(path: Path) -> Path | None:
+    """`path` resolved; None for a loop of links (RuntimeError on Python 3.11)."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError):
+        return None
 
 
 def _newest_mtime_ns(folder: Path) -> int:
