@@ -153,6 +153,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         print(to_toml(masked_dict(config)))
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
+    if config.mqtt.password_file is not None and config.mqtt.username is None:
+        print("warning: mqtt.password_file is set without mqtt.username: not sent", file=sys.stderr)
     return 2 if problems else 0
 
 
@@ -168,13 +170,11 @@ def _connection_file_problems(config: Any) -> list[str]:
         tls_context(mqtt_config)
     except ConnectionError as e:
         problems.append(str(e))
-    if mqtt_config.password_file is not None:
+    if mqtt_config.password_file is not None and mqtt_config.username is not None:
         try:
             read_secret(mqtt_config.password_file)
         except ConnectionError as e:
             problems.append(f"mqtt.password_file: {e}")
-        if mqtt_config.username is None:
-            problems.append("mqtt.password_file is set without mqtt.username: it is not sent")
     return problems
 
 

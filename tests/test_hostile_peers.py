@@ -314,6 +314,25 @@ def test_an_id_in_use_is_answered_not_dropped(broker, tmp_path, make_agent, make
     assert first.end is not None and first.end.finish_reason == "cancelled"
     assert first.end.chunks == 1 + len(rest) < steps
 
+    # A QoS 1 request whose id names a running QoS 0 one (which the spool never stored):
+    # refused too, before it is stored.
+    quiet = client.request(
+        "decoder", {"token": TOKEN}, request_id="quiet-id", params={"max_steps": steps}, qos=0
+    )
+    quiet_chunks = iter(quiet)
+    next(quiet_chunks)
+    refusals: queue.Queue[dict[str, Any]] = queue.Queue()
+    client.listen(f"{agent.root}/result/decoder/quiet-id", lambda t, m, raw: refusals.put(m))
+    time.sleep(0.1)
+    client.publish_raw(f"{agent.root}/infer/decoder", _request("quiet-id"), 1)
+    refused = refusals.get(timeout=10)
+    while refused.get("seq") is not None:
+        refused = refusals.get(timeout=10)
+    assert refused["type"] == "error" and "in use" in refused["message"]
+    client.cancel("quiet-id")
+    list(quiet_chunks)
+    assert quiet.end is not None and quiet.end.finish_reason == "cancelled"
+
 
 def _answer(client: AgentClient, agent: Agent, request_id: str, **extra: Any) -> dict[str, Any]:
     """The first message on the default reply topic of a request published as given."""

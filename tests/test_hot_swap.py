@@ -502,3 +502,25 @@ def test_an_empty_folder_renamed_into_place_still_waits_for_its_files_to_settle(
         assert _serving_version(manager) == 3
     finally:
         manager.close()
+
+
+def test_a_version_copied_in_place_reports_no_failure_while_it_settles(tmp_path):
+    """`mkdir 3; cp model.onnx 3/`: the folder is empty, then its file half-written, for a
+    moment: neither is reported failed while it settles (an ERROR and a model_load_failed
+    each, before it loaded)."""
+    events: list[dict[str, Any]] = []
+    root = make_repo(tmp_path / "models", {1: 101})
+    manager = ModelManager(root, BackendOptions(), settle_s=0.0, on_event=events.append)
+    try:
+        manager.sync()
+        (root / "mlp" / "3").mkdir()
+        manager.sync()
+        (root / "mlp" / "3" / "model.onnx").write_bytes(b"")
+        manager.sync()
+        (root / "mlp" / "3" / "model.onnx").write_bytes(mlp_bytes(103))
+        manager.sync()
+        manager.sync()
+        assert _serving_version(manager) == 3
+        assert not [e for e in events if e["type"] == "model_load_failed"]
+    finally:
+        manager.close()

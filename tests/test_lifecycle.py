@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -63,18 +64,13 @@ def test_stop_answers_queued_requests_with_shutting_down(broker, repository, mak
     assert "shutting_down" in outcomes
 
 
-def test_running_request_is_cancelled_after_the_drain_timeout(
-    broker, repository, make_client, tmp_path
-):
-    config = agent_config(tmp_path, broker, repository, SCHEDULER__DRAIN_TIMEOUT_S="0")
-    agent = Agent(config)
-    agent.start()
-    assert agent.wait_ready(10)
-    client = make_client(broker, agent)
-    replies = _listen(client, f"{agent.root}/result/mlp/long-1")
-    x = np.random.default_rng(0).standard_normal((60_000, 16)).astype(np.float32)
-    body = {"id": "long-1", "inputs": {"x": x}}
-    client.publish_raw(f"{agent.root}/infer/mlp", encode_payload(body), qos=1)
+def _stopped_while_running(
+    agent: Agent, client: Any, model: str, inputs: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """The replies to a request that runs when the agent is stopped, as they came."""
+    replies = _listen(client, f"{agent.root}/result/{model}/long-1")
+    body = {"id": "long-1", "inputs": inputs}
+    client.publish_raw(f"{agent.root}/infer/{model}", encode_payload(body), qos=1)
     deadline = time.monotonic() + 5
     while agent.scheduler.busy == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -82,9 +78,20 @@ def test_running_request_is_cancelled_after_the_drain_timeout(
     messages = []
     while True:
         try:
-            messages.append(replies.get(timeout=0.5))
+            messages.append(replies.get(timeout=1.0))
         except queue.Empty:
-            break
+            return messages
+
+
+def test_running_request_is_cancelled_after_the_drain_timeout(
+    broker, repository, make_client, tmp_path
+):
+    config = agent_config(tmp_path, broker, repository, SCHEDULER__DRAIN_TIMEOUT_S="0")
+    agent = Agent(config)
+    agent.start()
+    assert agent.wait_ready(10)
+    x = np.random.default_rng(0).standard_normal((60_000, 16)).astype(np.float32)
+    messages = _stopped_while_running(agent, make_client(broker, agent), "mlp", {"x": x})
     assert messages and messages[-1]["type"] == "error"
     assert messages[-1]["code"] == "shutting_down"
     assert sum(m["type"] == "error" for m in messages) == 1
@@ -122,20 +129,8 @@ def test_a_run_longer_than_the_drain_and_its_grace_is_answered_before_the_agent_
     agent = Agent(config)
     agent.start()
     assert agent.wait_ready(10)
-    client = make_client(broker, agent)
-    replies = _listen(client, f"{agent.root}/result/slow/long-run")
-    body = {"id": "long-run", "inputs": {"x": np.ones((256, 512), dtype=np.float32)}}
-    client.publish_raw(f"{agent.root}/infer/slow", encode_payload(body), qos=1)
-    deadline = time.monotonic() + 5
-    while agent.scheduler.busy == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    agent.stop()
-    messages = []
-    while True:
-        try:
-            messages.append(replies.get(timeout=1.0))
-        except queue.Empty:
-            break
+    inputs = {"x": np.ones((256, 512), dtype=np.float32)}
+    messages = _stopped_while_running(agent, make_client(broker, agent), "slow", inputs)
     assert [(m["type"], m.get("code")) for m in messages] == [("error", "shutting_down")]
 
 

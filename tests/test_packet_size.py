@@ -206,6 +206,9 @@ def test_a_part_made_for_a_larger_limit_ends_its_stream_with_too_large(
     assert agent.transport.reconnects == 0
     agent.reader.packet_limit = shared
     assert _answered(client)  # the next request is served, sized right
+    # The id again, once that stream ended: its own answer, not dropped as the old one's.
+    again = client.request("big", _inputs(2, seed=7), timeout=20, request_id="sized-before")
+    assert len(list(again)) == 2
     assert agent.transport.reconnects == 0
 
 

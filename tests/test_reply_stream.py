@@ -76,3 +76,6 @@ def test_messages_wait_in_the_stream_until_drained_and_one_terminal_only() -> No
     assert not reply.error("model_error", "too late")  # exactly one terminal message
     (end,) = reply.drain()
     assert decode_payload(end.payload, LIMITS)["type"] == "end"
+    reply.chunk({"y": np.zeros(3, np.float32)}, 1)  # a run that returns after the end
+    reply.chunk(big, 2)
+    assert reply.drain() == []  # nothing follows the terminal message

@@ -252,7 +252,8 @@ def test_a_tls_file_broken_at_a_reconnect_costs_attempts_not_the_connection_thre
 def test_check_config_loads_the_tls_and_password_files_as_run_does(pki, tmp_path):
     """`check-config` (systemd's ExecStartPre) fails on what `run` would: a key encrypted
     with a passphrase (no prompt on a service), a key of another certificate, a CA that is
-    not PEM, a password file that is not text or has no username; one line each."""
+    not PEM, a password file that is not text; one line each (a password file without a
+    username, never read, is a warning)."""
     from tests.test_cli import run_cli
 
     encrypted = tmp_path / "encrypted.key"
@@ -282,9 +283,15 @@ def test_check_config_loads_the_tls_and_password_files_as_run_does(pki, tmp_path
         result = run_cli("check-config", "--config", str(config), "--quiet")
         assert result.returncode == 2 and says in result.stderr, (says, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1
+    models = tmp_path / "models"
     config.write_text(
-        f'[mqtt]\npassword_file = "{binary}"\n[models]\nrepository = "{tmp_path / "models"}"\n'
+        f'[mqtt]\nusername = "agent"\npassword_file = "{binary}"\n'
+        f'[models]\nrepository = "{models}"\n'
     )
     result = run_cli("check-config", "--config", str(config), "--quiet")
-    assert result.returncode == 2 and "not UTF-8" in result.stderr
-    assert "without mqtt.username" in result.stderr and "secret" not in result.stderr
+    assert result.returncode == 2 and "not UTF-8" in result.stderr and "secret" not in result.stderr
+    # Without a username the file is never read: a warning, and the config runs.
+    config.write_text(f'[mqtt]\npassword_file = "{binary}"\n[models]\nrepository = "{models}"\n')
+    result = run_cli("check-config", "--config", str(config), "--quiet")
+    assert result.returncode == 0 and "warning: " in result.stderr
+    assert "without mqtt.username" in result.stderr

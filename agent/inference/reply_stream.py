@@ -223,7 +223,10 @@ class ReplyStream:
         OutputNotEncodable, with nothing made, for an output with no wire form. `offset`
         (a scan's first new sample) is one more key after `index`; None: no key. `extra`:
         more keys of this chunk alone (a generation's `text`), after `offset` and before
-        the stream's own (`self.extra`, `compression`)."""
+        the stream's own (`self.extra`, `compression`). Nothing once the stream ended (a
+        run that returns after the agent answered its request `shutting_down`)."""
+        if self.finished:
+            return
         pieces, size = self._outputs(outputs)
         if size + PART_OVERHEAD <= self.max_chunk_bytes:
             payload = self._chunk_payload(pieces, index, offset, extra)

@@ -293,6 +293,7 @@ class ModelManager:
         # Versions whose folders are gone: drain and unload.
         for number in sorted(set(record.versions) - set(info.versions)):
             self._retirement.retire(record, number, removed=True)
+            self._settling.forget(info.path / str(number))
             changed = True
         if self._choose_and_load(record, info, config) or changed:
             self._on_inventory()
@@ -327,11 +328,11 @@ class ModelManager:
                 continue  # the same broken files: do not retry until they change
             if entry.state == "draining":
                 continue  # retired, still held by a request: not a candidate
+            if not self._settling.settled(version, fingerprint):
+                continue  # still being written: a lower ready version keeps serving meanwhile
             if version.problem is not None:  # found by the scan (no model file, ...): no load
                 changed |= self._mark_failed(record, version, version.problem)
                 continue
-            if not self._settling.settled(version, fingerprint):
-                continue  # still being written: a lower ready version keeps serving meanwhile
             engine = None
             if version.builds_engine:
                 engine = self._engine(record, version, fingerprint)

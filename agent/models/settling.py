@@ -45,6 +45,12 @@ class SettleTracker:
                 with self._lock:
                     self._complete.add(folder)
 
+    def forget(self, version_folder: Path) -> None:
+        """The version folder is gone: one made again under its name settles as any."""
+        folder = _resolved(version_folder)
+        with self._lock:
+            self._complete.discard(folder)
+
     def start_round(self) -> None:
         self._next_check = None
 
@@ -62,7 +68,6 @@ class SettleTracker:
         folder = _resolved(version.path)
         with self._lock:
             if folder in self._complete:
-                self._complete.discard(folder)  # once: a folder made again later settles
                 return True
         key = (version.model, version.version)
         stamp = _newest_mtime(version.path)

@@ -85,10 +85,14 @@ class Oversize:
         or the `end`, of a request still running): then it is quarantined, never published."""
         if message.rid is None:
             return False
-        error = self.ended.get((message.topic, message.rid))
+        key = (message.topic, message.rid)
+        error = self.ended.get(key)
         if error is None or error is message:
             return False
         self._quarantine.quarantine(message, "its stream was ended by a too large message")
+        envelope = _envelope(message.payload)
+        if envelope is not None and envelope.get("type") in ("end", "result", "error"):
+            del self.ended[key]  # its own terminal: a later request may take the id again
         return True
 
     def _end_stream(self, message: OutMessage, size: int, limit: int) -> None:

@@ -272,7 +272,7 @@ class Ingress:
             self._refuse(outcome)
             return
         job, request = outcome.job, outcome.job.request
-        if not replay and self._running_unstored(model, request.id, incoming.qos):
+        if not replay and self._id_in_use(model, request.id, incoming.qos):
             self._counters.add("requests_duplicate")
             self._refuse_id_in_use(job)
             return
@@ -299,13 +299,15 @@ class Ingress:
             job.reply.error("overloaded", "the request queue is full; retry later")
             self._sender.send_now(job.reply.drain())
 
-    def _running_unstored(self, model: str, request_id: str, qos: int) -> bool:
-        """Whether a request the spool will not store (QoS 0, or no spool) names a request of
-        `model` still running: its stream would interleave with that one's. (A stored one is
-        refused by the spool, which tells the broker's redelivery apart.)"""
+    def _id_in_use(self, model: str, request_id: str, qos: int) -> bool:
+        """Whether `request_id` names a request of `model` still running or queued, whose
+        stream this one's would interleave with. Where both are stored (QoS 1/2, a spool),
+        the spool decides below: it tells the broker's redelivery (DUP) apart."""
         running = self._jobs.get((model, request_id))
-        unstored = self._spool is None or qos == 0
-        return unstored and running is not None and not running.reply.finished
+        if running is None or running.reply.finished:
+            return False
+        stored_here = self._spool is not None and qos > 0
+        return not (stored_here and running.reply.request_key is not None)
 
     def _run_here(self, job: Job) -> bool:
         """Run `job` on this thread, which holds the connection, if a worker slot is free: its
