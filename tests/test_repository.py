@@ -85,6 +85,23 @@ def test_version_folders(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> No
     assert all(any(w.split(":")[0].endswith(f"/{n}") for w in ignored) for n in ["01", "0", "-1"])
 
 
+def test_a_number_too_long_and_a_missing_pin_are_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 19-digit folder is told why it is ignored (not "positive integers like 1, 2, 10"),
+    and a pin of a version that is not there is said once (it was silent)."""
+    put(tmp_path / "m" / "1" / "model.onnx")
+    put(tmp_path / "m" / "1234567890123456789" / "model.onnx")
+    put(tmp_path / "m" / "config.toml", '[policy]\nversion_policy = "pinned"\npinned = 77\n')
+    with caplog.at_level(logging.WARNING):
+        scan_repository(tmp_path)
+        scan_repository(tmp_path)
+    said = warnings(caplog)
+    assert len(said) == 2
+    assert any("version numbers have 1 to 18 digits" in w for w in said)
+    assert any("pinned = 77, but there is no version folder 77" in w for w in said)
+
+
 def test_a_version_name_that_is_a_file_is_a_problem(tmp_path: Path) -> None:
     put(tmp_path / "m" / "1")
     assert problem(tmp_path, "m", 1) == "not a folder"

@@ -175,8 +175,16 @@ def _scan_model(folder: Path, root: Path) -> ModelInfo:
         if VERSION_NAME.match(entry.name):
             number = int(entry.name)
             versions[number] = _scan_version(folder.name, number, entry, root, config)
+        elif entry.is_dir() and entry.name.isascii() and entry.name.isdigit():
+            _warn_once(f"{entry}: ignored, version numbers have 1 to 18 digits, no leading 0")
         elif entry.is_dir():
             _warn_once(f"{entry}: ignored, version folders are positive integers like 1, 2, 10")
+    policy = config.policy if config is not None else None
+    if policy is not None and policy.version_policy == "pinned" and policy.pinned not in versions:
+        _warn_once(
+            f"model {folder.name}: pinned = {policy.pinned}, but there is no version folder "
+            f"{policy.pinned}; the version that serves keeps serving"
+        )
     return ModelInfo(
         name=folder.name,
         path=folder,
