@@ -112,6 +112,11 @@ def test_the_token_ids_themselves_still_go_in(text_agent: tuple[Agent, AgentClie
     inputs = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": 0 * ids}
     got = client.request("bert", inputs, stream=False).collect()
     np.testing.assert_allclose(got["logits"], [want["logits"]], **TOLERANCE)
+    # A negative id: ONNX Runtime's Gather took it from the vocabulary's end, silently.
+    ids[0, 1] = -1
+    with pytest.raises(AgentError, match="token ids are not negative") as refused:
+        client.request("bert", {**inputs, "input_ids": ids}, stream=False).collect()
+    assert refused.value.code == "bad_request"
 
 
 def test_texts_go_as_one_padded_batch(text_agent: tuple[Agent, AgentClient]) -> None:

@@ -421,6 +421,8 @@ def _checked_inputs(job: Job, loaded: LoadedVersion) -> dict[str, Any]:
         optional = (*loaded.config.stream.state, *loaded.config.defaults)
         specs = required_inputs(loaded.request_inputs, optional, given)
         checked = validate_inputs(request.id, given, specs)
+        token_ids = loaded.text.ids.name if loaded.text is not None else None
+        texts.refuse_negative_ids(checked, token_ids, request.id)
     audio = loaded.audio  # a speech encoder's samples, as its feature extractor has them
     if audio is not None and not audio.per_window:  # (a scan's windows: `modes.scan`)
         checked = audio.apply(checked)

@@ -13,6 +13,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from agent.inference.job import Job
 from agent.inference.modes import Member
 from agent.models.backends.base import TensorSpec
@@ -20,7 +22,7 @@ from agent.models.manager import LoadedVersion
 from agent.models.text_inputs import PAIR_INPUT, TEXT_INPUT, TextInputs, TextRefused
 from agent.protocol.errors import WireError
 
-__all__ = ["pad_to_join", "refuse_untaken_text", "tokenized_inputs"]
+__all__ = ["pad_to_join", "refuse_negative_ids", "refuse_untaken_text", "tokenized_inputs"]
 
 
 def tokenized_inputs(job: Job, loaded: LoadedVersion) -> Mapping[str, Any]:
@@ -46,6 +48,21 @@ def tokenized_inputs(job: Job, loaded: LoadedVersion) -> Mapping[str, Any]:
     job.timing["tokenize_ms"] = round((time.perf_counter() - started) * 1000, 3)
     rest = {name: value for name, value in inputs.items() if name not in (TEXT_INPUT, PAIR_INPUT)}
     return {**rest, **made}
+
+
+def refuse_negative_ids(
+    inputs: Mapping[str, Any], token_ids: str | None, request_id: str | None
+) -> None:
+    """Token ids sent as they are to a model with a tokenizer are never negative: ONNX
+    Runtime's Gather takes -1 as the vocabulary's last entry, a silent wrong answer
+    (`bad_request`). Past the vocabulary, the model's own run refuses them."""
+    ids = inputs.get(token_ids) if token_ids is not None else None
+    if isinstance(ids, np.ndarray) and ids.dtype.kind == "i" and ids.size and ids.min() < 0:
+        raise WireError(
+            "bad_request",
+            f"inputs.{token_ids} holds {int(ids.min())}: token ids are not negative",
+            request_id,
+        )
 
 
 def refuse_untaken_text(

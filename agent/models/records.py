@@ -134,6 +134,7 @@ class Serving:
     defaults: tuple[str, ...] = ()  # inputs `[defaults]` gives: a request may leave them out
     image_input: str | None = None  # the `[preprocess]` input: may come as a JPEG/PNG
     takes_text: bool = False  # a tokenizer makes its token inputs: `prompt` may come instead
+    token_ids: str | None = None  # the input of token ids a tokenizer makes (never negative)
     # a generate version's: its params are checked at arrival
     generation: Generation | None = field(default=None, repr=False, compare=False)
 
@@ -149,6 +150,7 @@ class Serving:
             tuple(config.defaults),
             image_input(loaded.preprocess, loaded.session.inputs),
             loaded.text is not None,
+            loaded.text.ids.name if loaded.text is not None else None,
             loaded.generation,
         )
 

@@ -151,7 +151,9 @@ class RequestReader:
             return serving, None  # decoded and checked on a worker (agent.inference.images)
         optional = (*serving.stream.state, *serving.defaults)
         specs = required_inputs(serving.inputs, optional, request.inputs)
-        return serving, (serving.version, validate_inputs(request.id, request.inputs, specs))
+        checked = validate_inputs(request.id, request.inputs, specs)
+        texts.refuse_negative_ids(checked, serving.token_ids, request.id)
+        return serving, (serving.version, checked)
 
     def _rejection(
         self,
