@@ -124,6 +124,8 @@ class Window:
             # stay in the outbox, whose bound pushes back on the producers (QoS 0 has no
             # window, so a stalled broker would otherwise grow paho's buffer without end).
             return False
+        if self._suspect_waits and self.pending:
+            return False  # a suspect, first in the outbox, waits for the window to empty
         messages = self._outbox.take(min(PUBLISH_BATCH, room))
         if not messages:
             return False
