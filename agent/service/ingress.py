@@ -276,7 +276,8 @@ class Ingress:
         job, request = outcome.job, outcome.job.request
         if not replay and self._id_in_use(model, request.id, incoming.qos):
             self._counters.add("requests_duplicate")
-            self._refuse_id_in_use(job)
+            if not incoming.dup:  # not the broker's redelivery: another request, same id
+                self._refuse_id_in_use(job)
             return
         if self._spool is not None and incoming.qos > 0:
             key = request_key(model, request.id)
