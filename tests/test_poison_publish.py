@@ -201,7 +201,7 @@ def test_a_suspect_is_convicted_only_alone_in_flight_and_cleared_by_its_acknowle
     quarantine.connection_lost([first, later], *CLOSED)  # not alone: not judged
     assert quarantine.count == 0 and quarantine.suspects == {5: 0, 6: 0}
     quarantine.connection_lost([first], *CLOSED)  # out alone, once
-    quarantine.acknowledged(5)  # acknowledged on the next connection: no suspect
+    quarantine.acknowledged(first)  # acknowledged on the next connection: no suspect
     assert quarantine.suspects == {6: 0}
     quarantine.connection_lost([first], *CLOSED)  # in flight at a loss: a suspect again
     quarantine.connection_lost([], *CLOSED)  # a loss with nothing in flight

@@ -32,7 +32,7 @@ from agent.delivery.spool_items import SpooledMessage
 from agent.protocol.errors import ID_PATTERN, WireError
 from agent.protocol.payload import encode_payload
 from agent.protocol.replies import gone_message
-from agent.protocol.topics import ReplyTopics
+from agent.protocol.topics import BAD_LEVELS, ReplyTopics
 
 MAX_SEQS = 1000  # seqs one resend request may list
 REPEAT_S = 1.0  # the same resend request again within this time is ignored
@@ -131,8 +131,8 @@ def parse_resend(
         if problem is not None:
             raise WireError("bad_request", problem)
         topic = reply_to
-    elif isinstance(model, str) and ID_PATTERN.fullmatch(model) and model not in (".", ".."):
-        topic = f"{root}/result/{model}/{request_id}"  # no '.' or '..' level: no model has it
+    elif isinstance(model, str) and ID_PATTERN.fullmatch(model) and model not in BAD_LEVELS:
+        topic = f"{root}/result/{model}/{request_id}"
     return ResendRequest(
         request_id,
         from_seq,

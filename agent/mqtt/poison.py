@@ -136,9 +136,11 @@ class Quarantine:
         except Exception:
             log.exception("mqtt: reporting a quarantined message failed")
 
-    def acknowledged(self, spool_id: int) -> None:
-        """The broker acknowledged a spooled message: it is no suspect."""
-        self.suspects.pop(spool_id, None)
+    def acknowledged(self, message: OutMessage) -> None:
+        """The broker took `message` (acknowledged, or sent at QoS 0): no suspect."""
+        stored = message.stored_id
+        if stored is not None:
+            self.suspects.pop(stored, None)
 
     def connection_lost(self, in_flight: Iterable[OutMessage], code: int, reason: str) -> None:
         """The broker or the network ended the connection (not the agent) with DISCONNECT
@@ -148,22 +150,22 @@ class Quarantine:
         is quarantined. A loss with nothing stored in flight clears the suspects."""
         if code not in MESSAGE_FAULTS:
             return  # the link or the broker's own state, not what we published
-        stored = [m for m in in_flight if m.stored_id is not None]  # spooled, or copies
-        if not stored:
+        stored = [(m.stored_id, m) for m in in_flight if m.stored_id is not None]
+        if not stored:  # spooled messages, or copies of them
             self.suspects.clear()
             return
         suspects = self.suspects
-        alone = stored[0].stored_id if len(stored) == 1 else None
-        if alone is not None and alone in suspects:  # out alone as a suspect: a loss it caused?
+        if len(stored) == 1 and stored[0][0] in suspects:  # out alone as a suspect
+            alone, message = stored[0]
             suspects[alone] += 1
             if suspects[alone] >= ALONE_LOSSES:
                 why = f"alone in flight at {ALONE_LOSSES} lost connections ({reason}, 0x{code:02x})"
-                self.quarantine(stored[0], why)
+                self.quarantine(message, why)
             return
         if len(suspects) + len(stored) > MAX_SUSPECTS:
             suspects.clear()
-        for message in stored:
-            suspects.setdefault(message.stored_id or 0, 0)
+        for stored_id, _ in stored:
+            suspects.setdefault(stored_id, 0)
 
 
 def _shown(topic: str) -> str:

@@ -12,7 +12,7 @@ A message the broker would refuse, or has refused for good, is quarantined
 Size, `[mqtt] max_packet_bytes`: the agent's shared `PacketLimit`, set here at every CONNACK),
 its stream ended (`agent.mqtt.oversize`). A suspect of a lost connection (in flight when it was
 lost) is published alone: after the messages before it are acknowledged, and nothing after it
-until its own acknowledgement; found alone in flight at the next loss, it is quarantined.
+until its own acknowledgement; found alone in flight at two more losses, it is quarantined.
 Used by the holder of the transport's io lock only.
 """
 
@@ -190,7 +190,7 @@ class Window:
             if message.spool_id is not None:
                 self._outbox.acknowledged(message.spool_id)  # downgraded to QoS 0: sent is all
             if self._suspects:
-                self._suspects.pop(message.stored_id or 0, None)
+                self.quarantine.acknowledged(message)
         else:
             # Acknowledgements are read by this thread only after this returns: no race.
             self.pending[mid] = (sent, message)
@@ -217,7 +217,7 @@ class Window:
         if spool_id is not None:
             self._outbox.acknowledged(spool_id)
         if self._suspects:
-            self.quarantine.acknowledged(message.stored_id or 0)
+            self.quarantine.acknowledged(message)
         self.acked += 1
         latency = time.monotonic() - sent
         for listener in self._ack_listeners:

@@ -22,7 +22,13 @@ from dataclasses import dataclass
 
 from agent.protocol.errors import MAX_REPLY_TO_CHARS, kind_of, show_value
 
-__all__ = ["MAX_TOPIC_CHARS", "ReplyTopics", "topic_prefix_problem", "topic_problem"]
+__all__ = [
+    "BAD_LEVELS",
+    "MAX_TOPIC_CHARS",
+    "ReplyTopics",
+    "topic_prefix_problem",
+    "topic_problem",
+]
 
 MAX_TOPIC_CHARS = MAX_REPLY_TO_CHARS  # 256: ample for a reply tree, small for a log line
 MAX_MQTT_TOPIC_BYTES = 65535  # MQTT's own limit on a topic name
@@ -33,7 +39,7 @@ _FORBIDDEN = re.compile(
     + "".join(f"{chr(plane << 16 | 0xFFFE)}{chr(plane << 16 | 0xFFFF)}" for plane in range(1, 17))
     + "]"
 )
-_BAD_LEVELS = ("", ".", "..")
+BAD_LEVELS = ("", ".", "..")  # topic levels no reply topic (and no model name) has
 
 
 def topic_problem(value: object, what: str = "topic") -> str | None:
@@ -80,7 +86,7 @@ def publish_problem(topic: str) -> str | None:
 
 def _levels_problem(value: str, what: str) -> str | None:
     for level in value.split("/"):
-        if level in _BAD_LEVELS:
+        if level in BAD_LEVELS:
             shown = "an empty level" if not level else f"a {level!r} level"
             return f"{what} {show_value(value)} has {shown}"
     return None
