@@ -162,19 +162,14 @@ def _connection_file_problems(config: Any) -> list[str]:
     """What `run` would fail on at its first connection: the TLS files as the agent loads
     them (a key that does not match its certificate, one with a passphrase, not PEM), the
     password file as it reads it (never its value)."""
-    from agent.mqtt.reconnect import read_secret, tls_context
+    from agent.mqtt.reconnect import credentials, tls_context
 
     problems = []
-    mqtt_config = config.mqtt
-    try:
-        tls_context(mqtt_config)
-    except ConnectionError as e:
-        problems.append(str(e))
-    if mqtt_config.password_file is not None and mqtt_config.username is not None:
+    for load, prefix in ((tls_context, ""), (credentials, "mqtt.password_file: ")):
         try:
-            read_secret(mqtt_config.password_file)
+            load(config.mqtt)
         except ConnectionError as e:
-            problems.append(f"mqtt.password_file: {e}")
+            problems.append(f"{prefix}{e}")
     return problems
 
 

@@ -33,7 +33,7 @@ def load_or_exit(args: argparse.Namespace) -> AgentConfig:
 def _client_settings(args: argparse.Namespace) -> dict[str, Any]:
     """Where and how the client connects: the flags, else the agent's config (`-c`), whose
     username, password file and TLS files it uses as the agent does."""
-    from agent.mqtt.reconnect import read_secret, tls_context
+    from agent.mqtt.reconnect import credentials, tls_context
 
     config = load_or_exit(args) if args.config else None
     settings: dict[str, Any] = {
@@ -44,12 +44,8 @@ def _client_settings(args: argparse.Namespace) -> dict[str, Any]:
         "protocol": args.protocol or (config.mqtt.protocol if config else "5"),
     }
     if config is not None:
-        mqtt_config = config.mqtt
-        settings["tls"] = tls_context(mqtt_config)
-        if mqtt_config.username is not None:
-            settings["username"] = mqtt_config.username
-            password_file = mqtt_config.password_file
-            settings["password"] = read_secret(password_file) if password_file else None
+        settings["tls"] = tls_context(config.mqtt)
+        settings["username"], settings["password"] = credentials(config.mqtt)
     return settings
 
 

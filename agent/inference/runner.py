@@ -420,12 +420,21 @@ def _checked_inputs(job: Job, loaded: LoadedVersion) -> dict[str, Any]:
         images.bind_outputs(job, loaded, geometry)
         optional = (*loaded.config.stream.state, *loaded.config.defaults)
         specs = required_inputs(loaded.request_inputs, optional, given)
-        checked = validate_inputs(request.id, given, specs)
         token_ids = loaded.text.ids.name if loaded.text is not None else None
-        texts.refuse_negative_ids(checked, token_ids, request.id)
+        checked = checked_inputs(request.id, given, specs, token_ids)
     audio = loaded.audio  # a speech encoder's samples, as its feature extractor has them
     if audio is not None and not audio.per_window:  # (a scan's windows: `modes.scan`)
         checked = audio.apply(checked)
+    return checked
+
+
+def checked_inputs(
+    request_id: str, given: Mapping[str, Any], specs: Sequence[TensorSpec], token_ids: str | None
+) -> dict[str, Any]:
+    """A request's inputs checked against `specs` (`validate_inputs`), its token ids
+    (`token_ids`: the input a tokenizer makes) never negative: at ingress and on a worker."""
+    checked = validate_inputs(request_id, given, specs)
+    texts.refuse_negative_ids(checked, token_ids, request_id)
     return checked
 
 

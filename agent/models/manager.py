@@ -302,18 +302,11 @@ class ModelManager:
         """Bring the serving version to the policy's choice. True when anything changed."""
         changed = False
         candidates = list(config.policy.candidates(info.versions))
-        if record.serving is None:  # the serving one was removed: a loaded one serves at once
-            fallback = next(
-                (
-                    record.versions[n].loaded
-                    for n in candidates
-                    if record.versions[n].state == "ready" and record.versions[n].loaded
-                ),
-                None,
-            )
-            if fallback is not None:
-                self._swap(record, fallback)
-                changed = True
+        entries = [record.versions[n] for n in candidates]
+        ready = [e.loaded for e in entries if e.state == "ready" and e.loaded is not None]
+        if record.serving is None and ready:  # the serving one was removed: the next loaded
+            self._swap(record, ready[0])  # one serves at once, while a newer one loads
+            changed = True
         for number in candidates:
             entry = record.versions[number]
             version = info.versions[number]

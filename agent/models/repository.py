@@ -117,15 +117,22 @@ def _in_progress(name: str) -> bool:
     return name.startswith(".") or name.endswith(IN_PROGRESS_SUFFIXES)
 
 
+def resolved(path: Path) -> Path | None:
+    """`path` resolved; None for a loop of symbolic links (Python 3.11 raises RuntimeError
+    for that, later ones OSError)."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError):
+        return None
+
+
 def _outside(path: Path, root: Path) -> str | None:
     """Links may point anywhere in the repository (2 -> 1), never out of it: why `path` is not
-    in it (it resolves outside, or is a loop of links: Python 3.11 raises RuntimeError for
-    that, later ones OSError); None where it is."""
-    try:
-        inside = path.resolve().is_relative_to(root)
-    except (RuntimeError, OSError):
+    in it (it resolves outside, or is a loop of links); None where it is."""
+    target = resolved(path)
+    if target is None:
         return "is a loop of symbolic links"
-    return None if inside else "resolves outside the repository"
+    return None if target.is_relative_to(root) else "resolves outside the repository"
 
 
 def scan_repository(root: Path) -> dict[str, ModelInfo]:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from agent.models.records import Fingerprint, VersionRecord
-from agent.models.repository import VersionInfo, file_fingerprint
+from agent.models.repository import VersionInfo, file_fingerprint, resolved
 
 __all__ = ["SettleTracker", "fingerprint_of", "warn_if_replaced"]
 
@@ -39,7 +39,7 @@ class SettleTracker:
     def mark_complete(self, version_folder: Path) -> None:
         """A version folder was renamed into place: its files are complete at once (an empty
         one is not: its files are still to be copied in, and settle as any)."""
-        folder = _resolved(version_folder)
+        folder = resolved(version_folder)
         with contextlib.suppress(OSError):
             if folder is not None and any(folder.iterdir()):
                 with self._lock:
@@ -47,7 +47,7 @@ class SettleTracker:
 
     def forget(self, version_folder: Path) -> None:
         """The version folder is gone: one made again under its name settles as any."""
-        folder = _resolved(version_folder)
+        folder = resolved(version_folder)
         with self._lock:
             self._complete.discard(folder)
 
@@ -65,7 +65,7 @@ class SettleTracker:
         The newest mtime of the version's files must be `settle_s` old, and the fingerprint
         the same as at the previous look (a write in between restarts the wait).
         """
-        folder = _resolved(version.path)
+        folder = resolved(version.path)
         with self._lock:
             if folder in self._complete:
                 return True
@@ -114,14 +114,6 @@ def warn_if_replaced(model: str, entry: VersionRecord, fingerprint: Fingerprint 
         model,
         version,
     )
-
-
-def _resolved(path: Path) -> Path | None:
-    """`path` resolved; None for a loop of links (RuntimeError on Python 3.11)."""
-    try:
-        return path.resolve()
-    except (RuntimeError, OSError):
-        return None
 
 
 def _newest_mtime_ns(folder: Path) -> int:

@@ -53,6 +53,15 @@ def read_secret(path: Path) -> str:
         raise ConnectionError(f"password file {path} is not UTF-8 text") from None
 
 
+def credentials(config: MqttConfig) -> tuple[str | None, str | None]:
+    """The username and the password read from its file (read only with a username: it is
+    sent with one); ConnectionError where the file cannot be read."""
+    if config.username is None:
+        return None, None
+    password = read_secret(config.password_file) if config.password_file else None
+    return config.username, password
+
+
 def tls_context(config: MqttConfig) -> ssl.SSLContext | None:
     """The TLS context of `[mqtt.tls]`; None when TLS is off. ConnectionError naming the
     setting whose file cannot be used (missing, unreadable, not PEM, a key that does not
@@ -103,9 +112,9 @@ def prepare(client: mqtt.Client, config: MqttConfig) -> None:
         client.on_socket_open = _no_delay
     # Publishes are only queued; the io lock's holder writes a batch with one loop_write.
     client.on_socket_register_write = _ignore_socket
-    if config.username is not None:
-        password = read_secret(config.password_file) if config.password_file else None
-        client.username_pw_set(config.username, password)
+    username, password = credentials(config)
+    if username is not None:
+        client.username_pw_set(username, password)
     context = tls_context(config)
     if context is not None:
         client.tls_set_context(context)

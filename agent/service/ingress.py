@@ -31,7 +31,7 @@ from agent.delivery.spool_writer import SpoolWriter
 from agent.inference import batching, generate_ask, images, short_runs, texts
 from agent.inference.job import Job
 from agent.inference.reply_stream import ReplySender, ReplyStream
-from agent.inference.runner import required_inputs
+from agent.inference.runner import checked_inputs, required_inputs
 from agent.inference.scheduler import Scheduler
 from agent.inference.short_runs import ShortRuns
 from agent.models.manager import ModelManager, Serving
@@ -47,8 +47,8 @@ from agent.protocol.requests import (
     Request,
     parse_request,
     read_request_id,
-    validate_inputs,
 )
+from agent.protocol.topics import BAD_LEVELS
 from agent.service.announce import Announcer
 
 log = logging.getLogger(__name__)
@@ -151,8 +151,7 @@ class RequestReader:
             return serving, None  # decoded and checked on a worker (agent.inference.images)
         optional = (*serving.stream.state, *serving.defaults)
         specs = required_inputs(serving.inputs, optional, request.inputs)
-        checked = validate_inputs(request.id, request.inputs, specs)
-        texts.refuse_negative_ids(checked, serving.token_ids, request.id)
+        checked = checked_inputs(request.id, request.inputs, specs, serving.token_ids)
         return serving, (serving.version, checked)
 
     def _rejection(
@@ -165,9 +164,9 @@ class RequestReader:
         """The error reply, addressed with what was read before the request failed: the id
         the error names (or the decoded payload's), its reply topic where allowed, its QoS."""
         request_id = error.request_id or (read_request_id(payload) if payload else None)
-        if request_id is None or model in ("", ".", ".."):
-            # No reply topic to answer on (`ROOT/infer/..`: no model has such a name, and a
-            # reply topic has no empty, '.' or '..' level): counted, not answered.
+        if request_id is None or model in BAD_LEVELS:
+            # No reply topic to answer on (`ROOT/infer/..`: no model has such a name, and
+            # its reply topic would have such a level): counted, not answered.
             return Rejection(model, error.code, error.message, None)
         reply_to = qos = None
         if payload is not None:
