@@ -122,6 +122,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _reload(agent: Any, args: argparse.Namespace) -> None:
     """SIGHUP: the new configuration applied, or nothing of it; never the end of the run."""
+    if args.config and _blank(Path(args.config)):  # an editor's truncate-then-write caught
+        # halfway would otherwise put every reloadable key back to its default
+        _reload_failed(agent, [f"{args.config}: the file is empty (being written?)"])
+        return
     try:
         new = _with_overrides(load_config(Path(args.config) if args.config else None), args)
         logs.add_secrets(logs.config_secrets(new))
@@ -132,6 +136,13 @@ def _reload(agent: Any, args: argparse.Namespace) -> None:
         _reload_failed(agent, [f"{type(e).__name__}: {e}"])
         return
     agent.reload(new)
+
+
+def _blank(path: Path) -> bool:
+    try:
+        return not path.read_bytes().strip()
+    except OSError:
+        return False  # load_config says why
 
 
 def _reload_failed(agent: Any, problems: list[str]) -> None:

@@ -242,6 +242,16 @@ def test_sighup_applies_log_level_and_qos_and_reports_what_needs_a_restart(
             client.request("decoder", {"token": token}, request_id="latin", params={"max_steps": 2})
         )
         assert wait_until(lambda: len(replies.decoded("/latin")) == 3, 5)
+        # An empty file (an editor's truncate-then-write, caught halfway) put every
+        # reloadable key back to its default (reply QoS 1): now refused, QoS 2 kept.
+        config.write_text("\n")
+        process.send_signal(signal.SIGHUP)
+        assert stderr.wait_for("the file is empty")
+        list(
+            client.request("decoder", {"token": token}, request_id="empty", params={"max_steps": 2})
+        )
+        assert wait_until(lambda: len(replies.decoded("/empty")) == 3, 5)
+        assert {qos for _, qos, _ in replies.decoded("/empty")} == {2}
         process.send_signal(signal.SIGTERM)
         process.wait(30)
     finally:
