@@ -194,3 +194,44 @@ def test_warmup_section_is_checked(text: str) -> None:
 def test_warmup_defaults() -> None:
     assert not WarmupConfig().explicit and WarmupConfig().enabled
     assert onnx.checker.check_model(onnx.load_from_string(_reshape_model())) is None
+
+
+def _summing_model() -> bytes:
+    """x[n] -> y[2, 3], any n: the same signature as `_reshape_model`, and a guess fits it."""
+    zeros = helper.make_tensor("zeros", TensorProto.FLOAT, [2, 3], [0.0] * 6)
+    graph = helper.make_graph(
+        [
+            helper.make_node("ReduceSum", ["x"], ["s"], keepdims=1),
+            helper.make_node("Add", ["zeros", "s"], ["y"]),
+        ],
+        "summing",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+        [zeros],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+def test_a_failed_guess_does_not_replace_a_version_that_warmed_up(tmp_path: Path) -> None:
+    root = _repo(tmp_path, "")
+    (root / "reshape6" / "1" / "model.onnx").write_bytes(_summing_model())
+    manager = ModelManager(root, BackendOptions(), settle_s=0.0)
+    try:
+        manager.sync()
+        model = manager.inventory()["models"]["reshape6"]
+        assert model["serving"] == 1 and model["versions"]["1"]["warmup"] == WARMUP_OK
+        (root / "reshape6" / "2").mkdir()
+        (root / "reshape6" / "2" / "model.onnx").write_bytes(_reshape_model())
+        manager.sync()  # seen, then settled and loaded
+        manager.sync()
+        model = manager.inventory()["models"]["reshape6"]
+        assert model["serving"] == 1
+        failed = model["versions"]["2"]
+        assert failed["state"] == "failed"
+        assert "v1 keeps serving" in failed["error"] and "[warmup]" in failed["error"]
+        with manager.lease("reshape6") as lease:
+            assert lease.loaded.version == 1
+    finally:
+        manager.close()

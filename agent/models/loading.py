@@ -28,7 +28,7 @@ from agent.models.repository import VersionInfo, checksum_problem, verify_checks
 from agent.models.signature import check_signature, incompatibilities
 from agent.models.text_inputs import TextInputs, open_text_inputs
 from agent.models.trust import TrustPolicy
-from agent.models.warmup import run_warm_up
+from agent.models.warmup import WARMUP_OK, run_warm_up
 
 __all__ = ["OpenedVersion", "open_version", "verify_files"]
 
@@ -135,6 +135,7 @@ def open_version(
             folder,
             enabled=warmup,
             known=default_arrays(record.config.defaults, session.inputs),
+            replacing=_warm_serving_version(record),
         )
         if warmup and warmed != "off" and generation is not None:
             _warm_encoder(generation, folder)
@@ -146,6 +147,16 @@ def open_version(
             raise
         raise ModelLoadError(f"warm-up failed: {e}") from e
     return OpenedVersion(session, warmed, signed, post, generation, text, audio, preprocess)
+
+
+def _warm_serving_version(record: ModelRecord) -> int | None:
+    """The serving version, where its own warm-up ran (`ok`): a new version whose guessed
+    warm-up fails does not replace it (`run_warm_up`)."""
+    serving = record.serving
+    if serving is None:
+        return None
+    entry = record.versions.get(serving.version)
+    return serving.version if entry is not None and entry.warmup == WARMUP_OK else None
 
 
 def _warm_encoder(generation: Generation, folder: Path) -> None:

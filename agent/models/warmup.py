@@ -9,6 +9,8 @@ loads but cannot run. Where the inputs come from decides what a failure means:
 * **synthetic**: sizes and values guessed from the signature. A guess can be wrong for a
   valid model (a shape check between two symbolic dims, a window the model needs), so a
   failure serves the version cold: ``skipped: <reason>`` in the inventory, one warning.
+  Not where it would replace a serving version that warmed up: the guess fitted the model
+  then, so the new file is at fault, and the version fails as the contract says.
 * **off**: ``[models] warmup = false`` for the agent, or ``[warmup] enabled = false``.
 
 The guesses (:func:`synthetic_inputs`) follow what exporters name their dimensions: optimum
@@ -221,12 +223,16 @@ def run_warm_up(
     *,
     enabled: bool,
     known: Mapping[str, npt.NDArray[Any]] | None = None,
+    replacing: int | None = None,
 ) -> str:
     """Warm ``session`` up as the model's config says; the inventory's ``warmup`` value.
     ``known``: inputs the config fixes (``[defaults]``), used instead of guesses.
 
     An explicit warm-up that fails raises :class:`ModelLoadError` (the version fails); a
-    synthetic one that fails is logged once and reported as ``skipped: <reason>``.
+    synthetic one that fails is logged once and reported as ``skipped: <reason>``, except
+    where the version would replace ``replacing``, a serving version whose own guessed or
+    explicit warm-up ran: that guess fitted the model, so the new file is more likely at
+    fault than the guess, and the version fails (CONTRACT: the old one keeps serving).
     """
     if not enabled or not config.enabled:
         return WARMUP_OFF
@@ -246,6 +252,12 @@ def run_warm_up(
         warm_up(session, synthetic_inputs(session, known))
     except Exception as exc:  # a guess the model refuses, in whatever form its runtime says
         reason = _reason(exc)[:_REASON_CHARS]
+        if replacing is not None:
+            raise ModelLoadError(
+                f"warm-up failed ({reason}) on inputs that v{replacing}, serving, ran: "
+                f"v{replacing} keeps serving (if they do not fit this version, give it real "
+                "inputs in config.toml [warmup])"
+            ) from exc
         log.warning(
             "%s: synthetic warm-up failed, serving it cold (give real inputs in its "
             "config.toml [warmup] section): %s",
