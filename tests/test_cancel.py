@@ -21,6 +21,7 @@ from tests.conftest import agent_config, serve_agent, write_long_decoder
 from tests.generate_helpers import REFERENCE, write_decoder
 
 LONG = "[generate]\ncontext = 4096\nmax_new_tokens = 4000\n"  # rotary: any length runs
+ENDLESS_EOS = 383  # an eos its greedy tokens never reach in 4000
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +31,7 @@ def one_worker(
     tmp = tmp_path_factory.mktemp("cancel")
     root = write_long_decoder(tmp / "models")
     write_decoder(root, "llama", "llama", LONG)
+    write_decoder(root, "endless", "llama", LONG + f"eos = [{ENDLESS_EOS}]\n")
     yield from serve_agent(broker, agent_config(tmp, broker, root, SCHEDULER__WORKERS="1"), 20)
 
 
@@ -46,6 +48,23 @@ def test_a_running_generation_is_cancelled(one_worker: tuple[Agent, AgentClient]
     assert 1 <= len(tokens) < 4000
     assert tokens[:24] == ref["greedy"][: len(tokens[:24])]
     assert reply.end.usage == {"prompt_tokens": len(ref["ids"]), "completion_tokens": len(tokens)}
+
+
+def test_a_generation_not_streamed_ends_with_end_when_cancelled(
+    one_worker: tuple[Agent, AgentClient],
+) -> None:
+    """As every mode's `stream: false` does (it used to be a `result` of the tokens so far)."""
+    _, client = one_worker
+    ref = REFERENCE["models"]["llama"][0]
+    reply = client.request(
+        "endless", {"prompt": ref["prompt"]}, request_id="gen-c2", stream=False, timeout=60
+    )
+    time.sleep(0.3)  # running: 4000 tokens take seconds
+    client.cancel("gen-c2")
+    assert list(reply) == []
+    assert reply.result is None
+    assert reply.end is not None and reply.end.finish_reason == "cancelled"
+    assert reply.end.usage is not None and reply.end.usage["completion_tokens"] >= 1
 
 
 def test_a_running_steps_stream_is_cancelled(one_worker: tuple[Agent, AgentClient]) -> None:

@@ -341,7 +341,9 @@ class Runner:
         job, queued = entry
         ask = run.members[position].generation
         timing = _timing(job, queued, run.infer_s, ask)
-        if ask is not None:  # generate, stream false: tokens, text, finish reason
+        if ask is not None and ask.finish_reason == "cancelled":  # as every mode's: an `end`
+            job.reply.end(timing, **ask.ending())
+        elif ask is not None:  # generate, stream false: tokens, text, finish reason
             extra = ask.ending()
             if ask.text is not None:
                 extra["text"] = ask.text.sent
