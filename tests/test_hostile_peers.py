@@ -19,6 +19,7 @@ from agent.protocol.errors import Limits
 from agent.protocol.payload import decode_payload, encode_payload
 from agent.protocol.topics import ReplyTopics, topic_problem
 from agent.service.agent import Agent
+from agent.service.announce import BAD_REQUEST_REPORT_S
 from tests.conftest import agent_config, write_long_decoder
 from tests.ops_helpers import wait_until
 
@@ -270,49 +271,54 @@ def test_retained_requests_never_run(own_broker, tmp_path, make_client, protocol
         agent.stop()
 
 
-def test_an_id_in_use_is_answered_not_dropped(broker, tmp_path, make_agent, make_client):
-    """A second request with the id of a stored, running one was dropped without a word.
+def test_an_id_in_use_is_refused_beside_the_running_stream(
+    broker, tmp_path, make_agent, make_client
+):
+    """A second request with the id of a running one is refused without touching the running
+    stream: on that stream's own topic an error would be taken for its terminal message, so
+    the refusal is reported on `ROOT/events`; a duplicate naming another reply topic gets
+    its error (`seq` null) there.
 
     The first stream is long (it must still run when its id comes again: a 400-step one could
     end first, and a finished id's duplicate is dropped as a redelivery) and is cancelled once
-    the refusal is in."""
+    the refusals are in."""
     steps = 100_000
     repository = write_long_decoder(tmp_path / "models", max_steps=steps)
     agent = make_agent(broker, repository)
     client = make_client(broker, agent)
+    events: queue.Queue[dict[str, Any]] = queue.Queue()
+    client.listen(f"{agent.root}/events", lambda t, m, raw: events.put(m or {}))
+    on_topic: queue.Queue[dict[str, Any]] = queue.Queue()
+    client.listen(f"{agent.root}/result/decoder/same-id", lambda t, m, raw: on_topic.put(m or {}))
+    elsewhere: queue.Queue[dict[str, Any]] = queue.Queue()
+    client.listen(f"{agent.root}/result/mine", lambda t, m, raw: elsewhere.put(m or {}))
+    time.sleep(0.1)  # the subscriptions are in place
     first = client.request(
         "decoder", {"token": TOKEN}, request_id="same-id", params={"max_steps": steps}, qos=1
     )
     chunks = iter(first)
     next(chunks)  # it runs
-    second = client.request(
-        "decoder", {"token": TOKEN}, request_id="taken", params={"max_steps": 2}, qos=1
-    )
-    assert len(list(second)) == 2
-    messages: queue.Queue[dict[str, Any]] = queue.Queue()
-    client.listen(f"{agent.root}/result/decoder/same-id", lambda t, m, raw: messages.put(m or {}))
-    time.sleep(0.1)  # the subscription is in place before the refusal (one message) is sent
-    client.publish_raw(f"{agent.root}/infer/decoder", _request("same-id"), 1)
-    deadline = time.monotonic() + 10
-    refusal = None
-    while refusal is None and time.monotonic() < deadline:
-        message = messages.get(timeout=10)
-        if message.get("type") == "error":
-            refusal = message
-    assert refusal is not None
-    assert refusal["seq"] is None and refusal["code"] == "bad_request"
-    assert "in use" in refusal["message"]
-    # A QoS 0 request is not stored, yet the agent knows the id runs: refused the same way
-    # (it would interleave a stream of its own from seq 0 with the running one).
-    client.publish_raw(f"{agent.root}/infer/decoder", _request("same-id"), 0)
-    again = messages.get(timeout=10)
-    while again.get("seq") is not None:  # the running stream's own chunks
-        again = messages.get(timeout=10)
-    assert again["type"] == "error" and "in use" in again["message"]
+    # QoS 1 (stored) and QoS 0 (not stored, yet the agent knows the id runs): both refused
+    for qos in (1, 0):
+        client.publish_raw(f"{agent.root}/infer/decoder", _request("same-id"), qos)
+        event = events.get(timeout=10)
+        while event.get("type") != "bad_request":
+            event = events.get(timeout=10)
+        assert "same-id" in event["reason"] and "in use" in event["reason"]
+    reply_to = f"{agent.root}/result/mine"
+    client.publish_raw(f"{agent.root}/infer/decoder", _request("same-id", reply_to=reply_to), 1)
+    refusal = elsewhere.get(timeout=10)
+    assert refusal["type"] == "error" and refusal["seq"] is None
+    assert refusal["code"] == "bad_request" and "in use" in refusal["message"]
     client.cancel("same-id")
     rest = list(chunks)  # the running stream went on untouched until it was cancelled
     assert first.end is not None and first.end.finish_reason == "cancelled"
     assert first.end.chunks == 1 + len(rest) < steps
+    seen = []
+    while not on_topic.empty():
+        seen.append(on_topic.get())
+    assert [m["type"] for m in seen if m.get("seq") is None] == []  # no refusal on its topic
+    assert seen[-1]["type"] == "end"
 
     # A QoS 1 request whose id names a running QoS 0 one (which the spool never stored):
     # refused too, before it is stored.
@@ -321,14 +327,12 @@ def test_an_id_in_use_is_answered_not_dropped(broker, tmp_path, make_agent, make
     )
     quiet_chunks = iter(quiet)
     next(quiet_chunks)
-    refusals: queue.Queue[dict[str, Any]] = queue.Queue()
-    client.listen(f"{agent.root}/result/decoder/quiet-id", lambda t, m, raw: refusals.put(m))
-    time.sleep(0.1)
+    time.sleep(BAD_REQUEST_REPORT_S)  # the events of the first part are reported
     client.publish_raw(f"{agent.root}/infer/decoder", _request("quiet-id"), 1)
-    refused = refusals.get(timeout=10)
-    while refused.get("seq") is not None:
-        refused = refusals.get(timeout=10)
-    assert refused["type"] == "error" and "in use" in refused["message"]
+    event = events.get(timeout=10)
+    while event.get("type") != "bad_request" or "quiet-id" not in event["reason"]:
+        event = events.get(timeout=10)
+    assert "in use" in event["reason"]
     client.cancel("quiet-id")
     list(quiet_chunks)
     assert quiet.end is not None and quiet.end.finish_reason == "cancelled"

@@ -333,13 +333,19 @@ class Ingress:
             )
 
     def _refuse_id_in_use(self, job: Job) -> None:
-        """A request whose id names a stored request still running: its error goes out with
-        `seq` null, so it cannot be mistaken for a message of the running stream."""
+        """A request whose id names a request still running or stored. On the running
+        stream's own topic, whose subscribers would take an error for its terminal message,
+        it is only counted and reported on `ROOT/events`; elsewhere its error goes out with
+        `seq` null, so that it cannot be mistaken for a message of the running stream."""
         self._counters.add("rejected_bad_request")
         self._metrics.request_done(job.request.model, None, "bad_request")
-        message = (
-            f"id {job.request.id!r} is in use by a running request; use a fresh id per request"
-        )
+        request = job.request
+        message = f"id {request.id!r} is in use by a running request; use a fresh id per request"
+        running = self._jobs.get((request.model, request.id))
+        live = running.reply if running is not None else None
+        if live is not None and not live.finished and live.topic == job.reply.topic:
+            self._announcer.note_bad_request(f"{request.model}: {message}")
+            return
         self._sender.send_now([job.reply.unsequenced_error("bad_request", message)])
 
     def _refuse(self, rejection: Rejection) -> None:
