@@ -33,6 +33,9 @@ def test_check_config_prints_masked_config(tmp_path: Path):
     assert 'password_file = "***"' in result.stdout
     assert "secret.txt" not in result.stdout and "hunter2" not in result.stdout
     assert f'repository = "{tmp_path / "models"}"' in result.stdout
+    # empty in the file, shown as they take effect
+    assert 'client_id = "edge-agent-box-1"' in result.stdout
+    assert 'allowed_reply_prefixes = ["edge/box-1/result/"]' in result.stdout
 
 
 def test_check_config_one_line_per_problem(tmp_path: Path):

@@ -36,6 +36,9 @@ def masked_dict(config: AgentConfig) -> dict[str, Any]:
         return node
 
     result: dict[str, Any] = mask(config.model_dump(mode="json"))
+    # keys whose empty value means a default made from others: shown as they take effect
+    result["mqtt"]["client_id"] = config.client_id
+    result["mqtt"]["allowed_reply_prefixes"] = list(config.reply_topics.prefixes)
     return result
 
 
