@@ -271,14 +271,32 @@ def test_incompatible_version_is_refused_unless_allowed(broker, make_agent, tmp_
     assert wait_for(lambda: serving(agent) == 3)
 
 
-def test_removing_versions_and_models(broker, make_agent, make_client, tmp_path):
-    root = make_repo(tmp_path / "models", {1: 101, 2: 102})
+@pytest.mark.parametrize("keep_loaded", [1, 2])
+def test_removing_versions_and_models(broker, make_agent, make_client, tmp_path, keep_loaded):
+    """Removing the serving version: the next one serves (at once where it is still loaded,
+    `keep_loaded = 2`; else once it loads), with one `model_swapped`."""
+    policy = f"[policy]\nkeep_loaded = {keep_loaded}\n"
+    root = make_repo(tmp_path / "models", {1: 101}, policy)
     agent = make_agent(broker, root, MODELS__DEBOUNCE_S="0.05")
     client = make_client(broker, agent)
-    assert serving(agent) == 2
+    assert serving(agent) == 1
+    (root / ".2.tmp").mkdir()
+    (root / ".2.tmp" / "model.onnx").write_bytes(mlp_bytes(102))
+    (root / ".2.tmp").rename(root / "mlp" / "2")
+    assert wait_for(lambda: serving(agent) == 2)
+    seen: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+    for topic in ("events", "models"):
+        client.listen(f"{agent.root}/{topic}", lambda t, m, raw: seen.put((t, m or {})))
+    time.sleep(0.2)  # subscribed (the retained inventory comes first)
     shutil.rmtree(root / "mlp" / "2")
     assert wait_for(lambda: serving(agent) == 1)
     assert "2" not in agent.models.inventory()["models"]["mlp"]["versions"]
+    assert wait_for(lambda: "2" not in _published_versions(seen.queue))
+    swaps = [m for t, m in list(seen.queue) if m.get("type") == "model_swapped"]
+    assert [(m["from"], m["to"]) for m in swaps] == [(2, 1)]
+    if keep_loaded == 2:  # v1 serves before v2 is retired: no inventory with none serving
+        inventories = [m for t, m in list(seen.queue) if t.endswith("/models")]
+        assert [m["models"]["mlp"]["serving"] for m in inventories].count(None) == 0
     reply = client.request("mlp", {"x": np.ones((1, 16), dtype=np.float32)})
     assert len(list(reply)) == 1 and reply.version == 1
 
@@ -291,6 +309,12 @@ def test_removing_versions_and_models(broker, make_agent, make_client, tmp_path)
     with pytest.raises(AgentError) as info:
         list(client.request("mlp", {"x": np.ones((1, 16), dtype=np.float32)}, timeout=5))
     assert info.value.code == "unknown_model"
+
+
+def _published_versions(seen: Any) -> set[str]:
+    """The mlp versions of the last inventory published in `seen` ((topic, message) items)."""
+    inventories = [m for t, m in list(seen) if t.endswith("/models")]
+    return set(inventories[-1]["models"]["mlp"]["versions"]) if inventories else {"2"}
 
 
 def test_polling_observer_fallback(broker, make_agent, tmp_path):

@@ -32,7 +32,6 @@ from agent.models.backends.base import (
     ModelLoadError,
     TensorSpec,
     release_idle_memory,
-    session_device_bytes,
 )
 from agent.models.engine_builds import EngineBuilds
 from agent.models.loading import open_version
@@ -45,8 +44,10 @@ from agent.models.records import (
     ModelRecord,
     Serving,
     VersionRecord,
+    device_bytes_of,
     inventory_of,
     loaded_versions,
+    prefix_caches_of,
     summarize,
 )
 from agent.models.repository import ModelInfo, VersionInfo, scan_repository
@@ -201,21 +202,12 @@ class ModelManager:
             return inventory_of(self._models)
 
     def device_bytes(self) -> dict[tuple[str, int], int]:
-        """GPU memory each loaded version's session holds itself, by (model, version), where
-        its backend counts it (the agent's TensorRT sessions: their buffers and kept
-        arrays; not the engine's own, nor ONNX Runtime's)."""
-        counts = {(v.model, v.version): session_device_bytes(v.session) for v in self._open()}
-        return {key: count for key, count in counts.items() if count is not None}
+        """GPU memory the loaded versions' sessions hold (`records.device_bytes_of`)."""
+        return device_bytes_of(self._open())
 
     def prefix_caches(self) -> dict[tuple[str, int], tuple[int, int]]:
-        """Each loaded version's prefix cache (`[generate] prefix_cache_mb`), by (model,
-        version): the bytes it holds and the prompt tokens it has served."""
-        stores = {(v.model, v.version): v.generation for v in self._open() if v.generation}
-        return {
-            key: (g.prefix_cache.nbytes, g.prefix_cache.tokens_served)
-            for key, g in stores.items()
-            if g.prefix_cache is not None
-        }
+        """The loaded versions' prefix caches (`records.prefix_caches_of`)."""
+        return prefix_caches_of(self._open())
 
     # -- reconciling with the disk -----------------------------------------------------------
 
@@ -292,11 +284,26 @@ class ModelManager:
             record.config = config
         # Versions whose folders are gone: drain and unload.
         for number in sorted(set(record.versions) - set(info.versions)):
+            self._fall_back_from(record, number, info, config)
             self._retirement.retire(record, number, removed=True)
             self._settling.forget(info.path / str(number))
             changed = True
         if self._choose_and_load(record, info, config) or changed:
             self._on_inventory()
+
+    def _fall_back_from(
+        self, record: ModelRecord, number: int, info: ModelInfo, config: ModelConfig
+    ) -> None:
+        """Version `number` goes: where it serves, the policy's next loaded version serves
+        before it is retired, so that no inventory shows none serving while one is ready."""
+        if record.serving is None or record.serving.version != number:
+            return
+        for candidate in config.policy.candidates(info.versions):
+            entry = record.versions.get(candidate)
+            if entry is not None and entry.state == "ready" and entry.loaded is not None:
+                self._swap(record, entry.loaded)
+                return
+        record.served_before = number  # the next version to serve says it took over
 
     def _choose_and_load(self, record: ModelRecord, info: ModelInfo, config: ModelConfig) -> bool:
         """Bring the serving version to the policy's choice. True when anything changed."""
@@ -453,15 +460,15 @@ class ModelManager:
     def _swap(self, record: ModelRecord, loaded: LoadedVersion) -> None:
         with self._lock:
             previous, record.serving = record.serving, loaded
-        if previous is not None and previous is not loaded:
-            log.info(
-                "model %s: serving v%d (was v%d)", record.name, loaded.version, previous.version
-            )
+            before = previous.version if previous is not None else record.served_before
+            record.served_before = None
+        if before is not None and previous is not loaded:
+            log.info("model %s: serving v%d (was v%d)", record.name, loaded.version, before)
             self._on_event(
                 {
                     "type": "model_swapped",
                     "model": record.name,
-                    "from": previous.version,
+                    "from": before,
                     "to": loaded.version,
                 }
             )

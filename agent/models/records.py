@@ -18,7 +18,13 @@ from typing import Any, Literal
 import cbor2
 
 from agent.models.audio_inputs import AUDIO_INPUT, AudioNormalization
-from agent.models.backends.base import Dim, Session, TensorSpec, session_metadata
+from agent.models.backends.base import (
+    Dim,
+    Session,
+    TensorSpec,
+    session_device_bytes,
+    session_metadata,
+)
 from agent.models.decoder_layout import Generation
 from agent.models.encoders import FEATURES, PIXELS
 from agent.models.model_config import BatchingConfig, ModelConfig, StreamConfig
@@ -120,6 +126,9 @@ class ModelRecord:
     config: ModelConfig = field(default_factory=ModelConfig)
     serving: LoadedVersion | None = None
     versions: dict[int, VersionRecord] = field(default_factory=dict)
+    # the version that served until it was removed with none loaded to take over: the
+    # `from` of the `model_swapped` when the next one serves
+    served_before: int | None = None
 
 
 @dataclass(frozen=True)
@@ -288,6 +297,25 @@ def _details(loaded: LoadedVersion) -> VersionDetails:
 def loaded_versions(models: Mapping[str, ModelRecord]) -> list[LoadedVersion]:
     """Every version of every model that holds a session (call with the manager's lock)."""
     return [e.loaded for r in models.values() for e in r.versions.values() if e.loaded is not None]
+
+
+def device_bytes_of(versions: Sequence[LoadedVersion]) -> dict[tuple[str, int], int]:
+    """GPU memory each version's session holds itself, by (model, version), where its backend
+    counts it (the agent's TensorRT sessions: their buffers and kept arrays; not the engine's
+    own, nor ONNX Runtime's)."""
+    counts = {(v.model, v.version): session_device_bytes(v.session) for v in versions}
+    return {key: count for key, count in counts.items() if count is not None}
+
+
+def prefix_caches_of(versions: Sequence[LoadedVersion]) -> dict[tuple[str, int], tuple[int, int]]:
+    """Each version's prefix cache (`[generate] prefix_cache_mb`), by (model, version): the
+    bytes it holds and the prompt tokens it has served."""
+    stores = {(v.model, v.version): v.generation for v in versions if v.generation}
+    return {
+        key: (g.prefix_cache.nbytes, g.prefix_cache.tokens_served)
+        for key, g in stores.items()
+        if g.prefix_cache is not None
+    }
 
 
 def inventory_of(
