@@ -200,6 +200,28 @@ def test_old_or_unknown_streams_are_gone(broker, repository, make_agent, make_cl
     message = got.get(timeout=5)
     assert message == {"v": 1, "id": "old-1", "type": "gone", "seq": None}
 
+    # The contract's own ask names no model: a stream not held whose request was recent (a
+    # QoS 0 one, never stored; one past the window) gets `gone` on its reply topic.
+    for request_id, qos in (("quick-0", 0), ("old-1", 1)):
+        if qos == 0:
+            list(
+                client.request(
+                    "decoder",
+                    {"token": np.array([[1]], dtype=np.int64)},
+                    request_id=request_id,
+                    params={"max_steps": 2},
+                    reply_qos=0,
+                )
+            )
+        topic = f"{agent.root}/result/decoder/{request_id}"
+        answers: queue.Queue[dict] = queue.Queue()
+        client.listen(topic, lambda t, m, raw, answers=answers: answers.put(m))
+        time.sleep(0.1)  # subscribed
+        ask = {"id": request_id, "from_seq": 0}
+        client.publish_raw(f"{agent.root}/resend", encode_payload(ask))
+        message = answers.get(timeout=5)
+        assert message == {"v": 1, "id": request_id, "type": "gone", "seq": None}
+
 
 def test_resend_requests_are_validated_and_rate_limited(
     broker, repository, make_agent, make_client

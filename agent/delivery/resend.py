@@ -16,6 +16,10 @@ Who asks cannot be known: an MQTT 3.1.1/5 subscriber does not learn who publishe
 reads, so the broker's ACL on `ROOT/resend` is the control. What an ask can do is bounded
 instead: it repeats a held stream on that stream's own reply topic, never where the asker
 says, except one `gone` on `model`'s or `reply_to`'s topic for a stream no longer held.
+
+A contract ask (`{id, from_seq}`) names no topic, so for a stream no longer held (a QoS 0
+stream, never stored; one past the window) the reply topics of the last `RECENT_STREAMS`
+requests are kept in memory: `gone` goes there.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from agent.protocol.topics import BAD_LEVELS, ReplyTopics
 MAX_SEQS = 1000  # seqs one resend request may list
 REPEAT_S = 1.0  # the same resend request again within this time is ignored
 MAX_SEQ = 2**63 - 1  # SQLite's INTEGER: a larger seq would raise OverflowError in a query
+RECENT_STREAMS = 10_000  # reply topics kept for `gone` (about 2.5 MB at most)
 
 
 @dataclass(frozen=True)
@@ -174,6 +179,16 @@ class Resender:
         self.unanswerable = 0
         self.repeated = 0
         self._recent: dict[ResendRequest, float] = {}  # ask -> when it was last answered
+        self._topics: dict[str, str] = {}  # request id -> reply topic, the latest requests'
+
+    def remember(self, request_id: str, topic: str) -> None:
+        """A request was accepted: its reply topic, for a `gone` once its stream is not held
+        (the network thread calls this; `_say_gone` only reads)."""
+        topics = self._topics
+        topics.pop(request_id, None)
+        topics[request_id] = topic
+        if len(topics) > RECENT_STREAMS:
+            del topics[next(iter(topics))]
 
     def handle(self, request: ResendRequest) -> None:
         """Admit the request (repeats ignored, rate-limited) and have it answered."""
@@ -234,10 +249,9 @@ class Resender:
         )
 
     def _say_gone(self, request: ResendRequest) -> None:
-        if request.topic is None:
-            self.unanswerable += 1  # neither held nor a model/reply_to to say `gone` on
+        topic = request.topic or self._topics.get(request.id)
+        if topic is None:
+            self.unanswerable += 1  # not held, not recent, no model/reply_to to say `gone` on
             return
         self.gone += 1
-        self._send(
-            OutMessage(request.topic, encode_payload(gone_message(request.id)), self._gone_qos)
-        )
+        self._send(OutMessage(topic, encode_payload(gone_message(request.id)), self._gone_qos))

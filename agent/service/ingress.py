@@ -289,6 +289,8 @@ class Ingress:
                 return
             job.reply.request_key = key
         self._jobs[(model, request.id)] = job
+        if self._resender is not None:
+            self._resender.remember(request.id, job.reply.topic)
         deadline = None if request.deadline_ms is None else request.deadline_ms / 1000.0
         batch = batching.batch_spec(request, outcome.serving)
         short = batch is None and not replay and self._short(job, outcome.serving)
