@@ -16,6 +16,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from agent.cli import build_parser
+from agent.client import AgentError
 from agent.models.backends.base import (
     BackendOptions,
     InferenceError,
@@ -158,6 +159,38 @@ def test_bfloat16_and_sequence_inputs_load_and_fail_only_when_run(tmp_path: Path
     assert (s.type, s.dtype, s.shape) == ("seq(tensor(float))", np.dtype(object), ())
     with pytest.raises(InferenceError):
         session.run({"b": np.zeros((1, 4), object), "s": np.zeros((), object)})
+
+
+def test_an_output_numpy_cannot_hold_fails_only_the_requests_that_ask_for_it(
+    tmp_path: Path, broker: Any, make_agent: Any, make_client: Any
+) -> None:
+    """ONNX Runtime cannot hand a bfloat16 output to Python, and fetching it failed every
+    run: it is never fetched now, and only a request naming it fails, told why."""
+    model = _model(
+        [
+            helper.make_node("Relu", ["x"], ["y"]),
+            helper.make_node("Cast", ["x"], ["z"], to=TensorProto.BFLOAT16),
+        ],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4]),
+            helper.make_tensor_value_info("z", TensorProto.BFLOAT16, ["batch", 4]),
+        ],
+    )
+    (tmp_path / "models" / "half" / "1").mkdir(parents=True)
+    onnx.save(model, str(tmp_path / "models" / "half" / "1" / "model.onnx"))
+    agent = make_agent(broker, tmp_path / "models")
+    client = make_client(broker, agent)
+    version = agent.models.inventory()["models"]["half"]["versions"]["1"]
+    assert version["state"] == "ready" and version["warmup"] == "ok"
+    x = np.array([[-1.0, 0.5, 2.0, -3.0]], np.float32)
+    reply = client.request("half", {"x": x}, stream=False)
+    assert set(reply.collect()) == {"y"}
+    assert reply.collect()["y"].tolist() == [[0.0, 0.5, 2.0, 0.0]]
+    with pytest.raises(AgentError) as info:
+        client.request("half", {"x": x}, params={"outputs": ["z"]}, stream=False).collect()
+    assert info.value.code == "model_error"
+    assert "'z' is tensor(bfloat16)" in info.value.message
 
 
 def test_a_spec_without_a_type_takes_its_dtypes_and_equals_the_loaded_one(tmp_path: Path) -> None:

@@ -292,7 +292,15 @@ def _chosen(run: Run, position: int, outputs: Arrays) -> Arrays:
     """The outputs a member's chunks carry: its `params.outputs`, else the model's `emit`
     (default: all but the state outputs). The others are never encoded."""
     names = run.members[position].select or run.emitted(outputs)
-    return {name: outputs[name] for name in names}
+    try:
+        return {name: outputs[name] for name in names}
+    except KeyError as missing:  # asked for by name; not fetched (its type has no numpy form)
+        spec = next((s for s in run.session.outputs if s.name == missing.args[0]), None)
+        kind = spec.onnx_type if spec is not None else "unknown"
+        raise InferenceError(
+            f"output {missing.args[0]!r} is {kind}, which the runtime cannot hand over "
+            "(no numpy type): ask for the model's other outputs (params.outputs)"
+        ) from None
 
 
 def _step_pieces(

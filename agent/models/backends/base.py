@@ -82,6 +82,12 @@ class TensorSpec:
         return self.is_tensor and np.dtype(self.dtype).kind in "biuf"
 
     @property
+    def has_numpy_form(self) -> bool:
+        """Not a tensor of a type numpy lacks (bfloat16, float8): such an output cannot be
+        handed to Python by ONNX Runtime (strings, sequences and maps come as objects)."""
+        return not (self.is_tensor and self.type != "tensor(string)" and self.dtype.kind == "O")
+
+    @property
     def rank(self) -> int:
         return len(self.shape)
 

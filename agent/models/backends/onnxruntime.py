@@ -213,7 +213,10 @@ class OnnxSession:
         self._metadata = dict(metadata) if metadata is not None else None
         self._inputs = tuple(_spec(a) for a in session.get_inputs())
         self._outputs = tuple(_spec(a) for a in session.get_outputs())
-        self._output_names = tuple(spec.name for spec in self._outputs)
+        # A tensor numpy has no type for (bfloat16, float8) cannot be handed to Python, and
+        # asking for one fails the whole run: such outputs are never fetched. A run returns
+        # the others; a request asking for one is told which (`modes._chosen`).
+        self._output_names = tuple(s.name for s in self._outputs if s.has_numpy_form)
         # Named, not None: ORT's wrapper then skips listing them on every run (0.6 µs of a
         # 12 µs run of a tiny decoder step, docs/decisions/0029).
         self._output_list = list(self._output_names)
