@@ -207,13 +207,11 @@ class Reply:
             if message.get("type") == "gone":
                 raise AgentError("gone", "the agent no longer holds this stream", self.request_id)
             if message.get("type") == "error" and seq is None:
-                # A request refused because its id is in use: this one, if none of a stream
-                # came yet; else another requester's, and the stream read here carries on.
-                if self._next_seq == 0 and not self._pending:
-                    code, text = str(message.get("code")), str(message.get("message"))
-                    raise AgentError(code, text, self.request_id)
-                self.duplicates += 1
-                continue
+                # Outside the numbering, and final: a request refused because its id is in
+                # use, or one stored before a crash that failed when it ran again (its first
+                # seqs came before the crash)
+                code, text = str(message.get("code")), str(message.get("message"))
+                raise AgentError(code, text, self.request_id)
             if not isinstance(seq, int) or seq < self._next_seq or seq in self._pending:
                 self.duplicates += 1
                 continue

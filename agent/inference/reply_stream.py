@@ -136,6 +136,9 @@ class ReplyStream:
     correlation: bytes | None = None  # the raw correlation data, kept with spooled messages
     stream_key: str | None = None  # spool stream of QoS 1/2 messages ("model/id")
     request_key: str | None = None  # the stored request the terminal message finishes
+    # A stored request run again after a crash: its first seqs may have reached subscribers
+    # before it, so an `error` ending it has `seq` null (a seq they hold would be dropped)
+    replayed: bool = False
     # Payload bytes this request's chunk and result messages may take (requests: the
     # `[limits]` key; the default, no bound, is for the endless streams of local sources).
     max_reply_bytes: int = sys.maxsize
@@ -382,7 +385,10 @@ class ReplyStream:
         return payload
 
     def error(self, code: str, message: str) -> bool:
-        return self._terminal(self._fields("error", code=code, message=message[:500]))
+        fields = self._fields("error", code=code, message=message[:500])
+        if self.replayed:  # numbered still (`_emit`: its spool seq), shown without
+            fields["seq"] = None
+        return self._terminal(fields)
 
     def unsequenced_error(self, code: str, message: str) -> OutMessage:
         """An `error` with `seq` null, outside this stream's numbering (and its spool stream):

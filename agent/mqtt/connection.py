@@ -87,12 +87,13 @@ class Transport:
         on_publish_refused: Callable[[str, str, bool], None] | None = None,
         on_session_lost: Callable[[], None] = lambda: None,
         packet_limit: PacketLimit | None = None,
+        on_tick: Callable[[], None] = lambda: None,
     ) -> None:
         """`on_publish_refused(topic, reason, first)`: a message was quarantined, never to be
         published again (`agent.mqtt.poison`); `first`: the first on its topic for a while.
         `on_session_lost()`: the broker kept no session where one was expected
-        (`agent.mqtt.session`). Both called under the io lock: they may queue (never wait
-        for) a message."""
+        (`agent.mqtt.session`). `on_tick()`: every `MISC_S` while connected (it must not
+        raise). All called under the io lock: they may queue (never wait for) a message."""
         self._config = config
         self._outbox = outbox
         self._subscriptions = Subscriptions(subscriptions, config.protocol == "5")
@@ -100,6 +101,7 @@ class Transport:
         self._will = will
         self._on_connected_hook = on_connected
         self._on_new_session = on_new_session
+        self._on_tick = on_tick
         self._client_id = client_id
         self._used = False  # the current client object has tried to connect
         self._epoch = epoch
@@ -339,6 +341,8 @@ class Transport:
         if oldest is not None and now - oldest > timeout:
             self._note_error(f"no acknowledgement for {timeout:.0f} s: reconnecting")
             return False
+        if self.connected.is_set():
+            self._on_tick()
         return True
 
     def _drop_connection(self) -> None:

@@ -124,6 +124,7 @@ class Agent:
             connected=lambda: self.transport.connected.is_set(),
             replay=self._replay_stored_requests,
         )
+        self._replayed: set[str] = set()  # stored requests run again (once each)
         self.resender = self._make_resender()
         self.watcher = RepositoryWatcher(
             config.models.repository,
@@ -242,6 +243,7 @@ class Agent:
             ],
             will=lambda epoch: self.announcer.status_message("offline", epoch),
             on_connected=self.hooks.on_connected,
+            on_tick=self.hooks.retry_replay,
             on_new_session=self.hooks.on_new_session,
             epoch=self.epoch_store,
             on_publish_refused=self.hooks.publish_refused,
@@ -314,12 +316,12 @@ class Agent:
         """
         if self.spool is None:
             return
-        stored = self.spool.unfinished_requests()
-        for request in stored:
-            self.spool.drop_stream(request.key)
+        stored = [r for r in self.spool.unfinished_requests() if r.key not in self._replayed]
         if stored:
             log.info("replaying %d stored request(s) that had no terminal message", len(stored))
         for request in stored:
+            self.spool.drop_stream(request.key)  # a full disk: the rest wait for the next try
+            self._replayed.add(request.key)
             incoming = Incoming(
                 request.topic,
                 request.payload,

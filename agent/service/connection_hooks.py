@@ -10,6 +10,8 @@ the connection, kept apart from the wiring in `agent.service.agent`.
 from __future__ import annotations
 
 import logging
+import sqlite3
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +22,8 @@ from agent.ops.counters import Counters
 from agent.service.announce import Announcer
 
 log = logging.getLogger(__name__)
+
+REPLAY_LOG_S = 60.0  # a replay that keeps failing is logged at most this often
 
 
 class ConnectionHooks:
@@ -48,6 +52,7 @@ class ConnectionHooks:
         self._publish_event = publish_event
         self._connected = connected
         self._replay: Callable[[], None] | None = replay
+        self._replay_logged = -REPLAY_LOG_S
 
     def on_connected(self, epoch: int) -> None:
         """Birth message and inventory go out before anything queued. At the first
@@ -56,9 +61,25 @@ class ConnectionHooks:
         self.epoch = epoch
         self._outbox.unget(self._announcer.inventory_message(self._models.inventory()))
         self._outbox.unget(self._announcer.status_message("online", epoch))
-        replay, self._replay = self._replay, None
-        if replay is not None:
+        self.retry_replay()
+
+    def retry_replay(self) -> None:
+        """The stored requests' replay, until it succeeds: a spool that cannot be written
+        (a full or read-only disk) fails it; then every tick tries it again (the transport's
+        `on_tick`, on the io thread), and the requests it ran before failing are not run
+        twice (`Agent._replay_stored_requests`)."""
+        replay = self._replay
+        if replay is None:
+            return
+        try:
             replay()
+        except (sqlite3.Error, OSError) as e:
+            now = time.monotonic()
+            if now >= self._replay_logged + REPLAY_LOG_S:
+                self._replay_logged = now
+                log.error("replaying the stored requests failed (%s): tried again till it works", e)
+            return
+        self._replay = None
 
     def on_new_session(self, lost_at: float | None) -> None:
         """Before a new connection: what was in flight goes out again from the spool, and so

@@ -270,9 +270,12 @@ class Ingress:
         self._metrics.received.inc()
         outcome = self.reader.read(model, incoming, accepting=self.accepting)
         if isinstance(outcome, Rejection):
+            if outcome.reply is not None:
+                outcome.reply.replayed = replay
             self._refuse(outcome)
             return
         job, request = outcome.job, outcome.job.request
+        job.reply.replayed = replay
         if not replay and self._id_in_use(model, request.id, incoming.qos):
             self._counters.add("requests_duplicate")
             if not incoming.dup:  # not the broker's redelivery: another request, same id

@@ -1,0 +1,108 @@
+"""Requests stored before a crash and run again at the next start: a spool that cannot be
+written when the replay comes (a full or read-only disk) delays it, never loses it; a
+replayed request that fails ends with an `error` a deduplicating subscriber keeps."""
+
+from __future__ import annotations
+
+import queue
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from agent.client import AgentClient
+from agent.delivery.spool import Spool
+from agent.protocol.payload import encode_payload
+from tests.conftest import agent_config, write_long_decoder
+
+
+def _stored(config: Any, model: str, request_id: str, steps: int = 3) -> None:
+    """A QoS 1 request stored in the agent's spool with no terminal message, as a crash
+    leaves it."""
+    root = f"{config.mqtt.topic_prefix}/{config.device_id}"
+    body = {
+        "id": request_id,
+        "inputs": {"token": np.array([[1]], np.int64)},
+        "params": {"max_steps": steps},
+    }
+    spool = Spool(config.spool.path, max_bytes=1 << 24, max_messages=1000)
+    try:
+        topic = f"{root}/infer/{model}"
+        assert spool.store_request(
+            f"{model}/{request_id}", topic, encode_payload(body), 1, None, None
+        )
+    finally:
+        spool.close()
+
+
+@pytest.fixture
+def listen(broker) -> Any:
+    """`listen(config, topic)`: the messages on ROOT/`topic`, subscribed before the agent
+    starts (a replay runs at its first connection)."""
+    clients: list[AgentClient] = []
+
+    def subscribe(config: Any, topic: str) -> queue.Queue[dict[str, Any]]:
+        client = AgentClient(broker.host, broker.port, device_id=config.device_id).connect()
+        clients.append(client)
+        messages: queue.Queue[dict[str, Any]] = queue.Queue()
+        client.listen(f"{client.root}/{topic}", lambda t, m, raw: messages.put(m or {}))
+        time.sleep(0.1)  # subscribed
+        return messages
+
+    yield subscribe
+    for client in clients:
+        client.close()
+
+
+def test_a_replay_the_spool_cannot_write_runs_once_the_disk_takes_writes(
+    broker, tmp_path: Path, start_agent, listen, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It was tried once, at the first CONNACK: a failed write lost it until a restart."""
+    repository = write_long_decoder(tmp_path / "models")
+    config = agent_config(tmp_path, broker, repository)
+    _stored(config, "decoder", "early")
+    _stored(config, "decoder", "later")
+    failures = {"left": 3}
+    drop_stream = Spool.drop_stream
+
+    def full_disk(self: Spool, stream: str) -> int:
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            raise sqlite3.OperationalError("database or disk is full")
+        return drop_stream(self, stream)
+
+    monkeypatch.setattr(Spool, "drop_stream", full_disk)
+    replies = listen(config, "result/decoder/+")
+    start_agent(config)
+    terminals: dict[str, list[dict[str, Any]]] = {}
+    deadline = time.monotonic() + 15
+    while len(terminals) < 2 and time.monotonic() < deadline:
+        try:
+            message = replies.get(timeout=1)
+        except queue.Empty:
+            continue
+        if message["type"] != "chunk":
+            terminals.setdefault(message["id"], []).append(message)
+    assert failures["left"] == 0
+    assert sorted(terminals) == ["early", "later"]
+    assert all(len(ends) == 1 and ends[0]["type"] == "end" for ends in terminals.values())
+    time.sleep(1.5)  # later ticks run nothing again
+    assert [m for m in list(replies.queue) if m["type"] != "chunk"] == []
+
+
+def test_a_replayed_request_that_fails_ends_with_an_error_outside_the_numbering(
+    broker, tmp_path: Path, start_agent, listen
+) -> None:
+    """Its seq 0 may have reached the subscriber before the crash: an `error` at seq 0 was
+    dropped as a duplicate, and the stream never ended for it."""
+    repository = write_long_decoder(tmp_path / "models")
+    config = agent_config(tmp_path, broker, repository)
+    _stored(config, "gone-model", "orphan")
+    replies = listen(config, "result/gone-model/orphan")
+    start_agent(config)
+    message = replies.get(timeout=10)
+    assert message["type"] == "error" and message["code"] == "unknown_model"
+    assert message["seq"] is None
