@@ -215,3 +215,25 @@ def test_the_agents_threads_carry_their_names_in_the_kernel(broker, repository, 
     if any(t.name == "model-watcher-inotify-parse" for t in threading.enumerate()):
         assert "watcher-parse" in kernel_names, kernel_names
     assert "InotifyFD-Dispatcher" not in {t.name for t in threading.enumerate()}
+
+
+def test_housekeeping_outlives_a_spool_it_cannot_write(
+    broker, repository, make_agent, make_client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-only or full disk made the spool's purge raise, which ended the housekeeping
+    thread: no more telemetry, nor the systemd watchdog's pings (a restart loop)."""
+    import sqlite3
+
+    from agent.delivery.spool import Spool
+
+    def read_only(self: Spool, *args: Any, **kwargs: Any) -> Any:
+        raise sqlite3.OperationalError("attempt to write a readonly database")
+
+    monkeypatch.setattr(Spool, "purge_acked", read_only)
+    agent = make_agent(broker, repository, TELEMETRY__INTERVAL_S="0.2")
+    client = make_client(broker, agent)
+    telemetry: queue.Queue[dict[str, Any]] = queue.Queue()
+    client.listen(f"{agent.root}/telemetry", lambda t, m, raw: telemetry.put(m or {}))
+    time.sleep(3)  # housekeeping ticks every 0.5 s here: a telemetry each tick
+    assert agent.housekeeping._thread.is_alive()
+    assert telemetry.qsize() >= 4

@@ -28,6 +28,8 @@ from agent.threads import NamedThread
 
 log = logging.getLogger(__name__)
 
+FAILURE_LOG_S = 60.0  # a tick that keeps failing is logged at most this often
+
 
 class Housekeeping:
     """`start()`, then `join()` after the agent's stop event is set; `config` follows reloads."""
@@ -56,6 +58,7 @@ class Housekeeping:
         self._health = health
         self._telemetry = telemetry
         self._spool_maintained = 0.0
+        self._last_telemetry = 0.0
         self._thread = NamedThread(target=self._run, name="housekeeping", daemon=True)
         self.box = _box_monitor(config, metrics, announcer)
         health.box = self.box
@@ -72,24 +75,34 @@ class Housekeeping:
             self.box.close(timeout)
 
     def _run(self) -> None:
-        last_telemetry = time.monotonic()
+        self._last_telemetry = time.monotonic()
+        failed_at = -FAILURE_LOG_S
         while not self._stop.wait(self._tick_s()):
             now = time.monotonic()
-            self._announcer.report_bad_requests(now)
-            interval = self.config.telemetry.interval_s  # read each time: SIGHUP may change it
-            if interval and now - last_telemetry >= interval:
-                late = now - last_telemetry > 2 * interval
-                last_telemetry = now if late else last_telemetry + interval
-                self._announcer.telemetry(self._telemetry())
-            self._maintain_spool(now)
-            if self._outbox.writer is not None:  # whatever was queued outside a request
-                self._outbox.writer.nudge()
-            if self._reporter.notifier.enabled:
-                self._reporter.tick(
-                    ready=self._health.transport.subscribed.is_set(),
-                    problem=self._health.problem(),
-                    status=self._health.status(),
-                )
+            try:
+                self._tick(now)
+            except Exception:  # a spool that cannot be written, say: the next tick tries again,
+                # and the watchdog pings (in `_tick`, first) go on: a restart frees no disk
+                if now - failed_at >= FAILURE_LOG_S:
+                    failed_at = now
+                    log.exception("housekeeping: a tick failed (tried again every tick)")
+
+    def _tick(self, now: float) -> None:
+        if self._reporter.notifier.enabled:
+            self._reporter.tick(
+                ready=self._health.transport.subscribed.is_set(),
+                problem=self._health.problem(),
+                status=self._health.status(),
+            )
+        self._announcer.report_bad_requests(now)
+        interval = self.config.telemetry.interval_s  # read each time: SIGHUP may change it
+        if interval and now - self._last_telemetry >= interval:
+            late = now - self._last_telemetry > 2 * interval
+            self._last_telemetry = now if late else self._last_telemetry + interval
+            self._announcer.telemetry(self._telemetry())
+        if self._outbox.writer is not None:  # whatever was queued outside a request
+            self._outbox.writer.nudge()
+        self._maintain_spool(now)
 
     def _maintain_spool(self, now: float) -> None:
         """Every few seconds: expire old pending messages (TTL), forget old acknowledged ones."""
