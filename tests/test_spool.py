@@ -530,3 +530,22 @@ def test_the_writer_calls_after_callbacks_once_per_batch_that_ran_callbacks(tmp_
     finally:
         writer.close()
         spool.close()
+
+
+def test_a_spool_opened_read_only_is_opened_again_for_writes(tmp_path: Path) -> None:
+    """SQLite opens a file it cannot write read-only (a disk remounted read-only after a
+    crash), and that connection stays so: every write failed for the life of the process,
+    although the disk took writes again."""
+    spool = Spool(tmp_path / "spool.sqlite", max_bytes=1 << 20, max_messages=100)
+    try:
+        spool._db.close()
+        spool._db = sqlite3.connect(
+            f"file:{tmp_path / 'spool.sqlite'}?mode=ro", uri=True, check_same_thread=False
+        )
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            spool.probe()
+        spool.probe()  # the disk is writable: the connection opened again takes it
+        assert spool.store_request("m/r", "t", b"x", 1, None, None)
+        assert [r.key for r in spool.unfinished_requests()] == ["m/r"]
+    finally:
+        spool.close()

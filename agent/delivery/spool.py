@@ -25,6 +25,7 @@ and `spool_sql` (the schema and the statements).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import sqlite3
@@ -55,7 +56,9 @@ from agent.delivery.spool_sql import (
     INSERT_ROWS,
     INSERT_SQL,
     SUM_STORED,
+    connect,
     pieces,
+    prepare,
     stored_bytes,
 )
 
@@ -199,9 +202,8 @@ class Spool(SpoolHistory):
                 earlier = [i for i in acks if i in acked_now]  # rows of previous batches
                 marked = self._ack_locked(earlier, now) if earlier else (0, 0)
                 self._db.execute("COMMIT")
-            except BaseException:
-                if self._db.in_transaction:
-                    self._db.execute("ROLLBACK")
+            except BaseException as e:
+                self._failed_write(e)
                 raise
             finally:
                 if durable:
@@ -395,8 +397,8 @@ class Spool(SpoolHistory):
         inserted and deleted): raises what the last failed write raised while the disk is
         still full (the spool writer tries it while nothing else is queued)."""
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
             try:
+                self._db.execute("BEGIN IMMEDIATE")
                 self._db.execute(
                     "INSERT OR REPLACE INTO requests VALUES"
                     " (?, '', zeroblob(4096), 0, NULL, NULL, 0)",
@@ -404,10 +406,28 @@ class Spool(SpoolHistory):
                 )
                 self._db.execute("DELETE FROM requests WHERE key = ?", (PROBE_KEY,))
                 self._db.execute("COMMIT")
-            except BaseException:
-                if self._db.in_transaction:
-                    self._db.execute("ROLLBACK")
+            except BaseException as e:
+                self._failed_write(e)
                 raise
+
+    def _failed_write(self, error: BaseException) -> None:
+        """After a write failed (under the lock): rolled back; a connection SQLite opened
+        read-only (the disk was, then), which stays so for its life, opened again for the
+        next try (a failure to reopen leaves it to the try after)."""
+        if self._db.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                self._db.execute("ROLLBACK")
+        if not (isinstance(error, sqlite3.OperationalError) and "readonly" in str(error)):
+            return
+        try:
+            fresh = connect(self.path)
+        except (sqlite3.Error, OSError):
+            return
+        with contextlib.suppress(sqlite3.Error):
+            self._db.close()
+        self._db = fresh
+        with contextlib.suppress(sqlite3.Error):
+            prepare(fresh)
 
     def unfinished_requests(self) -> list[StoredRequest]:
         with self._lock:
