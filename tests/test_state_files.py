@@ -81,7 +81,25 @@ def _page_zeroed(path: Path) -> None:
         f.write(bytes(page_size))
 
 
-@pytest.mark.parametrize("damage", [_random_bytes, _page_zeroed], ids=["random", "page-zeroed"])
+def _wal_header_lost(path: Path) -> None:
+    """A crash with a stored request in the WAL, then the WAL's first page lost: SQLite
+    takes such a WAL as empty, and the request was gone without a word."""
+    spool = Spool(path, max_bytes=1 << 30, max_messages=1 << 20)
+    spool.store_request("m/r1", "t/infer/m", b"x" * 100, 1, None, None)
+    crashed = {s: path.with_name(path.name + s).read_bytes() for s in ("", "-wal")}
+    spool.close()
+    for suffix, data in crashed.items():
+        path.with_name(path.name + suffix).write_bytes(data)
+    wal = path.with_name(path.name + "-wal")
+    assert len(crashed["-wal"]) > 4096
+    wal.write_bytes(bytes(4096) + crashed["-wal"][4096:])
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [_random_bytes, _page_zeroed, _wal_header_lost],
+    ids=["random", "page-zeroed", "wal-header-lost"],
+)
 def test_a_corrupt_spool_is_moved_aside_and_the_agent_serves(
     broker, repository, tmp_path, start, client_for, damage
 ):
@@ -104,6 +122,16 @@ def test_a_corrupt_spool_is_moved_aside_and_the_agent_serves(
         assert moved.with_name(moved.name + "-wal").read_bytes() == wal_bytes
     assert agent.counters["spool_quarantined"] == 1
     _mlp_ok(client)  # a QoS 1 request, stored in the new spool and answered
+
+
+def test_a_spool_that_cannot_be_opened_is_named_in_the_error(tmp_path):
+    """`cannot start: unable to open database file` named neither the file nor the cause."""
+    path = tmp_path / "spool.sqlite"
+    path.mkdir()  # what SQLite cannot open, as a read-only disk's missing file
+    with pytest.raises(sqlite3.OperationalError) as info:
+        Spool(path, max_bytes=1 << 20, max_messages=1000)
+    assert str(info.value).startswith(f"the spool {path}: unable to open database file")
+    assert "full, or read-only?" in str(info.value)
 
 
 def test_a_spool_that_is_only_locked_is_not_moved_aside(tmp_path):

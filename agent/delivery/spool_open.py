@@ -10,8 +10,11 @@ docs/decisions/0020-state-files-never-stop-startup.md). A corrupt file is moved 
 agent starts with an empty spool; the `Quarantine` says what happened, for the WARNING, the
 counter and the `spool_quarantined` event.
 
-Errors that are not corruption (a locked file, no permission, a full disk) are raised as
-before: moving a healthy spool aside would lose what it holds.
+Errors that are not corruption (a locked file, no permission, a full disk) are raised,
+naming the file: moving a healthy spool aside would lose what it holds.
+
+A `-wal` whose header SQLite does not recognise (a lost flash page) would be taken as empty,
+silently losing the transactions it held (stored requests among them): it is corruption too.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ SQLITE_CORRUPT = 11
 SQLITE_NOTADB = 26
 CORRUPTION_WORDS = ("malformed", "not a database", "corrupt")
 COMPANIONS = ("-wal", "-shm")  # SQLite's own files next to the database
+WAL_MAGIC = (b"\x37\x7f\x06\x82", b"\x37\x7f\x06\x83")  # a WAL header's first bytes
+WAL_HEADER_BYTES = 32
+DISK_WORDS = ("I/O", "unable to open", "full", "readonly")
 
 
 @dataclass(frozen=True)
@@ -71,11 +77,12 @@ def open_checked(
     private_dir(path.parent)
     db = _connect_private(path)
     try:
+        _check_wal_header(path)
         return db, _checked(db, path, load), None
     except (sqlite3.DatabaseError, SpoolCorrupt) as e:
         if not is_corruption(e):
             db.close()
-            raise
+            raise _named(e, path) from e
         reason = str(e)[:300] or type(e).__name__
         # Moved aside while the connection that found the damage is still open: its close
         # ends SQLite's use of the `-wal`, and may delete it (Python 3.10's sqlite3 closes a
@@ -104,6 +111,19 @@ def _checked(db: sqlite3.Connection, path: Path, load: Callable[[sqlite3.Connect
         tighten(path.with_name(path.name + suffix), FILE_MODE)
     quick_check(db)
     return load(db)
+
+
+def _check_wal_header(path: Path) -> None:
+    """Raise SpoolCorrupt where the `-wal` left by a crash has a header that is not a WAL's
+    (before SQLite opens it, which would discard it unread)."""
+    wal = path.with_name(path.name + "-wal")
+    try:
+        with open(wal, "rb") as f:
+            header = f.read(WAL_HEADER_BYTES)
+    except FileNotFoundError:
+        return
+    if len(header) == WAL_HEADER_BYTES and header[:4] not in WAL_MAGIC:
+        raise SpoolCorrupt(f"{wal.name}: its header is not a write-ahead log's")
 
 
 def quick_check(db: sqlite3.Connection) -> None:
@@ -143,4 +163,14 @@ def _connect_private(path: Path) -> sqlite3.Connection:
     """`connect` on a file created 0600 first: SQLite gives its `-wal` and `-shm` the
     database file's mode, so all three stay private whatever the umask."""
     private_file(path)
-    return connect(path)
+    try:
+        return connect(path)
+    except sqlite3.Error as e:
+        raise _named(e, path) from e
+
+
+def _named(error: sqlite3.Error | SpoolCorrupt, path: Path) -> Exception:
+    """`error` again, its message naming the file (and, where it is the disk's, that)."""
+    disk = any(word in str(error) for word in DISK_WORDS)
+    hint = " (is its disk full, or read-only?)" if disk else ""
+    return type(error)(f"the spool {path}: {error}{hint}")
