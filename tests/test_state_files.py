@@ -218,6 +218,30 @@ def test_epoch_recovery_waits_for_a_plausible_clock(tmp_path: Path):
     assert EpochStore(path).value == floor + 1 and EpochStore(path).recovery is None
 
 
+def test_the_epoch_on_disk_keeps_up_on_a_full_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk took no new file, so the epoch announced went on in memory alone, and the
+    next start went back below it (a monitor then ignores the live agent's `online`)."""
+    from agent.mqtt import epoch as epoch_module
+
+    path = tmp_path / "epoch"
+    store = EpochStore(path)
+    store.commit(store.next())  # written as usual once
+
+    def full(path: Path, data: bytes) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(epoch_module, "write_atomic", full)
+    for _ in range(3):
+        store.commit(store.next())
+    monkeypatch.undo()
+    assert store.value == 4
+    assert EpochStore(path).value == 4
+    path.unlink()  # the backup copy too
+    assert EpochStore(path).value == 4
+
+
 def test_the_highest_readable_copy_wins(tmp_path: Path):
     path = tmp_path / "epoch"
     store = EpochStore(path)

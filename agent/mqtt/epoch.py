@@ -13,6 +13,7 @@ the `epoch_recovered` event) say what happened.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -134,12 +135,33 @@ class EpochStore:
 
     def commit(self, value: int) -> None:
         """Make `value` the current epoch: both copies written aside, fsynced and renamed, one
-        after the other (a power cut leaves at least one of them whole). A failing disk is
-        logged, never raised: the connection goes on with the epoch in memory."""
+        after the other (a power cut leaves at least one of them whole). Where that fails (a
+        full disk has no block for the new file), the copy is overwritten in place: its
+        digits are zero-padded to a fixed width, so the old file's own blocks hold the new
+        number, and the epoch on disk keeps up with the one announced (else the next start
+        would go back below it). A disk that takes neither is logged, never raised: the
+        connection goes on with the epoch in memory."""
         self._value = value
-        data = f"{value}\n".encode("ascii")
+        data = f"{value:0{MAX_DIGITS}d}\n".encode("ascii")
         for copy in (self._path, self._backup):
             try:
                 write_atomic(copy, data)
             except OSError as e:
-                log.error("epoch: cannot write %s: %s", copy, e.strerror or e)
+                if not _overwrite(copy, data):
+                    log.error("epoch: cannot write %s: %s", copy, e.strerror or e)
+
+
+def _overwrite(path: Path, data: bytes) -> bool:
+    """`data` written over `path`'s own bytes (no new block: the file is as long already),
+    fsynced; False where it cannot be."""
+    try:
+        with open(path, "r+b") as f:
+            if os.fstat(f.fileno()).st_size < len(data):
+                return False
+            f.write(data)
+            f.truncate(len(data))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        return False
+    return True
