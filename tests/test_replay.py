@@ -5,6 +5,7 @@ replayed request that fails ends with an `error` a deduplicating subscriber keep
 from __future__ import annotations
 
 import queue
+import shutil
 import sqlite3
 import time
 from pathlib import Path
@@ -16,12 +17,15 @@ import pytest
 from agent.client import AgentClient
 from agent.delivery.spool import Spool
 from agent.protocol.payload import encode_payload
+from agent.protocol.replies import reply_envelope
 from tests.conftest import agent_config, write_long_decoder
 
 
-def _stored(config: Any, model: str, request_id: str, steps: int = 3) -> None:
+def _stored(
+    config: Any, model: str, request_id: str, steps: int = 3, began_on: int | None = None
+) -> None:
     """A QoS 1 request stored in the agent's spool with no terminal message, as a crash
-    leaves it."""
+    leaves it; `began_on`: its stream's first chunk, from that version, went out before."""
     root = f"{config.mqtt.topic_prefix}/{config.device_id}"
     body = {
         "id": request_id,
@@ -29,11 +33,17 @@ def _stored(config: Any, model: str, request_id: str, steps: int = 3) -> None:
         "params": {"max_steps": steps},
     }
     spool = Spool(config.spool.path, max_bytes=1 << 24, max_messages=1000)
+    key = f"{model}/{request_id}"
     try:
-        topic = f"{root}/infer/{model}"
         assert spool.store_request(
-            f"{model}/{request_id}", topic, encode_payload(body), 1, None, None
+            key, f"{root}/infer/{model}", encode_payload(body), 1, None, None
         )
+        if began_on is not None:
+            chunk = reply_envelope(
+                request_id=request_id, seq=0, type="chunk", model=model, version=began_on
+            )
+            topic = f"{root}/result/{model}/{request_id}"
+            spool.add(key, topic, encode_payload(chunk), 1, False, None, rid=request_id, seq=0)
     finally:
         spool.close()
 
@@ -91,6 +101,36 @@ def test_a_replay_the_spool_cannot_write_runs_once_the_disk_takes_writes(
     assert all(len(ends) == 1 and ends[0]["type"] == "end" for ends in terminals.values())
     time.sleep(1.5)  # later ticks run nothing again
     assert [m for m in list(replies.queue) if m["type"] != "chunk"] == []
+
+
+def test_a_replay_runs_on_the_version_its_stream_began_on(
+    broker, tmp_path: Path, start_agent, listen
+) -> None:
+    """A version swapped in before the crash made one stream of two versions' messages: the
+    replay is pinned to the version its first messages came from; that one unloaded since
+    (v1: only the serving version loads at a start), it ends in an error, not in tokens no
+    model made."""
+    repository = write_long_decoder(tmp_path / "models")
+    shutil.copytree(repository / "decoder" / "1", repository / "decoder" / "2")
+    config = agent_config(tmp_path, broker, repository)
+    _stored(config, "decoder", "on-v2", began_on=2)
+    _stored(config, "decoder", "on-v1", began_on=1)
+    _stored(config, "decoder", "not-begun")
+    replies = listen(config, "result/decoder/+")
+    agent = start_agent(config)
+    assert agent.models.inventory()["models"]["decoder"]["serving"] == 2
+    ends: dict[str, dict[str, Any]] = {}
+    versions: dict[str, set[int]] = {}
+    while len(ends) < 3:
+        message = replies.get(timeout=10)
+        versions.setdefault(message["id"], set()).add(message["version"])
+        if message["type"] != "chunk":
+            ends[message["id"]] = message
+    # (the chunk spooled before the crash goes out again first, then the run's own)
+    assert versions == {"on-v2": {2}, "on-v1": {1}, "not-begun": {2}}
+    assert ends["on-v2"]["type"] == ends["not-begun"]["type"] == "end"
+    assert ends["on-v1"]["type"] == "error" and ends["on-v1"]["code"] == "unknown_version"
+    assert ends["on-v1"]["seq"] is None
 
 
 def test_a_replayed_request_that_fails_ends_with_an_error_outside_the_numbering(

@@ -15,8 +15,12 @@ import threading
 import time
 from collections.abc import Sequence
 
-from agent.delivery.spool_items import SpooledMessage
+from agent.delivery.spool_items import SpooledMessage, StoredRequest
 from agent.delivery.spool_sql import STORED_BYTES_SQL, SUM_STORED
+from agent.protocol.errors import Limits, WireError
+from agent.protocol.payload import decode_payload, encode_payload
+
+Payload = bytes  # (the class's `bytes` attribute shadows the name in its annotations)
 
 
 class SpoolHistory:
@@ -183,6 +187,25 @@ class SpoolHistory:
                     forgotten += 1
                 self._db.execute(f"DELETE FROM messages WHERE {where}", chunk)
         return forgotten
+
+    def replay_payload(self, request: StoredRequest) -> Payload:
+        """What a stored request runs again with after a crash: where its stream had begun on
+        a version (its first held message's `version`) and the request pinned none, pinned to
+        that one, so that a hot swap meanwhile cannot make one stream of two versions (that
+        version unloaded since: the replay ends with `unknown_version`)."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT payload FROM messages WHERE stream = ? ORDER BY seq LIMIT 1",
+                (request.key,),
+            ).fetchone()
+        try:
+            version = decode_payload(bytes(row[0]), Limits()).get("version") if row else None
+            body = decode_payload(request.payload, Limits()) if version else None
+        except WireError:  # not the agent's own bytes: run it as it came
+            return request.payload
+        if body is None or body.get("version") is not None:
+            return request.payload
+        return encode_payload({**body, "version": version})
 
     def holds(self, rid: str) -> bool:
         """A stream with messages held, or a stored request that has not finished yet."""

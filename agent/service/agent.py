@@ -320,11 +320,12 @@ class Agent:
         if stored:
             log.info("replaying %d stored request(s) that had no terminal message", len(stored))
         for request in stored:
+            payload = self.spool.replay_payload(request)  # the version it began on
             self.spool.drop_stream(request.key)  # a full disk: the rest wait for the next try
             self._replayed.add(request.key)
             incoming = Incoming(
                 request.topic,
-                request.payload,
+                payload,
                 request.qos,
                 request.response_topic,
                 request.correlation,
