@@ -273,6 +273,39 @@ def test_the_oldest_idle_session_goes_first() -> None:
     assert sessions.count("m") == 0
 
 
+def _kept(sessions: ScanSessions, model: str, name: str, samples: int) -> ScanCursor:
+    cursor = sessions.take(model, name, 1, 10, ScanCursor.fresh(SCAN))
+    cursor.windows(SCAN, np.zeros((1, samples), np.float32), final=False)
+    sessions.give_back(model, name, cursor, keep=True)
+    return cursor
+
+
+def test_a_quiet_models_sessions_expire_and_free_their_bytes() -> None:
+    """Expiry swept only the model a request named: a model that went quiet (or was removed)
+    kept its sessions' memory for good."""
+    clock = Clock()
+    sessions = ScanSessions(clock=clock)
+    for name in ("a", "b"):
+        _kept(sessions, "quiet", name, 1000)
+    assert sessions.count("quiet") == 2 and sessions._bytes > 0
+    clock.now = 11.0
+    sessions.expire()  # what housekeeping calls every tick
+    assert sessions.count("quiet") == 0 and sessions._bytes == 0
+
+
+def test_the_byte_bound_drops_the_oldest_idle_session_of_any_model() -> None:
+    """The bound is on all models' bytes, but only the named model's sessions were dropped:
+    an old session of another model made a live one lose its recording at every piece."""
+    probe = ScanSessions()
+    one = _kept(probe, "m", "x", 1000).nbytes
+    sessions = ScanSessions(max_bytes=2 * one)
+    _kept(sessions, "stale", "old", 1000)
+    live = _kept(sessions, "vad", "live", 1000)
+    _kept(sessions, "vad", "new", 1000)  # over the bound: the stale model's session goes
+    assert sessions.count("stale") == 0
+    assert sessions.take("vad", "live", 1, 10, ScanCursor.fresh(SCAN)) is live
+
+
 # -- the config ----------------------------------------------------------------------------
 
 

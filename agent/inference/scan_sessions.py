@@ -13,13 +13,15 @@ The rules (docs/protocol.md, "Scan sessions"):
   next piece after the previous one's `end` or `result`.
 * A request with `params.final = true` ends the session (its tail is flushed as `[scan] tail`
   says); a request that fails ends it too.
-* Bounds: at most `max_per_model` idle sessions per model and `max_bytes` of kept samples and
-  state in all; past either, the least recently used idle session is dropped. An expired or
-  dropped session is forgotten: a request naming it starts a new recording (its first chunk
-  has `index` 0).
+* Bounds: at most `max_per_model` idle sessions per model (past it, that model's least
+  recently used idle session is dropped) and `max_bytes` of kept samples and state in all
+  (past it, the least recently used idle session of any model). An expired or dropped
+  session is forgotten: a request naming it starts a new recording (its first chunk has
+  `index` 0).
 
-Expiry happens on use (every take and give back sweeps the expired ones, oldest first): no
-thread of its own.
+Expiry: every take and give back sweeps the expired sessions of every model, and so does
+`expire`, which the agent's housekeeping calls every tick, so a model that went quiet (or was
+removed) does not keep its sessions' memory: no thread of its own.
 """
 
 from __future__ import annotations
@@ -73,8 +75,8 @@ class ScanSessions:
         version (then it is dropped)."""
         now = self._clock()
         with self._lock:
+            self._sweep_all(now)
             sessions = self._models.setdefault(model, OrderedDict())
-            self._sweep(sessions, now)
             entry = sessions.get(session)
             if entry is None:
                 self._make_room(sessions, self._max_per_model - 1)
@@ -116,9 +118,12 @@ class ScanSessions:
                 self._bytes += entry.nbytes
                 sessions.move_to_end(session)
                 self._make_room(sessions, self._max_per_model)
-            self._sweep(sessions, now)
-            if not sessions:
-                del self._models[model]
+            self._sweep_all(now)
+
+    def expire(self) -> None:
+        """Drop the expired idle sessions of every model (housekeeping, every tick)."""
+        with self._lock:
+            self._sweep_all(self._clock())
 
     def count(self, model: str) -> int:
         """Sessions of `model` (busy ones included)."""
@@ -133,6 +138,13 @@ class ScanSessions:
 
     # -- under the lock ----------------------------------------------------------------------
 
+    def _sweep_all(self, now: float) -> None:
+        """`_sweep` of every model; a model left with no session is forgotten."""
+        for model, sessions in list(self._models.items()):
+            self._sweep(sessions, now)
+            if not sessions:
+                del self._models[model]
+
     def _sweep(self, sessions: OrderedDict[str, _Entry], now: float) -> None:
         """Drop the expired idle sessions, oldest first (stops at the first one still live)."""
         for name in list(sessions):
@@ -143,13 +155,24 @@ class ScanSessions:
                 self._drop(sessions, name)
 
     def _make_room(self, sessions: OrderedDict[str, _Entry], most: int) -> None:
-        """Drop least recently used idle sessions until at most `most` remain and the kept
-        bytes are within the bound."""
+        """Drop least recently used idle sessions: of this model until at most `most` remain,
+        of any model until the kept bytes are within the bound."""
         for name in list(sessions):
-            if len(sessions) <= most and self._bytes <= self._max_bytes:
-                return
+            if len(sessions) <= most:
+                break
             if sessions[name].cursor is not None:
                 self._drop(sessions, name)
+        while self._bytes > self._max_bytes:
+            idle = [
+                (entry.last_used, name, held)
+                for held in self._models.values()
+                for name, entry in held.items()
+                if entry.cursor is not None
+            ]
+            if not idle:
+                break
+            _, name, held = min(idle, key=lambda item: item[0])
+            self._drop(held, name)
         if len(sessions) > most:
             raise WireError(
                 "bad_request",

@@ -205,6 +205,7 @@ class Agent:
             health=self.health,
             telemetry=self.telemetry,
             metrics=self.metrics,
+            expire_sessions=self.runner.scan_sessions.expire,
         )
 
     def _make_resender(self) -> Resender | None:

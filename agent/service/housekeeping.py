@@ -47,8 +47,11 @@ class Housekeeping:
         health: Health,
         telemetry: Callable[[], dict[str, Any]],
         metrics: AgentMetrics | None = None,
+        expire_sessions: Callable[[], None] = lambda: None,
     ) -> None:
+        """`expire_sessions()`: drop the scan sessions past their TTL (every tick)."""
         self.config = config
+        self._expire_sessions = expire_sessions
         self._stop = stop
         self._announcer = announcer
         self._outbox = outbox
@@ -102,6 +105,7 @@ class Housekeeping:
             self._announcer.telemetry(self._telemetry())
         if self._outbox.writer is not None:  # whatever was queued outside a request
             self._outbox.writer.nudge()
+        self._expire_sessions()
         self._maintain_spool(now)
 
     def _maintain_spool(self, now: float) -> None:
