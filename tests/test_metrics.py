@@ -190,6 +190,37 @@ def test_registries_are_per_agent_and_labels_bounded():
     assert "edge_agent_requests_total" not in b.snapshot()
 
 
+def test_series_of_removed_models_and_versions_stop_being_exported():
+    """Labels were added and never removed: every model name ever shipped, and every version
+    ever swapped in, stayed in every scrape (96 series a removed model)."""
+    known = {"kept", "gone"}
+    metrics = AgentMetrics(Gauges, device="a", version="0", known_model=known.__contains__)
+    for model, version in (("kept", 1), ("kept", 2), ("gone", 1)):
+        metrics.request_done(model, version, "ok")
+        metrics.request_timing(model, 0.001, 0.002, 0.003, 4)
+        metrics.first_chunk_after(model, 0.001)
+        metrics.model_loaded(model, 0.5)
+    before = metrics.snapshot()
+    assert set(before["edge_agent_requests_total"]) == {
+        "model=kept,outcome=ok,version=1",
+        "model=kept,outcome=ok,version=2",
+        "model=gone,outcome=ok,version=1",
+    }
+    known.discard("gone")  # its folder removed, and kept's version 1 swapped out
+    metrics.forget_gone({"models": {"kept": {"serving": 2, "versions": {"2": {}}}}})
+    after = metrics.snapshot()
+    assert set(after["edge_agent_requests_total"]) == {"model=kept,outcome=ok,version=2"}
+    exported = "\n".join(
+        line
+        for family in metrics.registry.collect()
+        for sample in family.samples
+        for line in [f"{sample.name}{sample.labels}"]
+    )
+    assert "gone" not in exported and "kept" in exported
+    metrics.request_done("gone", 1, "ok")  # a late one
+    assert "model=_unknown,outcome=ok,version=1" in metrics.snapshot()["edge_agent_requests_total"]
+
+
 def test_the_grafana_dashboard_only_uses_metrics_that_exist():
     import re
     from pathlib import Path

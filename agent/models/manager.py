@@ -228,6 +228,7 @@ class ModelManager:
                 return None
             for name in sorted(set(self._models) - set(found)):
                 self._retirement.remove_model(name)
+                self._settling.forget_model(name)
             for _, info in sorted(found.items()):
                 self._sync_model(info)
             next_check = self._settling.finish_round()

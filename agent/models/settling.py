@@ -50,6 +50,13 @@ class SettleTracker:
         folder = resolved(version_folder)
         with self._lock:
             self._complete.discard(folder)
+        if version_folder.name.isdigit():  # the watcher's thread never touches `_seen`
+            self._seen.pop((version_folder.parent.name, int(version_folder.name)), None)
+
+    def forget_model(self, name: str) -> None:
+        """The model's folder is gone: what was seen of its versions goes with it."""
+        for key in [key for key in self._seen if key[0] == name]:
+            del self._seen[key]
 
     def start_round(self) -> None:
         self._next_check = None

@@ -14,9 +14,7 @@ limit), `version` is a loaded version or `none`, `outcome` is `ok` or a contract
 
 from __future__ import annotations
 
-import bisect
 import logging
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,17 +23,16 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, Info
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
-    HistogramMetricFamily,
     Metric,
 )
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from agent.ops.energy import EnergyMeter
+from agent.ops.metric_families import PREFIX, FastHistogram, ReplyTally
 
 log = logging.getLogger(__name__)
 
-PREFIX = "edge_agent"
 UNKNOWN_MODEL = "_unknown"
 NO_VERSION = "none"
 # From sub-millisecond (small models on the CPU) to a minute (a long decode at shutdown).
@@ -45,130 +42,6 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 LOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 STATES = ("loading", "ready", "failed", "draining", "unloaded")
-
-
-class _Buckets:
-    """One labelled histogram's counts: `observe` is a bisect and two additions under one lock.
-
-    prometheus_client's Histogram loops over the bounds in Python and takes a lock per bucket
-    and per sum; on the hot path (every acknowledgement, every request) that cost showed.
-    """
-
-    __slots__ = ("_bounds", "_counts", "_lock", "_sum")
-
-    def __init__(self, bounds: list[float]) -> None:
-        self._bounds = bounds
-        self._counts = [0] * (len(bounds) + 1)  # the last one: above every bound (+Inf)
-        self._sum = 0.0
-        self._lock = threading.Lock()
-
-    def observe(self, value: float) -> None:
-        index = bisect.bisect_left(self._bounds, value)
-        with self._lock:
-            self._counts[index] += 1
-            self._sum += value
-
-    def observe_many(self, values: Sequence[float]) -> None:
-        """`observe` each, with one round of the lock (a batch run's requests)."""
-        bounds, counts = self._bounds, self._counts
-        indexes = [bisect.bisect_left(bounds, value) for value in values]
-        with self._lock:
-            for index in indexes:
-                counts[index] += 1
-            self._sum += sum(values)
-
-    def snapshot(self) -> tuple[list[int], float]:
-        with self._lock:
-            return list(self._counts), self._sum
-
-
-class FastHistogram:
-    """A Prometheus histogram family (the same `_bucket`, `_count`, `_sum` samples) for values
-    recorded on the hot path; `labels(...)` children are kept, `collect` exports them."""
-
-    def __init__(
-        self,
-        name: str,
-        documentation: str,
-        labelnames: tuple[str, ...] = (),
-        *,
-        buckets: tuple[float, ...],
-        registry: CollectorRegistry,
-    ) -> None:
-        self.name = name
-        self._documentation = documentation
-        self._labelnames = labelnames
-        self._bounds = [float(b) for b in buckets]
-        self._children: dict[tuple[str, ...], _Buckets] = {}
-        self._lock = threading.Lock()
-        if not labelnames:
-            self._children[()] = _Buckets(self._bounds)
-        registry.register(self)
-
-    def labels(self, *values: str) -> _Buckets:
-        child = self._children.get(values)
-        if child is None:
-            if len(values) != len(self._labelnames):
-                raise ValueError(f"{self.name}: expected labels {self._labelnames}")
-            with self._lock:
-                child = self._children.setdefault(values, _Buckets(self._bounds))
-        return child
-
-    def observe(self, value: float) -> None:
-        self._children[()].observe(value)
-
-    def describe(self) -> Iterable[Metric]:
-        return [HistogramMetricFamily(self.name, self._documentation, labels=self._labelnames)]
-
-    def collect(self) -> Iterable[Metric]:
-        family = HistogramMetricFamily(self.name, self._documentation, labels=self._labelnames)
-        for values, child in list(self._children.items()):
-            counts, total = child.snapshot()
-            cumulative, buckets = 0, []
-            for bound, count in zip([*self._bounds, float("inf")], counts, strict=True):
-                cumulative += count
-                buckets.append((_bound(bound), cumulative))
-            family.add_metric(list(values), buckets, total)
-        return [family]
-
-
-class ReplyTally:
-    """Reply messages and their bytes, counted on every publish with one lock (two
-    prometheus_client counters would take two), exported as two counters."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self._lock = threading.Lock()
-        self.messages = 0
-        self.bytes = 0
-        registry.register(self)
-
-    def add(self, payload_bytes: int, messages: int = 1) -> None:
-        with self._lock:
-            self.messages += messages
-            self.bytes += payload_bytes
-
-    def describe(self) -> Iterable[Metric]:
-        return self.collect()
-
-    def collect(self) -> Iterable[Metric]:
-        with self._lock:
-            messages, size = self.messages, self.bytes
-        return [
-            CounterMetricFamily(
-                f"{PREFIX}_reply_messages_published",
-                "Reply messages (chunk, end, result, error) handed to the outbox",
-                value=messages,
-            ),
-            CounterMetricFamily(
-                f"{PREFIX}_reply_bytes_published",
-                "Payload bytes of reply messages handed to the outbox",
-                value=size,
-            ),
-        ]
-
-
-def _bound(value: float) -> str:
-    return "+Inf" if value == float("inf") else repr(value)
 
 
 @dataclass(frozen=True)
@@ -330,6 +203,7 @@ class AgentMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._known_model = known_model
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._metric_of: dict[int, Any] = {}  # id(metric) -> metric, for `forget_gone`
         r = self.registry
         Info(PREFIX, "The agent build and device", registry=r).info(
             {"version": version, "device": device}
@@ -419,6 +293,7 @@ class AgentMetrics:
         child = self._children.get(key)
         if child is None:
             child = self._children[key] = metric.labels(*labels)
+            self._metric_of[id(metric)] = metric
         return child
 
     def request_done(self, model: str, version: int | None, outcome: str) -> None:
@@ -462,7 +337,24 @@ class AgentMetrics:
         self.replies.add(payload_bytes, messages)
 
     def model_loaded(self, model: str, seconds: float) -> None:
-        self.model_load.labels(model).observe(seconds)
+        self._child(self.model_load, model).observe(seconds)
+
+    def forget_gone(self, inventory: Mapping[str, Any]) -> None:
+        """Series of models (and versions) no longer in `inventory` (`ROOT/models`' payload)
+        stop being exported: a fleet that ships models under new names, or swaps versions
+        often, would otherwise grow every scrape and the registry for good. A late request of
+        a removed model counts as `_unknown`."""
+        models = inventory.get("models", {})
+        for key in list(self._children):
+            metric_id, labels = key
+            model = labels[0] if labels else UNKNOWN_MODEL
+            versions = models.get(model, {}).get("versions") if model in models else None
+            gone = model != UNKNOWN_MODEL and versions is None
+            if not gone and metric_id == id(self.requests) and versions is not None:
+                gone = labels[1] != NO_VERSION and labels[1] not in versions
+            if gone:
+                del self._children[key]
+                self._metric_of[metric_id].remove(*labels)
 
     # -- the telemetry snapshot ------------------------------------------------------------------
 

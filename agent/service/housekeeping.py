@@ -29,6 +29,7 @@ from agent.threads import NamedThread
 log = logging.getLogger(__name__)
 
 FAILURE_LOG_S = 60.0  # a tick that keeps failing is logged at most this often
+PRUNE_METRICS_S = 30.0  # how often the series of removed models and versions are dropped
 
 
 class Housekeeping:
@@ -52,6 +53,8 @@ class Housekeeping:
         """`expire_sessions()`: drop the scan sessions past their TTL (every tick)."""
         self.config = config
         self._expire_sessions = expire_sessions
+        self._metrics = metrics
+        self._metrics_pruned = 0.0
         self._stop = stop
         self._announcer = announcer
         self._outbox = outbox
@@ -106,6 +109,9 @@ class Housekeeping:
         if self._outbox.writer is not None:  # whatever was queued outside a request
             self._outbox.writer.nudge()
         self._expire_sessions()
+        if self._metrics is not None and now - self._metrics_pruned >= PRUNE_METRICS_S:
+            self._metrics_pruned = now  # removed models' and versions' series
+            self._metrics.forget_gone(self._health.models.inventory())
         self._maintain_spool(now)
 
     def _maintain_spool(self, now: float) -> None:

@@ -14,7 +14,8 @@ from prometheus_client.registry import Collector
 
 from agent.config import AgentConfig
 from agent.models.manager import ModelManager
-from agent.ops.metrics import LATENCY_BUCKETS, PREFIX
+from agent.ops.metric_families import PREFIX
+from agent.ops.metrics import LATENCY_BUCKETS
 from agent.protocol.errors import Limits
 from agent.sources.pcm import PcmSourceRunner
 from agent.sources.runner import Sender, SourceRunner, Submit
