@@ -91,9 +91,9 @@ class Transport:
     ) -> None:
         """`on_publish_refused(topic, reason, first)`: a message was quarantined, never to be
         published again (`agent.mqtt.poison`); `first`: the first on its topic for a while.
-        `on_session_lost()`: the broker kept no session where one was expected
-        (`agent.mqtt.session`). `on_tick()`: every `MISC_S` while connected (it must not
-        raise). All called under the io lock: they may queue (never wait for) a message."""
+        `on_session_lost()`: the broker kept no session where one was expected (`.session`).
+        `on_tick()`: every `MISC_S` while connected (it must not raise). All called under the
+        io lock: they may queue (never wait for) a message."""
         self._config = config
         self._outbox = outbox
         self._subscriptions = Subscriptions(subscriptions, config.protocol == "5")
@@ -390,12 +390,9 @@ class Transport:
         self._window.apply_broker_limits(properties)
         self._session.connected(self._client, bool(flags.session_present), self._window.unreleased)
         self._window.unreleased = set()
-        if self.reconnects or self.connected.is_set():
-            log.info("mqtt: reconnected (epoch %d)", epoch)
-        else:
-            log.info(
-                "mqtt: connected to %s:%d (epoch %d)", self._config.host, self._config.port, epoch
-            )
+        again = self.reconnects or self.connected.is_set()
+        what = "reconnected" if again else f"connected to {self._config.host}:{self._config.port}"
+        log.info("mqtt: %s (epoch %d)", what, epoch)
         self.last_error = None
         self._subscriptions.subscribe(client)
         try:
