@@ -16,6 +16,7 @@ import pytest
 
 from agent.client import AgentClient
 from agent.delivery.spool import Spool
+from agent.mqtt.messages import Incoming
 from agent.protocol.payload import encode_payload
 from agent.protocol.replies import reply_envelope
 from tests.conftest import agent_config, write_long_decoder
@@ -143,6 +144,23 @@ def test_a_replayed_request_that_fails_ends_with_an_error_outside_the_numbering(
     _stored(config, "gone-model", "orphan")
     replies = listen(config, "result/gone-model/orphan")
     start_agent(config)
+    message = replies.get(timeout=10)
+    assert message["type"] == "error" and message["code"] == "unknown_model"
+    assert message["seq"] is None
+
+
+def test_a_redelivered_request_that_fails_ends_with_an_error_outside_the_numbering(
+    broker, tmp_path: Path, start_agent, listen
+) -> None:
+    """The broker redelivers (DUP) a request the agent ran but had not acknowledged when it
+    crashed: the subscriber holds its first seqs, so an `error` at seq 0 was dropped."""
+    repository = write_long_decoder(tmp_path / "models")
+    config = agent_config(tmp_path, broker, repository)
+    replies = listen(config, "result/moved/again")
+    agent = start_agent(config)
+    body = {"id": "again", "inputs": {"token": np.array([[1]], np.int64)}}
+    topic = f"{agent.root}/infer/moved"  # its model's folder not there (yet) after the restart
+    agent.ingress.on_message(Incoming(topic, encode_payload(body), 0, dup=True))
     message = replies.get(timeout=10)
     assert message["type"] == "error" and message["code"] == "unknown_model"
     assert message["seq"] is None

@@ -269,13 +269,16 @@ class Ingress:
         self._counters.add("requests_received")
         self._metrics.received.inc()
         outcome = self.reader.read(model, incoming, accepting=self.accepting)
+        # Run before, maybe (stored before a crash; the broker's redelivery of one that was
+        # not acknowledged yet): its subscribers may hold its first seqs (`ReplyStream.replayed`)
+        rerun = replay or incoming.dup
         if isinstance(outcome, Rejection):
             if outcome.reply is not None:
-                outcome.reply.replayed = replay
+                outcome.reply.replayed = rerun
             self._refuse(outcome)
             return
         job, request = outcome.job, outcome.job.request
-        job.reply.replayed = replay
+        job.reply.replayed = rerun
         if not replay and self._id_in_use(model, request.id, incoming.qos):
             self._counters.add("requests_duplicate")
             if not incoming.dup:  # not the broker's redelivery: another request, same id
