@@ -318,20 +318,20 @@ class Agent:
         if self.spool is None:
             return
         stored = [r for r in self.spool.unfinished_requests() if r.key not in self._replayed]
-        if stored:
-            log.info("replaying %d stored request(s) that had no terminal message", len(stored))
-        for request in stored:
-            payload = self.spool.replay_payload(request)  # the version it began on
-            self.spool.drop_stream(request.key)  # a full disk: the rest wait for the next try
-            self._replayed.add(request.key)
-            incoming = Incoming(
-                request.topic,
-                payload,
-                request.qos,
-                request.response_topic,
-                request.correlation,
-            )
-            self.ingress.on_message(incoming, replay=True)
+        ran = 0
+        try:
+            for request in stored:
+                payload = self.spool.replay_payload(request)  # the version it began on
+                self.spool.drop_stream(request.key)  # a full disk: the rest wait for a retry
+                self._replayed.add(request.key)
+                incoming = Incoming(
+                    request.topic, payload, request.qos, request.response_topic, request.correlation
+                )
+                self.ingress.on_message(incoming, replay=True)
+                ran += 1
+        finally:
+            if ran:
+                log.info("replayed %d stored request(s) that had no terminal message", ran)
 
     @property
     def epoch(self) -> int:
