@@ -4,6 +4,7 @@ replayed request that fails ends with an `error` a deduplicating subscriber keep
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import shutil
 import sqlite3
@@ -20,6 +21,7 @@ from agent.mqtt.messages import Incoming
 from agent.protocol.payload import encode_payload
 from agent.protocol.replies import reply_envelope
 from tests.conftest import agent_config, write_long_decoder
+from tests.ops_helpers import wait_until
 
 
 def _stored(
@@ -121,14 +123,16 @@ def test_a_replay_runs_on_the_version_its_stream_began_on(
     agent = start_agent(config)
     assert agent.models.inventory()["models"]["decoder"]["serving"] == 2
     ends: dict[str, dict[str, Any]] = {}
-    versions: dict[str, set[int]] = {}
+    chunk_versions: dict[str, set[int]] = {}
     while len(ends) < 3:
         message = replies.get(timeout=10)
-        versions.setdefault(message["id"], set()).add(message["version"])
         if message["type"] != "chunk":
             ends[message["id"]] = message
-    # (the chunk spooled before the crash goes out again first, then the run's own)
-    assert versions == {"on-v2": {2}, "on-v1": {1}, "not-begun": {2}}
+        else:
+            chunk_versions.setdefault(message["id"], set()).add(message["version"])
+    # (a chunk spooled before the crash may go out again first, then the run's own)
+    assert chunk_versions["on-v2"] == chunk_versions["not-begun"] == {2}
+    assert chunk_versions.get("on-v1", {1}) == {1}
     assert ends["on-v2"]["type"] == ends["not-begun"]["type"] == "end"
     assert ends["on-v1"]["type"] == "error" and ends["on-v1"]["code"] == "unknown_version"
     assert ends["on-v1"]["seq"] is None
@@ -164,3 +168,47 @@ def test_a_redelivered_request_that_fails_ends_with_an_error_outside_the_numberi
     message = replies.get(timeout=10)
     assert message["type"] == "error" and message["code"] == "unknown_model"
     assert message["seq"] is None
+
+
+def test_a_request_stored_while_the_replay_waits_runs_once(
+    broker, tmp_path: Path, start_agent, listen, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replay, retried, ran every unfinished stored request: a live one stored while it
+    waited for the disk ran a second time (two `end`s for one id)."""
+    repository = write_long_decoder(tmp_path / "models")
+    config = agent_config(tmp_path, broker, repository)
+    _stored(config, "decoder", "old")
+    disk = {"full": True}
+    drop_stream = Spool.drop_stream
+
+    def full_disk(self: Spool, stream: str) -> int:
+        if disk["full"]:
+            raise sqlite3.OperationalError("database or disk is full")
+        return drop_stream(self, stream)
+
+    monkeypatch.setattr(Spool, "drop_stream", full_disk)
+    replies = listen(config, "result/decoder/+")
+    agent = start_agent(config)
+    client = AgentClient(broker.host, broker.port, device_id=config.device_id).connect()
+    try:
+        body = {"id": "live", "inputs": {"token": np.array([[1]], np.int64)}}
+        body["params"] = {"max_steps": 2000}
+        client.publish_raw(f"{client.root}/infer/decoder", encode_payload(body), 1)
+        assert wait_until(lambda: "decoder/live" in _stored_keys(agent), 5)
+        disk["full"] = False  # the next tick's replay goes through
+        ends: dict[str, list[str]] = {}
+        deadline = time.monotonic() + 20
+        while ends.keys() != {"old", "live"} and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                message = replies.get(timeout=0.5)
+                if message["type"] != "chunk":
+                    ends.setdefault(message["id"], []).append(message["type"])
+        time.sleep(1.5)  # a second run of `live` would end by now
+        rest = [m for m in list(replies.queue) if m["type"] != "chunk"]
+        assert ends == {"old": ["end"], "live": ["end"]} and rest == []
+    finally:
+        client.close()
+
+
+def _stored_keys(agent: Any) -> list[str]:
+    return [r.key for r in agent.spool.unfinished_requests()]

@@ -118,10 +118,35 @@ def test_a_corrupt_spool_is_moved_aside_and_the_agent_serves(
     moved = Path(event["path"])
     assert moved.exists() and moved.name.startswith("spool.sqlite.corrupt-")
     assert event["reason"]
-    if damage is _random_bytes:  # kept with it, as it was (Python 3.10 had SQLite delete it)
-        assert moved.with_name(moved.name + "-wal").read_bytes() == wal_bytes
+    if damage is _random_bytes:  # kept, as it was (Python 3.10 had SQLite delete it)
+        kept = [p.read_bytes() for p in moved.parent.glob("spool.sqlite.corrupt-*-wal")]
+        assert wal_bytes in kept
     assert agent.counters["spool_quarantined"] == 1
     _mlp_ok(client)  # a QoS 1 request, stored in the new spool and answered
+
+
+def test_a_bad_wal_is_set_aside_and_the_sound_database_kept(tmp_path: Path) -> None:
+    """Moving the whole spool aside for a WAL's lost header lost what the database file held,
+    checkpointed and sound: the requests stored before the WAL began."""
+    path = tmp_path / "spool.sqlite"
+    spool = Spool(path, max_bytes=1 << 30, max_messages=1 << 20)
+    spool.store_request("m/old", "t/infer/m", b"x" * 100, 1, None, None)
+    spool.close()  # checkpointed into the database file
+    spool = Spool(path, max_bytes=1 << 30, max_messages=1 << 20)
+    spool.store_request("m/new", "t/infer/m", b"y" * 100, 1, None, None)  # in the WAL only
+    crashed = {s: path.with_name(path.name + s).read_bytes() for s in ("", "-wal")}
+    spool.close()
+    for suffix, data in crashed.items():
+        path.with_name(path.name + suffix).write_bytes(data)
+    wal = path.with_name(path.name + "-wal")
+    wal.write_bytes(bytes(4096) + crashed["-wal"][4096:])
+    spool = Spool(path, max_bytes=1 << 30, max_messages=1 << 20)
+    try:
+        assert spool.quarantine is not None and spool.quarantine.path.name.endswith("-wal")
+        assert spool.quarantine.path.read_bytes()[4096:] == crashed["-wal"][4096:]
+        assert [r.key for r in spool.unfinished_requests()] == ["m/old"]
+    finally:
+        spool.close()
 
 
 def test_a_spool_that_cannot_be_opened_is_named_in_the_error(tmp_path):

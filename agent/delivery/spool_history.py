@@ -15,12 +15,10 @@ import threading
 import time
 from collections.abc import Sequence
 
-from agent.delivery.spool_items import SpooledMessage, StoredRequest
+from agent.delivery.spool_items import SpooledMessage
 from agent.delivery.spool_sql import STORED_BYTES_SQL, SUM_STORED
 from agent.protocol.errors import Limits, WireError
-from agent.protocol.payload import decode_payload, encode_payload
-
-Payload = bytes  # (the class's `bytes` attribute shadows the name in its annotations)
+from agent.protocol.payload import decode_payload
 
 
 class SpoolHistory:
@@ -188,24 +186,24 @@ class SpoolHistory:
                 self._db.execute(f"DELETE FROM messages WHERE {where}", chunk)
         return forgotten
 
-    def replay_payload(self, request: StoredRequest) -> Payload:
-        """What a stored request runs again with after a crash: where its stream had begun on
-        a version (its first held message's `version`) and the request pinned none, pinned to
-        that one, so that a hot swap meanwhile cannot make one stream of two versions (that
-        version unloaded since: the replay ends with `unknown_version`)."""
+    def stream_version(self, stream: str) -> int | None:
+        """The model version `stream`'s first held message names (its envelope's `version`),
+        or None: none held (a stream not begun, or of QoS 0 replies), none naming one. A
+        stored request runs again on it after a crash, so that a hot swap meanwhile cannot
+        make one stream of two versions."""
         with self._lock:
             row = self._db.execute(
-                "SELECT payload FROM messages WHERE stream = ? ORDER BY seq LIMIT 1",
-                (request.key,),
+                "SELECT payload FROM messages WHERE stream = ? ORDER BY seq LIMIT 1", (stream,)
             ).fetchone()
-        try:
-            version = decode_payload(bytes(row[0]), Limits()).get("version") if row else None
-            body = decode_payload(request.payload, Limits()) if version else None
-        except WireError:  # not the agent's own bytes: run it as it came
-            return request.payload
-        if body is None or body.get("version") is not None:
-            return request.payload
-        return encode_payload({**body, "version": version})
+        if row is None:
+            return None
+        payload = bytes(row[0])
+        try:  # the agent's own message: limits as large as it is
+            message = decode_payload(payload, Limits(max_payload_bytes=len(payload) + 1))
+        except WireError:
+            return None
+        version = message.get("version")
+        return version if isinstance(version, int) and not isinstance(version, bool) else None
 
     def holds(self, rid: str) -> bool:
         """A stream with messages held, or a stored request that has not finished yet."""

@@ -13,8 +13,10 @@ counter and the `spool_quarantined` event.
 Errors that are not corruption (a locked file, no permission, a full disk) are raised,
 naming the file: moving a healthy spool aside would lose what it holds.
 
-A `-wal` whose header SQLite does not recognise (a lost flash page) would be taken as empty,
-silently losing the transactions it held (stored requests among them): it is corruption too.
+A `-wal` whose header SQLite does not recognise (a lost flash page) would be taken as empty
+without a word, losing the transactions it held (stored requests among them): it is moved
+aside with its `-shm` (the same WARNING, counter and event), and the database file, whose
+checkpointed transactions are sound, is kept.
 """
 
 from __future__ import annotations
@@ -75,10 +77,10 @@ def open_checked(
     the first statement, `quick_check` or `load`) is quarantined and an empty spool opened
     instead."""
     private_dir(path.parent)
+    wal_set_aside = _set_aside_a_bad_wal(path)
     db = _connect_private(path)
     try:
-        _check_wal_header(path)
-        return db, _checked(db, path, load), None
+        return db, _checked(db, path, load), wal_set_aside
     except (sqlite3.DatabaseError, SpoolCorrupt) as e:
         if not is_corruption(e):
             db.close()
@@ -113,17 +115,19 @@ def _checked(db: sqlite3.Connection, path: Path, load: Callable[[sqlite3.Connect
     return load(db)
 
 
-def _check_wal_header(path: Path) -> None:
-    """Raise SpoolCorrupt where the `-wal` left by a crash has a header that is not a WAL's
-    (before SQLite opens it, which would discard it unread)."""
+def _set_aside_a_bad_wal(path: Path) -> Quarantine | None:
+    """A `-wal` left by a crash whose header is not a WAL's (which SQLite would discard
+    unread) moved aside with its `-shm`, before SQLite opens the database."""
     wal = path.with_name(path.name + "-wal")
     try:
         with open(wal, "rb") as f:
             header = f.read(WAL_HEADER_BYTES)
     except FileNotFoundError:
-        return
-    if len(header) == WAL_HEADER_BYTES and header[:4] not in WAL_MAGIC:
-        raise SpoolCorrupt(f"{wal.name}: its header is not a write-ahead log's")
+        return None
+    if len(header) < WAL_HEADER_BYTES or header[:4] in WAL_MAGIC:
+        return None
+    reason = f"{wal.name}: its header is not a write-ahead log's"
+    return quarantine_files(path, reason, COMPANIONS)
 
 
 def quick_check(db: sqlite3.Connection) -> None:
@@ -134,29 +138,36 @@ def quick_check(db: sqlite3.Connection) -> None:
         raise SpoolCorrupt("quick_check: " + "; ".join(found)[:280])
 
 
-def quarantine_files(path: Path, reason: str) -> Quarantine:
-    """Move the database and its `-wal`/`-shm` aside as `NAME.corrupt-<UTC time>[-wal|-shm]`
-    (SQLite's naming: `sqlite3 NAME.corrupt-...` opens the copy with its WAL)."""
+def quarantine_files(
+    path: Path, reason: str, suffixes: tuple[str, ...] = ("", *COMPANIONS)
+) -> Quarantine:
+    """Move the database and its `-wal`/`-shm` (`suffixes`: those of them) aside as
+    `NAME.corrupt-<UTC time>[-wal|-shm]` (SQLite's naming: `sqlite3 NAME.corrupt-...` opens
+    the copy with its WAL); the Quarantine names the first moved."""
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     target = path.with_name(f"{path.name}.corrupt-{stamp}")
     n = 1
     while any(target.with_name(target.name + s).exists() for s in ("", *COMPANIONS)):
         target = path.with_name(f"{path.name}.corrupt-{stamp}.{n}")
         n += 1
-    for suffix in ("", *COMPANIONS):
+    first = None
+    for suffix in suffixes:
         source = path.with_name(path.name + suffix)
         if source.exists():
             moved = target.with_name(target.name + suffix)
             source.replace(moved)
             tighten(moved, FILE_MODE)
+            first = first or moved
     fsync_dir(path.parent)
+    kept = "" if "" in suffixes else " (the database itself is sound: kept)"
     log.warning(
-        "spool: %s is corrupt (%s); moved aside as %s, starting with an empty spool",
+        "spool: %s is corrupt (%s); moved aside as %s%s",
         path,
         reason,
-        target,
+        first or target,
+        kept or ", starting with an empty spool",
     )
-    return Quarantine(target, reason)
+    return Quarantine(first or target, reason)
 
 
 def _connect_private(path: Path) -> sqlite3.Connection:

@@ -135,7 +135,7 @@ def open_version(
             folder,
             enabled=warmup,
             known=default_arrays(record.config.defaults, session.inputs),
-            replacing=_warm_serving_version(record),
+            replacing=_warm_serving_version(record, version.version),
         )
         if warmup and warmed != "off" and generation is not None:
             _warm_encoder(generation, folder)
@@ -149,11 +149,11 @@ def open_version(
     return OpenedVersion(session, warmed, signed, post, generation, text, audio, preprocess)
 
 
-def _warm_serving_version(record: ModelRecord) -> int | None:
-    """The serving version, where its own warm-up ran (`ok`): a new version whose guessed
-    warm-up fails does not replace it (`run_warm_up`)."""
+def _warm_serving_version(record: ModelRecord, number: int) -> int | None:
+    """The serving version, where its own warm-up ran (`ok`) and version `number`, newer,
+    would replace it: then a guessed warm-up that fails fails `number` (`run_warm_up`)."""
     serving = record.serving
-    if serving is None:
+    if serving is None or number <= serving.version:
         return None
     entry = record.versions.get(serving.version)
     return serving.version if entry is not None and entry.warmup == WARMUP_OK else None

@@ -124,7 +124,8 @@ class Agent:
             connected=lambda: self.transport.connected.is_set(),
             replay=self._replay_stored_requests,
         )
-        self._replayed: set[str] = set()  # stored requests run again (once each)
+        # the requests a crash left stored, to run again (once each): not those stored later
+        self._to_replay = {r.key for r in self.spool.unfinished_requests()} if self.spool else set()
         self.resender = self._make_resender()
         self.watcher = RepositoryWatcher(
             config.models.repository,
@@ -317,17 +318,23 @@ class Agent:
         """
         if self.spool is None:
             return
-        stored = [r for r in self.spool.unfinished_requests() if r.key not in self._replayed]
+        if not self._to_replay:
+            return
+        stored = [r for r in self.spool.unfinished_requests() if r.key in self._to_replay]
         ran = 0
         try:
             for request in stored:
-                payload = self.spool.replay_payload(request)  # the version it began on
+                version = self.spool.stream_version(request.key)  # the one it began on
                 self.spool.drop_stream(request.key)  # a full disk: the rest wait for a retry
-                self._replayed.add(request.key)
+                self._to_replay.discard(request.key)
                 incoming = Incoming(
-                    request.topic, payload, request.qos, request.response_topic, request.correlation
+                    request.topic,
+                    request.payload,
+                    request.qos,
+                    request.response_topic,
+                    request.correlation,
                 )
-                self.ingress.on_message(incoming, replay=True)
+                self.ingress.on_message(incoming, replay=True, pin=version)
                 ran += 1
         finally:
             if ran:

@@ -10,7 +10,6 @@ the connection, kept apart from the wiring in `agent.service.agent`.
 from __future__ import annotations
 
 import logging
-import sqlite3
 import time
 from collections.abc import Callable
 from typing import Any
@@ -73,7 +72,7 @@ class ConnectionHooks:
             return
         try:
             replay()
-        except (sqlite3.Error, OSError) as e:
+        except Exception as e:  # a spool that cannot be written, above all: never the io thread
             now = time.monotonic()
             if now >= self._replay_logged + REPLAY_LOG_S:
                 self._replay_logged = now

@@ -253,19 +253,23 @@ class Ingress:
         )
         self._retained_seen: set[str] = set()  # topics of retained messages already logged
 
-    def on_message(self, incoming: Incoming, replay: bool = False) -> None:
+    def on_message(self, incoming: Incoming, replay: bool = False, pin: int | None = None) -> None:
+        """`replay`: a request stored before a crash, run again; `pin`: the version its
+        stream began on (where the request named none)."""
         if incoming.retain:
             self._ignore_retained(incoming)
             return
         prefix = self._infer_prefix
         if incoming.topic.startswith(prefix):
-            self.on_request(incoming.topic[len(prefix) :], incoming, replay)
+            self.on_request(incoming.topic[len(prefix) :], incoming, replay, pin)
         elif incoming.topic == self._resend_topic and self._resender is not None:
             self._on_resend(incoming)
         elif incoming.topic == self._cancel_topic:
             self._on_cancel(incoming)
 
-    def on_request(self, model: str, incoming: Incoming, replay: bool = False) -> None:
+    def on_request(
+        self, model: str, incoming: Incoming, replay: bool = False, pin: int | None = None
+    ) -> None:
         self._counters.add("requests_received")
         self._metrics.received.inc()
         outcome = self.reader.read(model, incoming, accepting=self.accepting)
@@ -279,6 +283,8 @@ class Ingress:
             return
         job, request = outcome.job, outcome.job.request
         job.reply.replayed = rerun
+        if pin is not None and request.version is None:  # leased at its run: else unknown_version
+            request.version = pin
         if not replay and self._id_in_use(model, request.id, incoming.qos):
             self._counters.add("requests_duplicate")
             if not incoming.dup:  # not the broker's redelivery: another request, same id
@@ -341,17 +347,17 @@ class Ingress:
             )
 
     def _refuse_id_in_use(self, job: Job) -> None:
-        """A request whose id names a request still running or stored. On the running
-        stream's own topic, whose subscribers would take an error for its terminal message,
-        it is only counted and reported on `ROOT/events`; elsewhere its error goes out with
-        `seq` null, so that it cannot be mistaken for a message of the running stream."""
+        """A request whose id names a request still running or stored. Where its topic may be
+        that stream's (the same, or a stored one's, unknown here), whose subscribers would
+        take an error for its terminal message, it is only counted and reported on
+        `ROOT/events`; on another topic its error goes out with `seq` null, outside the
+        numbering of the running stream."""
         self._counters.add("rejected_bad_request")
         self._metrics.request_done(job.request.model, None, "bad_request")
         request = job.request
         message = f"id {request.id!r} is in use by a running request; use a fresh id per request"
         running = self._jobs.get((request.model, request.id))
-        live = running.reply if running is not None else None
-        if live is not None and not live.finished and live.topic == job.reply.topic:
+        if running is None or running.reply.topic == job.reply.topic:
             self._announcer.note_bad_request(f"{request.model}: {message}")
             return
         self._sender.send_now([job.reply.unsequenced_error("bad_request", message)])
