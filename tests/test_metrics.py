@@ -206,6 +206,10 @@ def test_series_of_removed_models_and_versions_stop_being_exported():
         "model=kept,outcome=ok,version=2",
         "model=gone,outcome=ok,version=1",
     }
+    metrics.energy.set_power(5.0)
+    token = metrics.energy.begin()
+    metrics.energy.end(token, "gone", 0.01, 1)
+    assert set(metrics.energy.snapshot()) == {"gone"}
     known.discard("gone")  # its folder removed, and kept's version 1 swapped out
     metrics.forget_gone({"models": {"kept": {"serving": 2, "versions": {"2": {}}}}})
     after = metrics.snapshot()
@@ -217,6 +221,7 @@ def test_series_of_removed_models_and_versions_stop_being_exported():
         for line in [f"{sample.name}{sample.labels}"]
     )
     assert "gone" not in exported and "kept" in exported
+    assert metrics.energy.snapshot() == {}
     metrics.request_done("gone", 1, "ok")  # a late one
     assert "model=_unknown,outcome=ok,version=1" in metrics.snapshot()["edge_agent_requests_total"]
 

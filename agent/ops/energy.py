@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -57,6 +57,12 @@ class EnergyMeter(Collector):
         self._shared = 0.0  # the processor-sharing clock
         self._last = time.monotonic()
         self._models: dict[str, _ModelEnergy] = {}
+
+    def forget(self, keep: Callable[[str], bool]) -> None:
+        """Drop the models `keep` says no to (removed from the repository)."""
+        with self._lock:
+            for model in [m for m in self._models if not keep(m)]:
+                del self._models[model]
 
     def set_power(self, watts: float | None) -> None:
         """The latest board power (the sampler, every tick); None: unknown, runs not counted."""

@@ -345,6 +345,7 @@ class AgentMetrics:
         often, would otherwise grow every scrape and the registry for good. A late request of
         a removed model counts as `_unknown`."""
         models = inventory.get("models", {})
+        self.energy.forget(models.__contains__)
         for key in list(self._children):
             metric_id, labels = key
             model = labels[0] if labels else UNKNOWN_MODEL
