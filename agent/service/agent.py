@@ -40,7 +40,7 @@ from agent.models.manager import ModelManager, summarize
 from agent.models.watcher import RepositoryWatcher
 from agent.mqtt.connection import Transport
 from agent.mqtt.epoch import EpochStore
-from agent.mqtt.messages import Incoming, correlation_properties
+from agent.mqtt.messages import correlation_properties
 from agent.ops import logs
 from agent.ops.counters import Counters
 from agent.ops.endpoint import MetricsServer
@@ -48,6 +48,7 @@ from agent.ops.metrics import AgentMetrics
 from agent.ops.systemd import Notifier, ServiceReporter
 from agent.service.announce import Announcer
 from agent.service.connection_hooks import ConnectionHooks
+from agent.service.crash_replay import CrashReplay
 from agent.service.health import Health
 from agent.service.housekeeping import Housekeeping
 from agent.service.ingress import Ingress, RequestReader
@@ -122,10 +123,8 @@ class Agent:
             counters=self.counters,
             publish_event=self.publish_event,
             connected=lambda: self.transport.connected.is_set(),
-            replay=self._replay_stored_requests,
+            replay=lambda: self.crash_replay(),
         )
-        # the requests a crash left stored, to run again (once each): not those stored later
-        self._to_replay = {r.key for r in self.spool.unfinished_requests()} if self.spool else set()
         self.resender = self._make_resender()
         self.watcher = RepositoryWatcher(
             config.models.repository,
@@ -166,6 +165,7 @@ class Agent:
             counters=self.counters,
             metrics=self.metrics,
         )
+        self.crash_replay = CrashReplay(self.spool, self.ingress)
         self.transport = self._make_transport()
         self.ingress.connection = self.transport
         self.transport.add_ack_listener(self.metrics.ack.observe)
@@ -308,37 +308,6 @@ class Agent:
         while again is not None and time.monotonic() < deadline:
             time.sleep(again)
             again = self.models.sync()
-
-    def _replay_stored_requests(self) -> None:
-        """Requests stored before a crash that never got their terminal message run again, at
-        the first connection (`ConnectionHooks.on_connected`, on the io thread).
-
-        Their partial streams are dropped from the spool first, so each runs from seq 0 once
-        more; a subscriber drops what it already had by (id, seq).
-        """
-        if self.spool is None:
-            return
-        if not self._to_replay:
-            return
-        stored = [r for r in self.spool.unfinished_requests() if r.key in self._to_replay]
-        ran = 0
-        try:
-            for request in stored:
-                version = self.spool.stream_version(request.key)  # the one it began on
-                self.spool.drop_stream(request.key)  # a full disk: the rest wait for a retry
-                self._to_replay.discard(request.key)
-                incoming = Incoming(
-                    request.topic,
-                    request.payload,
-                    request.qos,
-                    request.response_topic,
-                    request.correlation,
-                )
-                self.ingress.on_message(incoming, replay=True, pin=version)
-                ran += 1
-        finally:
-            if ran:
-                log.info("replayed %d stored request(s) that had no terminal message", ran)
 
     @property
     def epoch(self) -> int:

@@ -66,7 +66,7 @@ class ConnectionHooks:
         """The stored requests' replay, until it succeeds: a spool that cannot be written
         (a full or read-only disk) fails it; then every tick tries it again (the transport's
         `on_tick`, on the io thread), and the requests it ran before failing are not run
-        twice (`Agent._replay_stored_requests`)."""
+        twice (`agent.service.crash_replay`)."""
         replay = self._replay
         if replay is None:
             return
