@@ -3,6 +3,7 @@ with its state carried, compared with a plain onnxruntime loop over the same win
 
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
 import sys
@@ -23,9 +24,11 @@ from agent.models.model_config import parse_model_config
 from agent.models.records import LoadedVersion
 from agent.protocol.errors import Limits
 from agent.service.agent import Agent
+from agent.sources.base import SourceError
 from agent.sources.pcm import CarriedState
 from agent.sources.readers.pcm import RECORD_CHUNKS, PcmReader, PcmRecord, WindowPlan, to_float
 from tests.conftest import agent_config
+from tests.ops_helpers import wait_until
 from tests.silero_helpers import HOP, LEAD, RATE, SILERO, WINDOW, scan_config
 from tests.silero_helpers import reference as silero_reference
 from tests.test_sources import (
@@ -433,3 +436,40 @@ def test_requests_overtake_a_busy_pcm_source_between_the_chunks_of_a_record(
     # that waited for the rest of a record would see up to RECORD_CHUNKS.
     assert statistics.median(overtaken) <= 2, overtaken
     assert max(overtaken) <= 4 < RECORD_CHUNKS, overtaken
+
+
+class CommandContext(FileContext):
+    """A pcm source reading a command's standard output."""
+
+    def __init__(self, command: list[str]) -> None:
+        super().__init__(Path("unused"), 1)
+        self.config = SourceConfig(
+            name="c", kind="pcm", model="vad", command=command, sample_rate=RATE
+        )
+
+
+def test_closing_a_command_ends_what_it_started(tmp_path: Path) -> None:
+    """Only the command itself was stopped: a wrapper script's quiet child outlived every
+    restart of the source and the agent, holding what it held (a capture device)."""
+    pid_file = tmp_path / "child.pid"
+    script = f"exec 1>&-; sleep 3600 & echo $! > {pid_file}; wait"  # its output closed
+    plan = WindowPlan("input", WINDOW, HOP, LEAD, "drop", 1, False)
+    reader = PcmReader(CommandContext(["sh", "-c", script]), plan)
+    try:
+        with pytest.raises(SourceError):  # its output closed: the source would restart it
+            list(reader.records())
+        assert wait_until(lambda: pid_file.exists() and pid_file.read_text().strip(), 5)
+        child = int(pid_file.read_text())
+        os.kill(child, 0)  # alive
+    finally:
+        reader.close()
+    assert wait_until(lambda: not _alive(child), 5)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for this purpose
+        return f.read().split(") ")[-1][0] != "Z"

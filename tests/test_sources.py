@@ -695,6 +695,76 @@ def test_folder_moves_bad_files_to_failed(
     assert snap["bad_inputs"] == 3 and snap["state"] == "running"
 
 
+def test_folder_files_that_cannot_be_moved_aside_run_once(
+    broker: EmbeddedBroker,
+    slow_repository: tuple[Path, float],
+    tmp_path: Path,
+    make_agent: Callable[..., Agent],
+    subscribe: Callable[..., Subscriber],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A `done/` that could not be written (a full or read-only disk) made the source run the
+    same file again at every scan, and count a bad file again at every scan, forever."""
+    from agent.sources.readers import folder as folder_module
+
+    repository, _ = slow_repository
+    folder = tmp_path / "inbox"
+    folder.mkdir()
+    (folder / "broken.npy").write_bytes(b"not an npy file")
+    drop_files(folder, 1)
+    real_replace = os.replace
+    disk = {"read_only": True}
+
+    def replace(source: Any, target: Any) -> None:
+        if disk["read_only"] and Path(target).parent.name in ("done", "failed"):
+            raise OSError(30, "Read-only file system")
+        real_replace(source, target)
+
+    monkeypatch.setattr(folder_module.os, "replace", replace)
+    agent = make_agent(broker, repository, toml=FOLDER_SOURCE.format(path=folder))
+    sub = subscribe(broker, f"{agent.root}/stream/inbox")
+    events = subscribe(broker, f"{agent.root}/events")
+    assert sub.wait_for(lambda ms: len(ms) >= 1, 10)
+    time.sleep(1.5)  # 30 scans
+    assert len(unique_seqs(sub.bodies("chunk"))) == 1
+    assert agent.sources.runner("inbox").snapshot()["bad_inputs"] == 1
+    assert events.wait_for(lambda ms: any(m.get("type") == "source_failed" for m in ms), 10), [
+        m.get("type") for m in events.bodies()
+    ]
+    disk["read_only"] = False  # moved at the next scan, still run once
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (folder / "done" / "item-000.npy").exists():
+        time.sleep(0.1)
+    assert (folder / "done" / "item-000.npy").exists() and (
+        folder / "failed" / "broken.npy"
+    ).exists()
+    assert len(unique_seqs(sub.bodies("chunk"))) == 1
+
+
+def test_a_file_whose_name_is_not_utf8_is_run_and_shown(
+    broker: EmbeddedBroker,
+    slow_repository: tuple[Path, float],
+    tmp_path: Path,
+    make_agent: Callable[..., Agent],
+    subscribe: Callable[..., Subscriber],
+) -> None:
+    """Its result could not be encoded: the file went to `failed/` and its seq was never
+    sent (a gap a subscriber reads as a lost message)."""
+    repository, _ = slow_repository
+    folder = tmp_path / "inbox"
+    drop_files(folder, 1)
+    latin = os.fsdecode(b"caf\xe9.npy")
+    os.replace(folder / "item-000.npy", folder / latin)
+    drop_files(folder, 1, start=1)
+    agent = make_agent(broker, repository, toml=FOLDER_SOURCE.format(path=folder))
+    sub = subscribe(broker, f"{agent.root}/stream/inbox")
+    assert sub.wait_for(lambda ms: len(unique_seqs(ms)) >= 2, 10)
+    results = unique_seqs(sub.bodies("chunk"))
+    assert sorted(m["file"] for m in results.values()) == ["caf\ufffd.npy", "item-001.npy"]
+    assert sorted(results) == [0, 1]
+    assert (folder / "done" / latin).exists()
+
+
 def test_folder_is_exactly_once_after_sigkill(
     broker: EmbeddedBroker,
     slow_repository: tuple[Path, float],
@@ -940,3 +1010,59 @@ def test_pipe_source_reads_a_cbor_sequence_from_a_fifo(
         np.testing.assert_allclose(outputs(m)["y"], session.run(None, {"x": x})[0], rtol=1e-5)
     snap = agent.sources.runner("sensor").snapshot()
     assert snap["bad_inputs"] == 1 and snap["dropped"] == 0 and snap["state"] == "running"
+
+
+def test_a_sources_backoff_never_goes_below_its_minimum() -> None:
+    """The jitter took a delay down to half of `retry_min_s` (2.5 s between failures with
+    `retry_min_s = 4`)."""
+    from types import SimpleNamespace
+
+    from agent.sources.runner import SourceRunner
+
+    runner = SimpleNamespace(config=SimpleNamespace(retry_min_s=4.0, retry_max_s=30.0))
+    delays = [SourceRunner._backoff(runner, attempt) for attempt in range(8) for _ in range(50)]  # type: ignore[arg-type]
+    assert min(delays) >= 4.0 and max(delays) <= 30.0
+    assert max(delays) > 15.0  # it still grows
+
+
+class _FolderContext:
+    def __init__(self, folder: Path) -> None:
+        from agent.config import SourceConfig
+        from agent.protocol.errors import Limits
+
+        self.config = SourceConfig(
+            name="f", kind="folder", model="m", path=folder, settle_s=0, poll_interval_s=0.01
+        )
+        self.limits = Limits()
+        self.stop_event = threading.Event()
+
+    def idle(self) -> None:
+        pass
+
+
+def test_a_file_replaced_while_queued_is_run_too_and_a_reopen_takes_nothing_twice(
+    tmp_path: Path,
+) -> None:
+    """The file under the name was moved to `done/` whatever it was: one replaced while the
+    first waited was never run. And a reader made again (a source reopened) took the files
+    the first had queued a second time."""
+    from agent.sources.readers.folder import FolderReader
+
+    folder = tmp_path / "inbox"
+    folder.mkdir()
+    np.save(folder / "a.npy", np.zeros(2, np.float32))
+    np.save(folder / "b.npy", np.zeros(2, np.float32))
+    ctx = _FolderContext(folder)
+    first = FolderReader(ctx, lambda message: None)
+    records = first.records()
+    a, b = next(records), next(records)  # both queued
+    again = FolderReader(ctx, lambda message: None)  # reopened meanwhile
+    assert [p.name for p, _ in again._candidates()] == []
+    np.save(folder / "new.npy", np.ones(2, np.float32))
+    os.replace(folder / "new.npy", folder / "a.npy")  # dropped again under its name
+    assert a.on_done is not None and b.on_done is not None
+    a.on_done("done")
+    b.on_done("done")
+    assert sorted(p.name for p in (folder / "done").iterdir()) == ["b.npy"]
+    [(path, _)] = again._candidates()
+    assert path.name == "a.npy" and np.load(path).tolist() == [1.0, 1.0]

@@ -194,8 +194,10 @@ class SourceRunner:
         return {"kind": self.config.kind, "model": self.config.model}
 
     def _backoff(self, attempt: int) -> float:
+        """Doubling `retry_min_s` up to `retry_max_s`, jittered down to half, never below min."""
         low, high = self.config.retry_min_s, self.config.retry_max_s
-        return float(min(high, low * 2.0 ** min(attempt, 30)) * random.uniform(0.5, 1.0))
+        delay = min(high, low * 2.0 ** min(attempt, 30))
+        return random.uniform(max(low, delay / 2), delay)
 
     def _failed(self, problem: str, delay: float) -> None:
         url = self.config.url

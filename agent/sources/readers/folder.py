@@ -65,13 +65,51 @@ def load_array_file(path: Path, limits: Limits) -> dict[str, Array]:
         return {name: npz[name] for name in npz.files}
 
 
+Stamp = tuple[int, int, int]  # a file's inode, size and mtime (ns): the file read, not its name
+MOVE_FAILURES = 3  # moves in a row that fail before the source fails (`source_failed`, backoff)
+
+
+class _FolderState:
+    """What a folder's readers share (a source reopened makes a new reader while its frames
+    still wait in the runner's queue): the files taken, and the files run (or found bad) that
+    could not be moved aside, with the folder they are to go to."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.in_flight: dict[str, Stamp] = {}
+        self.unmoved: dict[str, tuple[Stamp, str]] = {}
+        self.failures = 0
+        self.last_failure = ""
+
+
+_STATES: dict[Path, _FolderState] = {}
+_STATES_LOCK = threading.Lock()
+
+
+def _state_of(folder: Path) -> _FolderState:
+    with _STATES_LOCK:
+        return _STATES.setdefault(folder.resolve(), _FolderState())
+
+
+def _stamp(path: Path) -> Stamp | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 class FolderReader:
     """Files dropped into a folder, each processed once: moved to `done/` once its result is
     queued (to `failed/` when it cannot be used), so a restart picks up exactly the files
     whose results were never queued.
 
     Only complete files are taken: hidden names and `*.tmp`/`*.partial` are skipped (write
-    elsewhere and rename into the folder), and a file must be unchanged for `settle_s`.
+    elsewhere and rename into the folder), and a file must be unchanged for `settle_s`. A
+    file is known by its inode, size and mtime: one replaced under its name while the first
+    waited is run too, not moved aside unread. A file that cannot be moved aside (a full or
+    read-only disk) is not run again: the move is tried again at each scan, and moves that
+    keep failing fail the source (`source_failed`, its backoff).
     """
 
     def __init__(self, ctx: ReaderContext, on_bad: Callable[[str], None]) -> None:
@@ -83,27 +121,27 @@ class FolderReader:
         self.settle_s = 0.5 if config.settle_s is None else config.settle_s
         self.poll_interval_s = config.poll_interval_s or 0.5
         self.cv2 = load_cv2()
-        self._in_flight: set[str] = set()
-        self._lock = threading.Lock()
         self._warned: set[str] = set()
         try:
             for sub in (DONE_DIR, FAILED_DIR):
                 (self.folder / sub).mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise SourceError(f"cannot use folder {self.folder}: {e.strerror or e}") from None
+        self._state = _state_of(self.folder)
 
     def _warn_once(self, message: str) -> None:
         if message not in self._warned and len(self._warned) < 1024:
             self._warned.add(message)
             log.warning("source %s: %s", self.ctx.config.name, message)
 
-    def _candidates(self) -> list[Path]:
+    def _candidates(self) -> list[tuple[Path, Stamp]]:
         try:
             entries = sorted(os.scandir(self.folder), key=lambda e: e.name)
         except OSError as e:
             raise SourceError(f"cannot list {self.folder}: {e.strerror or e}") from None
         now = time.time()
         found = []
+        state = self._state
         for entry in entries:
             name = entry.name
             if name.startswith(".") or name.endswith(IN_PROGRESS_SUFFIXES):
@@ -111,7 +149,7 @@ class FolderReader:
             try:
                 if not entry.is_file():
                     continue
-                mtime = entry.stat().st_mtime
+                st = entry.stat()
             except OSError:
                 continue  # gone meanwhile
             suffix = Path(name).suffix.lower()
@@ -121,16 +159,21 @@ class FolderReader:
             if suffix in IMAGE_SUFFIXES and self.cv2 is None:
                 self._warn_once(f"{name}: left in place, images need OpenCV")
                 continue
-            with self._lock:
-                if name in self._in_flight:
-                    continue
-            if now - mtime < self.settle_s:
+            stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+            with state.lock:
+                if name in state.in_flight:
+                    continue  # taken (a replacement waits for it to finish)
+                unmoved = state.unmoved.get(name)
+            if unmoved is not None and unmoved[0] == stamp:
+                continue  # run already; only its move is left
+            if now - st.st_mtime < self.settle_s:
                 continue  # still being written, perhaps
-            found.append(Path(entry.path))
+            found.append((Path(entry.path), stamp))
         return found
 
     def _load(self, path: Path) -> Record:
-        name = path.name
+        # the `file` a message shows: text (a name that is not UTF-8 shown with U+FFFD)
+        name = path.name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
         if path.suffix.lower() in ARRAY_SUFFIXES:
             fields = load_array_file(path, self.ctx.limits)
             return Record(fields, file=name)
@@ -145,34 +188,70 @@ class FolderReader:
             raise ValueError(f"{name}: decodes to {image.nbytes} bytes, over max_tensor_bytes")
         return Record({FIELD: image}, bgr=True, file=name)
 
-    def _move(self, name: str, sub: str) -> None:
+    def _move(self, name: str, sub: str, stamp: Stamp) -> None:
+        """The file read (`stamp`) moved into `sub`; one replaced meanwhile stays, to be run.
+        A move that fails leaves it `unmoved`: tried again at each scan, never run again."""
         source = self.folder / name
+        if _stamp(source) != stamp:
+            return  # gone, or replaced under its name: the new one is run by a later scan
         target = self.folder / sub / name
         n = 0
         while target.exists():  # the same name dropped again: keep both
             n += 1
             target = self.folder / sub / f"{Path(name).stem}.{n}{Path(name).suffix}"
+        state = self._state
         try:
             os.replace(source, target)
         except OSError as e:
-            log.error("source %s: cannot move %s to %s/: %s", self.ctx.config.name, name, sub, e)
+            with state.lock:
+                first = name not in state.unmoved
+                state.unmoved[name] = (stamp, sub)
+                state.failures += 1
+                state.last_failure = f"cannot move {name} to {sub}/: {e.strerror or e}"
+            if first:
+                log.error("source %s: %s", self.ctx.config.name, state.last_failure)
+            return
+        with state.lock:
+            state.unmoved.pop(name, None)
+            state.failures = 0
 
-    def _finisher(self, name: str) -> Callable[[Outcome], None]:
+    def _move_unmoved(self) -> None:
+        """Each file run (or found bad) but not moved aside: its move tried again. Moves that
+        keep failing fail the source: the runner reports it and backs off."""
+        state = self._state
+        with state.lock:
+            waiting = list(state.unmoved.items())
+        for name, (stamp, sub) in waiting:
+            if _stamp(self.folder / name) != stamp:
+                with state.lock:
+                    state.unmoved.pop(name, None)  # gone, or replaced: nothing to move
+                continue
+            self._move(name, sub, stamp)
+        with state.lock:
+            failing, why = state.failures >= MOVE_FAILURES, state.last_failure
+            if failing:
+                state.failures = 0
+        if failing:
+            raise SourceError(why)
+
+    def _finisher(self, name: str, stamp: Stamp) -> Callable[[Outcome], None]:
         def finish(outcome: Outcome) -> None:
             if outcome == "done":
-                self._move(name, DONE_DIR)
+                self._move(name, DONE_DIR, stamp)
             elif outcome == "failed":
-                self._move(name, FAILED_DIR)
+                self._move(name, FAILED_DIR, stamp)
             # retry / dropped: the file stays and is taken again by a later scan or run
-            with self._lock:
-                self._in_flight.discard(name)
+            with self._state.lock:
+                if self._state.in_flight.get(name) == stamp:
+                    del self._state.in_flight[name]
 
         return finish
 
     def records(self) -> Iterator[Record]:
         stop = self.ctx.stop_event
         while not stop.is_set():
-            for path in self._candidates():
+            self._move_unmoved()
+            for path, stamp in self._candidates():
                 if stop.is_set():
                     return
                 try:
@@ -182,11 +261,11 @@ class FolderReader:
                 except (OSError, ValueError, zipfile.BadZipFile) as e:
                     message = str(e) if path.name in str(e) else f"{path.name}: {e}"
                     self.on_bad(message)
-                    self._move(path.name, FAILED_DIR)
+                    self._move(path.name, FAILED_DIR, stamp)
                     continue
-                with self._lock:
-                    self._in_flight.add(path.name)
-                record.on_done = self._finisher(path.name)
+                with self._state.lock:
+                    self._state.in_flight[path.name] = stamp
+                record.on_done = self._finisher(path.name, stamp)
                 yield record
             self.ctx.idle()
             if stop.wait(self.poll_interval_s):

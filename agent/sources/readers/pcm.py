@@ -9,9 +9,11 @@ first record of an opening is `fresh`: the worker starts the carried state again
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
+import signal
 import stat
 import subprocess
 from collections.abc import Iterator
@@ -148,8 +150,12 @@ class PcmReader:
 
     def _start(self, command: list[str]) -> None:
         try:
-            self.process = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            self.process = subprocess.Popen(  # its own process group: `close` ends all of it
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
             )
         except OSError as e:
             raise SourceError(f"cannot start {command[0]}: {e.strerror or e}") from None
@@ -159,16 +165,15 @@ class PcmReader:
         os.set_blocking(self.process.stderr.fileno(), False)
 
     def close(self) -> None:
-        """Stop the command (TERM, then KILL) and close what is open."""
+        """Stop the command and whatever it started (its process group: a wrapper script's
+        children too; TERM, then KILL) and close what is open."""
         process, self.process = self.process, None
         if process is not None:
-            if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(EXIT_WAIT_S)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            _signal_group(process, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(EXIT_WAIT_S)
+            _signal_group(process, signal.SIGKILL)  # what is left of it
+            process.wait()
             for stream in (process.stdout, process.stderr):
                 if stream is not None:
                     stream.close()
@@ -298,3 +303,9 @@ class PcmReader:
     def _what(self) -> str:
         command = self.ctx.config.command
         return command[0] if command is not None else str(self.ctx.config.path)
+
+
+def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
+    """`signum` to the command's process group (made by `start_new_session`)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signum)
