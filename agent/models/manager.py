@@ -309,13 +309,7 @@ class ModelManager:
     def _choose_and_load(self, record: ModelRecord, info: ModelInfo, config: ModelConfig) -> bool:
         """Bring the serving version to the policy's choice. True when anything changed."""
         changed = False
-        candidates = list(config.policy.candidates(info.versions))
-        entries = [record.versions[n] for n in candidates]
-        ready = [e.loaded for e in entries if e.state == "ready" and e.loaded is not None]
-        if record.serving is None and ready:  # the serving one was removed: the next loaded
-            self._swap(record, ready[0])  # one serves at once, while a newer one loads
-            changed = True
-        for number in candidates:
+        for number in config.policy.candidates(info.versions):
             entry = record.versions[number]
             version = info.versions[number]
             fingerprint = fingerprint_of(version)
