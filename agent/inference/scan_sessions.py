@@ -162,17 +162,17 @@ class ScanSessions:
                 break
             if sessions[name].cursor is not None:
                 self._drop(sessions, name)
-        while self._bytes > self._max_bytes:
+        if self._bytes > self._max_bytes:
             idle = [
                 (entry.last_used, name, held)
                 for held in self._models.values()
                 for name, entry in held.items()
                 if entry.cursor is not None
             ]
-            if not idle:
-                break
-            _, name, held = min(idle, key=lambda item: item[0])
-            self._drop(held, name)
+            for _, name, held in sorted(idle, key=lambda item: item[0]):
+                if self._bytes <= self._max_bytes:
+                    break
+                self._drop(held, name)
         if len(sessions) > most:
             raise WireError(
                 "bad_request",

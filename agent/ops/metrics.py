@@ -348,11 +348,14 @@ class AgentMetrics:
         self.energy.forget(models.__contains__)
         for key in list(self._children):
             metric_id, labels = key
-            model = labels[0] if labels else UNKNOWN_MODEL
-            versions = models.get(model, {}).get("versions") if model in models else None
-            gone = model != UNKNOWN_MODEL and versions is None
-            if not gone and metric_id == id(self.requests) and versions is not None:
-                gone = labels[1] != NO_VERSION and labels[1] not in versions
+            if labels[0] == UNKNOWN_MODEL:
+                continue
+            model = models.get(labels[0])
+            gone = model is None or (  # the model, or (requests by version) its version
+                metric_id == id(self.requests)
+                and labels[1] != NO_VERSION
+                and labels[1] not in model.get("versions", {})
+            )
             if gone:
                 del self._children[key]
                 self._metric_of[metric_id].remove(*labels)

@@ -93,9 +93,12 @@ def _state_of(folder: Path) -> _FolderState:
 
 def _stamp(path: Path) -> Stamp | None:
     try:
-        st = path.stat()
+        return _stamp_of(path.stat())
     except OSError:
         return None
+
+
+def _stamp_of(st: os.stat_result) -> Stamp:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
@@ -159,7 +162,7 @@ class FolderReader:
             if suffix in IMAGE_SUFFIXES and self.cv2 is None:
                 self._warn_once(f"{name}: left in place, images need OpenCV")
                 continue
-            stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+            stamp = _stamp_of(st)
             with state.lock:
                 if name in state.in_flight:
                     continue  # taken (a replacement waits for it to finish)
